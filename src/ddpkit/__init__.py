@@ -1,0 +1,46 @@
+"""ddpkit: a single-device PyTorch loop, data-parallel on every GPU of a machine and on many machines.
+
+    import ddpkit
+
+    with ddpkit.distributed() as rt:                      # rank, device, process group; torn down on exit
+        model = ddpkit.prepare_model(Net(), rt)            # DDP on this rank's device
+        loader = ddpkit.train_loader(dataset, batch_size=32, runtime=rt, seed=0)
+        for epoch in range(epochs):
+            for images, labels in loader:                  # set_epoch and device transfer done for you
+                ...
+            ddpkit.print0(rt, f"epoch {epoch} done")       # only global rank 0 prints
+
+Start it with ``ddpkit run --nproc-per-node N script.py`` (or torchrun, or ``srun``).
+"""
+
+from ddpkit.checkpoint import atomic_save, model_state_dict
+from ddpkit.data import eval_loader, reduce_sums, to_device, train_loader
+from ddpkit.env import DistEnv, detect
+from ddpkit.errors import UsageError
+from ddpkit.process_group import Runtime, barrier, distributed, main_process_first, setup, teardown
+from ddpkit.strategies import STRATEGIES, DDPOptions, unwrap
+from ddpkit.strategies.sync_bn import convert_sync_batchnorm
+
+__version__ = "0.1.0"
+
+
+def prepare_model(model, runtime: Runtime, strategy: str = "ddp", *, ddp: DDPOptions = DDPOptions(), sync_bn: bool = False):
+    """Wrap ``model`` for ``strategy`` ("single", "dp" or "ddp") on this runtime's device."""
+    if strategy not in STRATEGIES:
+        raise UsageError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if sync_bn:
+        model = convert_sync_batchnorm(model, runtime)
+    return STRATEGIES[strategy](model, runtime, ddp=ddp)
+
+
+def print0(runtime: Runtime, *args, **kwargs) -> None:
+    """``print`` on global rank 0 only."""
+    if runtime.is_main:
+        print(*args, flush=True, **kwargs)
+
+
+__all__ = [
+    "DDPOptions", "DistEnv", "Runtime", "STRATEGIES", "UsageError", "atomic_save", "barrier", "convert_sync_batchnorm",
+    "detect", "distributed", "eval_loader", "main_process_first", "model_state_dict", "prepare_model", "print0",
+    "reduce_sums", "setup", "teardown", "to_device", "train_loader", "unwrap",
+]

@@ -1,0 +1,7 @@
+"""``python -m ddpkit``: what torchrun starts in each worker of ``ddpkit train``."""
+
+import sys
+
+from ddpkit.cli import main
+
+sys.exit(main())

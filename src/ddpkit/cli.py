@@ -1,0 +1,209 @@
+"""The ``ddpkit`` command: ``train`` and ``run``.
+
+    $ ddpkit train                                   # digits, net, one process per GPU (2 on a CPU machine)
+    $ ddpkit train --model resnet18 --data folder:/data/imagenette --nproc-per-node 4
+    $ ddpkit run --nproc-per-node 2 my_torchrun_script.py --its-own-flags
+
+Every user mistake ends here as one line on stderr and exit status 2, before any process starts
+where the mistake can be seen from the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from ddpkit import env as env_mod
+from ddpkit.errors import EXIT_USAGE, UsageError
+from ddpkit.launch import LAUNCHERS, LaunchOptions, elastic, resolve_nproc, spawn
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (not usage + error) and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("launching (as torchrun)")
+    group.add_argument("--nproc-per-node", default="auto", metavar="N|auto",
+                       help="processes on this node; auto = one per GPU, or 2 without GPUs (default: auto)")
+    group.add_argument("--nnodes", type=int, default=1, help="number of machines (default: 1)")
+    group.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1 (default: 0)")
+    group.add_argument("--master-addr", default=None, metavar="A",
+                       help="address of node 0, reachable from every node (default: 127.0.0.1)")
+    group.add_argument("--master-port", type=int, default=None, metavar="P",
+                       help="free TCP port on node 0 (default: a free port on one node, 29500 on several)")
+    group.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                       help="restart the whole group up to K times when a process fails (default: 0)")
+
+
+def _add_train_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("training")
+    group.add_argument("--model", default="net",
+                       help="net (MNIST CNN with BatchNorm), convnet (conv+linear, no BatchNorm) or a torchvision "
+                            "classifier such as resnet18 (default: net)")
+    group.add_argument("--data", default="digits", metavar="SPEC",
+                       help="digits (built in), synthetic[:N], mnist[:DIR] or folder:PATH (default: digits)")
+    group.add_argument("--epochs", type=int, default=8, help="default: 8")
+    group.add_argument("--batch-size", type=int, default=32, metavar="B",
+                       help="per process; the global batch is B x world size x accumulate (default: 32)")
+    group.add_argument("--lr", type=float, default=None, help="default: 0.01 sgd, 0.001 adam, 1.0 adadelta")
+    group.add_argument("--optimizer", default="adam", choices=["sgd", "adam", "adadelta"], help="default: adam")
+    group.add_argument("--strategy", default="ddp", choices=["single", "dp", "ddp"],
+                       help="ddp: one process per device; dp: one process drives all GPUs; single: one device "
+                            "(default: ddp)")
+    group.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
+                       help="auto = nccl when each process has its own GPU, else gloo (default: auto)")
+    group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: auto")
+    group.add_argument("--amp", default="off", choices=["off", "fp16", "bf16"],
+                       help="mixed precision; fp16 uses a GradScaler (default: off)")
+    group.add_argument("--sync-bn", action="store_true",
+                       help="BatchNorm statistics over the global batch (ddp only; works on CPU too)")
+    group.add_argument("--accumulate", type=int, default=1, metavar="K",
+                       help="micro-steps per optimizer step; the all-reduce runs on the last one only")
+    group.add_argument("--workers", type=int, default=None, metavar="W",
+                       help="data loader processes per rank (default: 0 for in-memory data, else a share of cores)")
+    group.add_argument("--seed", type=int, default=0, help="weights and sample order depend only on this (default: 0)")
+    group.add_argument("--output-dir", default="runs/ddpkit", metavar="DIR",
+                       help="metrics.jsonl and model.pt go here (default: runs/ddpkit)")
+    group.add_argument("--timeout", type=float, default=1800.0, metavar="SECONDS",
+                       help="how long a collective waits for the other ranks before failing (default: 1800)")
+    group.add_argument("--image-size", type=int, default=None, metavar="PIXELS",
+                       help="side of the square input (default: 28 net, 32 convnet, 224 torchvision on folders)")
+    group.add_argument("--debug", action="store_true",
+                       help="every rank prints its PID and the device of its data and model")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar")
+    group.add_argument("--list-models", action="store_true", help="print the model names and exit")
+    ddp = parser.add_argument_group("DistributedDataParallel knobs")
+    ddp.add_argument("--find-unused-parameters", action="store_true",
+                     help="allow parameters that get no gradient in a step (costs a graph walk per step)")
+    ddp.add_argument("--static-graph", action="store_true", help="the set of used parameters never changes")
+    ddp.add_argument("--gradient-as-bucket-view", action="store_true",
+                     help="gradients share memory with the all-reduce buckets (saves a gradient copy)")
+    ddp.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MB", help="all-reduce bucket size (default: 25)")
+    parser.add_argument("--launcher", default="torchrun", choices=LAUNCHERS,
+                        help="torchrun (elastic agent) or spawn (torch.multiprocessing.spawn) (default: torchrun)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ddpkit", description="Data-parallel PyTorch training, launched and checked.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    train = commands.add_parser("train", help="train a built-in or torchvision model",
+                                description="Train a model data-parallel on every device of this machine (or many).")
+    _add_train_flags(train)
+    _add_launch_flags(train)
+    run = commands.add_parser(
+        "run", help="start a torchrun-style script on N processes",
+        description="Run SCRIPT on every process, like torchrun: each gets RANK, LOCAL_RANK, WORLD_SIZE, "
+                    "MASTER_ADDR and MASTER_PORT in its environment.")
+    _add_launch_flags(run)
+    run.add_argument("--local-rank-arg", action="store_true",
+                     help="also pass --local-rank=N, like the old `python -m torch.distributed.launch`")
+    run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as in `python -m`")
+    run.add_argument("script", metavar="SCRIPT", help="the training script (or module with -m)")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to SCRIPT unchanged")
+    return parser
+
+
+def _train_config(ns: argparse.Namespace):
+    from ddpkit.trainer import TrainConfig
+
+    return TrainConfig(
+        model=ns.model, data=ns.data, epochs=ns.epochs, batch_size=ns.batch_size, lr=ns.lr, optimizer=ns.optimizer,
+        strategy=ns.strategy, backend=ns.backend, device=ns.device, amp=ns.amp, sync_bn=ns.sync_bn,
+        accumulate=ns.accumulate, workers=ns.workers, seed=ns.seed, output_dir=ns.output_dir, timeout=ns.timeout,
+        image_size=ns.image_size, find_unused_parameters=ns.find_unused_parameters, static_graph=ns.static_graph,
+        gradient_as_bucket_view=ns.gradient_as_bucket_view, bucket_cap_mb=ns.bucket_cap_mb, debug=ns.debug,
+        progress=not ns.no_progress,
+    )
+
+
+def _launch_options(ns: argparse.Namespace, launcher: str = "torchrun") -> LaunchOptions:
+    return LaunchOptions(
+        nproc_per_node=resolve_nproc(ns.nproc_per_node), nnodes=ns.nnodes, node_rank=ns.node_rank,
+        master_addr=ns.master_addr, master_port=ns.master_port, max_restarts=ns.max_restarts, launcher=launcher,
+    )
+
+
+def _check_devices(cfg, nproc: int) -> None:
+    """Refuse dp / nccl / cuda on a machine that cannot run them, before starting any process."""
+    import torch
+
+    from ddpkit.process_group import choose_backend, choose_device
+
+    cuda_count = torch.cuda.device_count()
+    if cfg.strategy == "dp":
+        if cuda_count == 0:
+            raise UsageError("--strategy dp needs at least one CUDA GPU and none is visible; use --strategy ddp")
+        if nproc > 1:
+            raise UsageError(f"--strategy dp is one process driving all GPUs; use --nproc-per-node 1, not {nproc}")
+        return
+    device = choose_device(cfg.device, local_rank=0, local_world_size=nproc, cuda_count=cuda_count)
+    choose_backend(cfg.backend, device=device, local_world_size=nproc, cuda_count=cuda_count)
+    if cfg.strategy == "single" and nproc > 1:
+        raise UsageError(f"--strategy single trains on one device; use --nproc-per-node 1 (not {nproc}) or --strategy ddp")
+
+
+def _spawn_train_worker(rank: int, world_size: int, port: int, cfg) -> None:
+    from ddpkit import trainer
+
+    environment = env_mod.from_spawn(rank, world_size, master_port=port)
+    try:
+        trainer.run(cfg, environment=environment)
+    except UsageError as error:
+        print(f"ddpkit: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USAGE)
+
+
+def cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
+    from ddpkit import trainer, zoo
+
+    if ns.list_models:
+        print("\n".join(["net", "convnet", *zoo.torchvision_classifiers()]))
+        return 0
+    cfg = _train_config(ns)
+    cfg.validate()
+    if env_mod.is_launched(os.environ):
+        # Already one rank of a job (torchrun, Slurm's srun, the legacy launcher): train, launch nothing.
+        trainer.run(cfg)
+        return 0
+    launcher = "spawn" if ns.launcher == "spawn" else "torchrun"
+    options = _launch_options(ns, launcher)
+    _check_devices(cfg, options.nproc_per_node)
+    if options.world_size == 1:
+        trainer.run(cfg)
+        return 0
+    if launcher == "spawn":
+        return spawn(_spawn_train_worker, options.nproc_per_node, (cfg,))
+    return elastic(options, ["-m", "ddpkit", *argv])
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    if not ns.module and not os.path.isfile(ns.script):
+        raise UsageError(f"script {ns.script!r} does not exist")
+    options = _launch_options(ns)
+    command = (["-m"] if ns.module else []) + [ns.script, *ns.script_args]
+    return elastic(options, command, local_rank_arg=ns.local_rank_arg)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        ns = build_parser().parse_args(argv)
+        if ns.command == "train":
+            return cmd_train(ns, argv)
+        return cmd_run(ns)
+    except UsageError as error:
+        print(f"ddpkit: error: {error}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("ddpkit: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

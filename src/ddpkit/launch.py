@@ -1,0 +1,135 @@
+"""How processes start: torchrun's own elastic agent, or torch.multiprocessing.spawn.
+
+    >>> from ddpkit.launch import LaunchOptions, torchrun_argv
+    >>> torchrun_argv(LaunchOptions(nproc_per_node=2), ["-m", "ddpkit", "train"])[:4]
+    ['--nproc-per-node', '2', '--standalone', '--max-restarts']
+
+ddpkit writes no process manager and no rendezvous: ``elastic`` builds torchrun's command line and
+hands it to ``torch.distributed.run``, the code behind the ``torchrun`` command. A single-node run uses
+torchrun's standalone rendezvous, which binds a free port itself, so a busy 29500 never breaks it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ddpkit.errors import EXIT_USAGE, UsageError
+
+DEFAULT_MULTINODE_PORT = 29500
+LAUNCHERS = ("torchrun", "spawn")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    max_restarts: int = 0
+    launcher: str = "torchrun"
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise UsageError(f"--nproc-per-node must be at least 1 (or auto), got {self.nproc_per_node}")
+        if self.nnodes < 1:
+            raise UsageError(f"--nnodes must be at least 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UsageError(f"--node-rank must be in 0..{self.nnodes - 1} for --nnodes {self.nnodes}, got {self.node_rank}")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise UsageError(f"--master-port must be in 1..65535, got {self.master_port}")
+        if self.max_restarts < 0:
+            raise UsageError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if self.launcher not in LAUNCHERS:
+            raise UsageError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
+        if self.launcher == "spawn" and self.nnodes > 1:
+            raise UsageError("--launcher spawn starts processes on this machine only; use torchrun for --nnodes > 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+def resolve_nproc(value: str, cuda_count: int | None = None) -> int:
+    """``auto``: one process per visible GPU, or 2 on a machine without GPUs."""
+    if value == "auto":
+        count = torch.cuda.device_count() if cuda_count is None else cuda_count
+        return count if count > 0 else 2
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"--nproc-per-node must be a whole number or auto, got {value!r}") from None
+
+
+def torchrun_argv(options: LaunchOptions, command: Sequence[str]) -> list[str]:
+    """torchrun's own command line for these options, followed by ``command`` (script or -m module)."""
+    argv = ["--nproc-per-node", str(options.nproc_per_node)]
+    if options.nnodes == 1 and options.master_port is None:
+        argv.append("--standalone")
+    else:
+        argv += [
+            "--nnodes", str(options.nnodes),
+            "--node-rank", str(options.node_rank),
+            "--master-addr", options.master_addr or "127.0.0.1",
+            "--master-port", str(options.master_port or DEFAULT_MULTINODE_PORT),
+        ]
+    argv += ["--max-restarts", str(options.max_restarts)]
+    return argv + list(command)
+
+
+def _threads_per_process(nproc: int) -> str:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return str(max(1, cores // nproc))
+
+
+def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: bool = False) -> int:
+    """Run ``command`` on every process of this node through torchrun's agent; returns an exit status."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    # torchrun would force 1 thread per process (and warn); a fair share of the cores is faster on CPU.
+    os.environ.setdefault("OMP_NUM_THREADS", _threads_per_process(options.nproc_per_node))
+    args = torchrun.parse_args(torchrun_argv(options, command))
+    # The legacy torch.distributed.launch behaviour: pass --local-rank=N instead of only LOCAL_RANK.
+    args.use_env = not local_rank_arg
+    try:
+        torchrun.run(args)
+    except ChildFailedError as failed:
+        return report_failures({rank: (f.exitcode, f.pid) for rank, f in failed.failures.items()})
+    return 0
+
+
+def report_failures(failures: dict[int, tuple[int, int]]) -> int:
+    """One line per failed rank; exit 2 if a rank rejected its input (it printed why), else 1."""
+    codes = []
+    for rank, (exitcode, pid) in sorted(failures.items()):
+        codes.append(exitcode)
+        if exitcode != EXIT_USAGE:
+            how = f"killed by signal {-exitcode}" if exitcode < 0 else f"exited with status {exitcode}"
+            print(f"ddpkit: error: rank {rank} (pid {pid}) {how}; its output is above", file=sys.stderr)
+    return EXIT_USAGE if EXIT_USAGE in codes else 1
+
+
+def spawn(worker: Callable[..., object], nproc: int, args: tuple = ()) -> int:
+    """The tutorials' way: ``torch.multiprocessing.spawn(worker, args=(port, *args))``, rank first."""
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
+
+    from ddpkit.process_group import free_port
+
+    try:
+        mp.spawn(worker, args=(nproc, free_port(), *args), nprocs=nproc, join=True)
+    except ProcessExitedException as failed:
+        return report_failures({failed.error_index: (failed.exit_code, failed.pid)})
+    except ProcessRaisedException as failed:
+        print(f"ddpkit: error: rank {failed.error_index} raised an exception (above)", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,205 @@
+"""Process group: backend and device choice, initialisation, teardown, signals.
+
+    >>> import ddpkit
+    >>> with ddpkit.distributed() as rt:          # doctest: +SKIP
+    ...     model = ddpkit.prepare_model(Net(), rt)
+    ...     print(rt.rank, rt.world_size, rt.device)
+
+``distributed()`` reads who this process is (``ddpkit.env``), binds it to its GPU *before* anything
+touches CUDA, starts the process group when there is more than one process, and always destroys it:
+on normal exit, on an exception, on Ctrl-C and on SIGTERM (which torchrun and Slurm send on shutdown).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ddpkit import env as env_mod
+from ddpkit.errors import UsageError
+
+BACKENDS = ("auto", "nccl", "gloo")
+DEVICES = ("auto", "cpu", "cuda")
+# PyTorch's own default collective timeout is 10 minutes (NCCL) / 30 minutes (gloo); one value for both.
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """This process's place in the job, with the backend and device it was bound to."""
+
+    env: env_mod.DistEnv
+    backend: str | None  # None when no process group was started (one process, no DDP)
+    device: torch.device
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.is_main
+
+
+def choose_device(requested: str, *, local_rank: int, local_world_size: int, cuda_count: int) -> str:
+    """"cuda" or "cpu" for this process. ``auto`` takes the GPU when every local process gets its own."""
+    if requested not in DEVICES:
+        raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {requested!r}")
+    if requested == "cpu":
+        return "cpu"
+    if requested == "cuda":
+        if cuda_count == 0:
+            raise UsageError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+        if local_rank >= cuda_count:
+            raise UsageError(
+                f"local rank {local_rank} has no GPU of its own: {cuda_count} visible for "
+                f"{local_world_size} processes on this node; lower --nproc-per-node to {cuda_count}"
+            )
+        return "cuda"
+    return "cuda" if 0 < cuda_count and local_world_size <= cuda_count else "cpu"
+
+
+def choose_backend(requested: str, *, device: str, local_world_size: int, cuda_count: int) -> str:
+    """NCCL when each process has its own CUDA device, gloo otherwise; ``nccl`` without one is refused."""
+    if requested not in BACKENDS:
+        raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    if requested == "nccl":
+        if device != "cuda":
+            raise UsageError(
+                f"--backend nccl needs one CUDA GPU per process, but {cuda_count} GPU(s) are visible for "
+                f"{local_world_size} process(es) on this node; use --backend gloo (or auto)"
+            )
+        if not dist.is_nccl_available():
+            raise UsageError("--backend nccl: this PyTorch build has no NCCL; use --backend gloo")
+        return "nccl"
+    if requested == "gloo":
+        return "gloo"
+    return "nccl" if device == "cuda" and dist.is_nccl_available() else "gloo"
+
+
+def default_init_method(environment: env_mod.DistEnv) -> str:
+    """env:// where a launcher exported MASTER_ADDR/PORT; otherwise tcp:// from what we parsed."""
+    if environment.launcher in ("torchrun", "torch.distributed.launch", "env"):
+        return "env://"
+    if environment.master_port is None:
+        raise ValueError("no master port known: set MASTER_PORT or pass init_method='tcp://HOST:PORT'")
+    host = environment.master_addr
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 literal
+    return f"tcp://{host}:{environment.master_port}"
+
+
+class _Terminated(SystemExit):
+    """Raised in the main thread on SIGTERM, so ``finally`` blocks (teardown, checkpoint) still run."""
+
+
+def _raise_on_sigterm(signum, frame):  # noqa: ARG001 - the signal module's signature
+    raise _Terminated(128 + signum)
+
+
+def setup(
+    *,
+    backend: str = "auto",
+    device: str = "auto",
+    init_method: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    force_group: bool = False,
+    environ: Mapping[str, str] | None = None,
+    argv: Sequence[str] | None = None,
+    environment: env_mod.DistEnv | None = None,
+) -> Runtime:
+    """Bind this process to its device and start the process group (when world size > 1 or forced).
+
+    ``force_group`` starts a group of one, which DistributedDataParallel needs even for a single process.
+    """
+    if timeout_s <= 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, got {timeout_s}")
+    if environment is None:
+        environment = env_mod.detect(os.environ if environ is None else environ, sys.argv if argv is None else argv)
+    cuda_count = torch.cuda.device_count()
+    device_type = choose_device(
+        device, local_rank=environment.local_rank, local_world_size=environment.local_world_size, cuda_count=cuda_count
+    )
+    chosen_backend = choose_backend(
+        backend, device=device_type, local_world_size=environment.local_world_size, cuda_count=cuda_count
+    )
+    if device_type == "cuda":
+        # Before anything else touches CUDA: otherwise every process builds a context on GPU 0.
+        torch.cuda.set_device(environment.local_rank)
+        bound = torch.device("cuda", environment.local_rank)
+    else:
+        bound = torch.device("cpu")
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    if not (environment.is_distributed or force_group or init_method):
+        return Runtime(env=environment, backend=None, device=bound)
+    if environment.world_size == 1 and environment.master_port is None and init_method is None:
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+    dist.init_process_group(
+        backend=chosen_backend,
+        init_method=init_method or default_init_method(environment),
+        rank=environment.rank,
+        world_size=environment.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=bound if chosen_backend == "nccl" else None,
+    )
+    return Runtime(env=environment, backend=chosen_backend, device=bound)
+
+
+def teardown() -> None:
+    """Destroy the process group if one is up; safe to call twice."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def distributed(**kwargs) -> Iterator[Runtime]:
+    """``setup(**kwargs)``, then ``teardown()`` however the block ends (error, Ctrl-C, SIGTERM)."""
+    runtime = setup(**kwargs)
+    try:
+        yield runtime
+    finally:
+        teardown()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the kernel's pick)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def barrier(runtime: Runtime) -> None:
+    if runtime.backend is not None:
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def main_process_first(runtime: Runtime) -> Iterator[None]:
+    """Let global rank 0 go first (download, cache), the others wait, then run the same block."""
+    if not runtime.is_main:
+        barrier(runtime)
+    try:
+        yield
+    finally:
+        if runtime.is_main:
+            barrier(runtime)

@@ -1,0 +1,76 @@
+"""Synchronised BatchNorm: batch statistics over the *global* batch, on GPU and on CPU.
+
+With plain BatchNorm under DDP each process normalises with the mean and variance of its own
+per-process batch, so 2 processes x batch 32 do not train like 1 process x batch 64. SyncBatchNorm
+all-reduces the statistics. PyTorch's ``nn.SyncBatchNorm`` refuses CPU tensors, so on CPU (gloo)
+ddpkit swaps in ``CPUSyncBatchNorm``, which all-reduces the per-channel sums with
+``torch.distributed.nn.functional.all_reduce`` (differentiable: the backward pass all-reduces too).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+import torch.nn as nn
+
+from ddpkit.process_group import Runtime
+
+
+class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm over the union of every rank's batch; works with any backend, gloo included."""
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(input)
+        channels = input.size(1)
+        dims = [0, *range(2, input.dim())]
+        local_count = input.numel() // channels
+        # One all-reduce carries sum, sum of squares and count: fewer round trips than three.
+        stats = torch.cat(
+            [input.sum(dims), (input * input).sum(dims), input.new_full((1,), float(local_count))]
+        )
+        stats = dist_fn.all_reduce(stats)
+        count = stats[-1]
+        mean = stats[:channels] / count
+        var = stats[channels : 2 * channels] / count - mean * mean
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                momentum = (
+                    1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                )
+                unbiased = var * count / (count - 1).clamp(min=1)
+                self.running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
+                self.running_var.mul_(1 - momentum).add_(unbiased.detach(), alpha=momentum)
+        shape = [1, channels] + [1] * (input.dim() - 2)
+        out = (input - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        if self.affine:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        return out
+
+
+def _to_cpu_sync(module: nn.Module) -> nn.Module:
+    converted = module
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, CPUSyncBatchNorm):
+        converted = CPUSyncBatchNorm(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+        )
+        converted.load_state_dict(module.state_dict())
+        converted.train(module.training)
+    for name, child in module.named_children():
+        converted.add_module(name, _to_cpu_sync(child))
+    return converted
+
+
+def convert_sync_batchnorm(model: nn.Module, runtime: Runtime) -> nn.Module:
+    """Replace every BatchNorm layer with a synchronised one for this runtime's device."""
+    if runtime.device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return _to_cpu_sync(model)
+

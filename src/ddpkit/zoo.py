@@ -1,0 +1,275 @@
+"""Built-in models and data sets: the tutorials' two CNNs, torchvision's classifiers, and four data sources.
+
+    >>> from ddpkit.zoo import build_model, parse_data_spec
+    >>> build_model("net", in_channels=1, num_classes=10, image_size=28).fc1.in_features
+    1600
+    >>> parse_data_spec("synthetic:512")
+    DataSpec(kind='synthetic', arg='512')
+
+Data specs: ``digits`` (scikit-learn's 1,797 handwritten 8x8 digits, resized: a real data set that is
+installed with ddpkit, no download), ``synthetic[:N]`` (learnable random images, like the tutorials'
+RandomDataset but with a signal in them), ``mnist[:DIR]`` (torchvision's MNIST, downloaded into DIR
+where the network allows), ``folder:PATH`` (ImageFolder; ``PATH/train`` and ``PATH/val`` if present).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset, Subset, TensorDataset
+
+from ddpkit.errors import UsageError
+
+DATA_KINDS = ("digits", "synthetic", "mnist", "folder")
+DEFAULT_SYNTHETIC_SIZE = 1024
+DEFAULT_MNIST_DIR = "./data"
+# The split of data sets that ship no validation part is fixed, whatever --seed says, so that
+# val_acc of two runs with different seeds is measured on the same samples.
+SPLIT_SEED = 20240601
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class Net(nn.Module):
+    """The tutorials' MNIST CNN: two conv + BatchNorm blocks, two linear layers, log-probabilities out."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 28):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 32, kernel_size=3, stride=1)
+        self.n1 = nn.BatchNorm2d(32)
+        self.conv2 = nn.Conv2d(32, 64, kernel_size=3, stride=1)
+        self.n2 = nn.BatchNorm2d(64)
+        side = ((image_size - 2) // 2 - 2) // 2
+        if side < 1:
+            raise UsageError(f"model net needs images of at least 10x10 pixels, got --image-size {image_size}")
+        self.fc1 = nn.Linear(64 * side * side, 128)
+        self.fc2 = nn.Linear(128, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.n1(self.conv1(x))), 2)
+        x = F.max_pool2d(F.relu(self.n2(self.conv2(x))), 2)
+        x = F.relu(self.fc1(torch.flatten(x, 1)))
+        return F.log_softmax(self.fc2(x), dim=-1)
+
+
+class ConvNet(nn.Module):
+    """The tutorials' random-data model: one conv, one linear layer, no BatchNorm.
+
+    The tutorial ends in a softmax and then applies CrossEntropyLoss (a second softmax inside the loss),
+    which flattens the gradients; this version returns the logits, as CrossEntropyLoss expects.
+    """
+
+    def __init__(self, in_channels: int = 3, num_classes: int = 10, image_size: int = 32):
+        super().__init__()
+        if image_size < 3:
+            raise UsageError(f"model convnet needs images of at least 3x3 pixels, got --image-size {image_size}")
+        self.conv2d = nn.Conv2d(in_channels, 16, 3)
+        self.fc = nn.Linear((image_size - 2) * (image_size - 2) * 16, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv2d(x).reshape(x.shape[0], -1))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    build: Callable[..., nn.Module]
+    in_channels: int
+    image_size: int  # the size the model was written for; torchvision models take what they are given
+
+
+BUILTIN_MODELS = {
+    "net": ModelSpec(Net, in_channels=1, image_size=28),
+    "convnet": ModelSpec(ConvNet, in_channels=3, image_size=32),
+}
+
+
+def torchvision_classifiers() -> list[str]:
+    import torchvision
+
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def check_model_name(name: str) -> None:
+    """Raise UsageError unless ``name`` is a built-in model or a torchvision classifier."""
+    if name in BUILTIN_MODELS:
+        return
+    names = torchvision_classifiers()
+    if name not in names:
+        close = [n for n in names if n.startswith(name[:4])][:5]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise UsageError(
+            f"unknown model {name!r}{hint}; use net, convnet or a torchvision classifier such as resnet18 "
+            "(`ddpkit train --list-models` prints them all)"
+        )
+
+
+def model_input(name: str, data_kind: str, image_size: int | None) -> tuple[int, int]:
+    """(channels, image size) the data must be produced in for this model."""
+    spec = BUILTIN_MODELS.get(name)
+    if spec is not None:
+        return spec.in_channels, image_size or spec.image_size
+    # torchvision classifiers take RGB; ImageNet-sized for image folders, small for the toy sets.
+    return 3, image_size or (224 if data_kind == "folder" else 32)
+
+
+def build_model(name: str, *, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+    check_model_name(name)
+    if name in BUILTIN_MODELS:
+        return BUILTIN_MODELS[name].build(in_channels=in_channels, num_classes=num_classes, image_size=image_size)
+    import torchvision
+
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    kind: str
+    arg: str | None = None
+
+
+def parse_data_spec(spec: str) -> DataSpec:
+    """Check a ``--data`` value's syntax, and that a folder exists; nothing is loaded."""
+    kind, _, arg = spec.partition(":")
+    arg = arg or None
+    if kind not in DATA_KINDS:
+        raise UsageError(f"unknown data set {spec!r}; use digits, synthetic[:N], mnist[:DIR] or folder:PATH")
+    if kind == "digits" and arg is not None:
+        raise UsageError(f"--data digits takes no argument, got {spec!r}")
+    if kind == "synthetic" and arg is not None and not (arg.isdigit() and int(arg) >= 1):
+        raise UsageError(f"--data synthetic:N needs a positive whole number of samples, got {arg!r}")
+    if kind == "folder":
+        if arg is None:
+            raise UsageError("--data folder:PATH needs a path, e.g. --data folder:/data/imagenet")
+        if not os.path.isdir(arg):
+            raise UsageError(f"--data {spec}: folder {arg!r} does not exist")
+    return DataSpec(kind, arg)
+
+
+@dataclasses.dataclass
+class Datasets:
+    train: Dataset
+    val: Dataset
+    num_classes: int
+    in_memory: bool  # True: tensors already in RAM, loader workers would only add overhead
+
+
+def _fit_images(images: torch.Tensor, channels: int, image_size: int) -> torch.Tensor:
+    """(N, 1, H, W) in [0, 1] -> (N, channels, image_size, image_size), standardised per channel."""
+    if images.shape[-1] != image_size:
+        images = F.interpolate(images, size=(image_size, image_size), mode="bilinear", align_corners=False)
+    images = (images - images.mean()) / images.std()
+    return images.expand(-1, channels, -1, -1).contiguous()
+
+
+def _split(length: int, val_fraction: float) -> tuple[list[int], list[int]]:
+    order = torch.randperm(length, generator=torch.Generator().manual_seed(SPLIT_SEED)).tolist()
+    n_val = max(1, round(length * val_fraction))
+    return order[n_val:], order[:n_val]
+
+
+def load_digits(channels: int, image_size: int) -> Datasets:
+    """scikit-learn's handwritten digits (1,797 real 8x8 scans), resized; 20% held out for validation."""
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    bunch = sklearn_digits()
+    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(bunch.target, dtype=torch.long)
+    images = _fit_images(images, channels, image_size)
+    train_idx, val_idx = _split(len(labels), 0.2)
+    return Datasets(
+        TensorDataset(images[train_idx], labels[train_idx]),
+        TensorDataset(images[val_idx], labels[val_idx]),
+        num_classes=10,
+        in_memory=True,
+    )
+
+
+def load_synthetic(size: int, channels: int, image_size: int, num_classes: int = 10) -> Datasets:
+    """``size`` training and ``size // 4`` validation images: a fixed pattern per class plus noise.
+
+    Generated from a fixed seed, so every rank builds the same data without communicating.
+    """
+    generator = torch.Generator().manual_seed(SPLIT_SEED)
+    prototypes = torch.randn(num_classes, channels, image_size, image_size, generator=generator)
+    total = size + max(1, size // 4)
+    labels = torch.randint(0, num_classes, (total,), generator=generator)
+    images = prototypes[labels] * 0.5 + torch.randn(total, channels, image_size, image_size, generator=generator)
+    return Datasets(
+        TensorDataset(images[:size], labels[:size]),
+        TensorDataset(images[size:], labels[size:]),
+        num_classes=num_classes,
+        in_memory=True,
+    )
+
+
+def load_mnist(root: str, channels: int, image_size: int) -> Datasets:
+    """torchvision's MNIST (60,000 train / 10,000 test), downloaded into ``root`` if not there."""
+    from torchvision import datasets, transforms
+
+    steps = []
+    if image_size != 28:
+        steps.append(transforms.Resize(image_size))
+    if channels != 1:
+        steps.append(transforms.Grayscale(num_output_channels=channels))
+    steps += [transforms.ToTensor(), transforms.Normalize((0.1307,) * channels, (0.3081,) * channels)]
+    transform = transforms.Compose(steps)
+    try:
+        train = datasets.MNIST(root, train=True, download=True, transform=transform)
+        val = datasets.MNIST(root, train=False, download=True, transform=transform)
+    except (RuntimeError, OSError) as error:
+        raise UsageError(
+            f"MNIST is not in {os.path.join(root, 'MNIST', 'raw')} and could not be downloaded ({error}); "
+            "copy the four *-idx?-ubyte files there or use --data digits"
+        ) from None
+    return Datasets(train, val, num_classes=10, in_memory=False)
+
+
+def folder_transform(channels: int, image_size: int):
+    """The tutorials' ImageFolder pipeline (Resize 256, CenterCrop 224, normalise), scaled to image_size."""
+    from torchvision import transforms
+
+    steps = [transforms.Resize(round(image_size * 256 / 224)), transforms.CenterCrop(image_size)]
+    if channels == 1:
+        steps.append(transforms.Grayscale(num_output_channels=1))
+    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.5,) * channels, (0.5,) * channels)
+    steps += [transforms.ToTensor(), transforms.Normalize(mean, std)]
+    return transforms.Compose(steps)
+
+
+def load_folder(path: str, channels: int, image_size: int) -> Datasets:
+    """ImageFolder: ``path/train`` + ``path/val`` when both exist, else ``path`` split 90/10."""
+    from torchvision.datasets import ImageFolder
+
+    transform = folder_transform(channels, image_size)
+    try:
+        if os.path.isdir(os.path.join(path, "train")) and os.path.isdir(os.path.join(path, "val")):
+            train = ImageFolder(os.path.join(path, "train"), transform=transform)
+            val = ImageFolder(os.path.join(path, "val"), transform=transform)
+            if train.classes != val.classes:
+                raise UsageError(f"{path}/train and {path}/val hold different class folders")
+            classes = train.classes
+        else:
+            full = ImageFolder(path, transform=transform)
+            train_idx, val_idx = _split(len(full), 0.1)
+            train, val = Subset(full, train_idx), Subset(full, val_idx)
+            classes = full.classes
+    except FileNotFoundError as error:
+        raise UsageError(
+            f"--data folder:{path}: {error}; expected one sub-folder of images per class"
+        ) from None
+    return Datasets(train, val, num_classes=len(classes), in_memory=False)
+
+
+def load_data(spec: DataSpec, *, channels: int, image_size: int) -> Datasets:
+    if spec.kind == "digits":
+        return load_digits(channels, image_size)
+    if spec.kind == "synthetic":
+        return load_synthetic(int(spec.arg or DEFAULT_SYNTHETIC_SIZE), channels, image_size)
+    if spec.kind == "mnist":
+        return load_mnist(spec.arg or DEFAULT_MNIST_DIR, channels, image_size)
+    return load_folder(spec.arg, channels, image_size)
