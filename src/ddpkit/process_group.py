@@ -172,11 +172,14 @@ def teardown() -> None:
 @contextlib.contextmanager
 def distributed(**kwargs) -> Iterator[Runtime]:
     """``setup(**kwargs)``, then ``teardown()`` however the block ends (error, Ctrl-C, SIGTERM)."""
+    previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     runtime = setup(**kwargs)
     try:
         yield runtime
     finally:
         teardown()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -9,12 +9,22 @@ ddpkit swaps in ``CPUSyncBatchNorm``, which all-reduces the per-channel sums wit
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import torch.nn as nn
 
 from ddpkit.process_group import Runtime
+
+
+def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Differentiable sum over ranks (its backward all-reduces the gradient)."""
+    with warnings.catch_warnings():
+        # Deprecated in favour of a private module; this public one is still the autograd-aware all-reduce.
+        warnings.simplefilter("ignore", FutureWarning)
+        return dist_fn.all_reduce(tensor)
 
 
 class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -30,15 +40,15 @@ class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             return super().forward(input)
         channels = input.size(1)
         dims = [0, *range(2, input.dim())]
+        shape = [1, channels] + [1] * (input.dim() - 2)
         local_count = input.numel() // channels
-        # One all-reduce carries sum, sum of squares and count: fewer round trips than three.
-        stats = torch.cat(
-            [input.sum(dims), (input * input).sum(dims), input.new_full((1,), float(local_count))]
-        )
-        stats = dist_fn.all_reduce(stats)
-        count = stats[-1]
-        mean = stats[:channels] / count
-        var = stats[channels : 2 * channels] / count - mean * mean
+        # Two passes, as single-process BatchNorm does: the global mean first, then the sum of squared
+        # deviations from it. (E[x^2] - E[x]^2 in one pass loses digits when the mean dwarfs the spread.)
+        sums = _all_reduce(torch.cat([input.sum(dims), input.new_full((1,), float(local_count))]))
+        count = sums[-1]
+        mean = sums[:channels] / count
+        centered = input - mean.view(shape)
+        var = _all_reduce((centered * centered).sum(dims)) / count
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
@@ -48,8 +58,7 @@ class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
                 unbiased = var * count / (count - 1).clamp(min=1)
                 self.running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
                 self.running_var.mul_(1 - momentum).add_(unbiased.detach(), alpha=momentum)
-        shape = [1, channels] + [1] * (input.dim() - 2)
-        out = (input - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        out = centered * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             out = out * self.weight.view(shape) + self.bias.view(shape)
         return out

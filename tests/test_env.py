@@ -1,0 +1,126 @@
+"""Who-am-I parsing for every launcher: pure functions over a mapping, no processes."""
+
+import pytest
+
+from ddpkit.env import (
+    SLURM_PORT_BASE,
+    DistEnv,
+    detect,
+    expand_nodelist,
+    from_slurm,
+    from_spawn,
+    is_launched,
+    local_rank_from_argv,
+)
+
+TORCHRUN = {
+    "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+    "MASTER_ADDR": "node0", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "2",
+}
+
+
+def test_torchrun_environment():
+    e = detect(TORCHRUN)
+    assert e == DistEnv(rank=5, local_rank=1, world_size=8, local_world_size=4, node_rank=1, master_addr="node0",
+                        master_port=29400, restart_count=2, launcher="torchrun")
+    assert e.num_nodes == 2 and not e.is_main and e.is_distributed
+
+
+@pytest.mark.parametrize("argv", [["train.py", "--local-rank=1"], ["train.py", "--local_rank", "1"], ["x", "--local_rank=1"]])
+def test_legacy_torch_distributed_launch(argv):
+    environ = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "1234"}
+    e = detect(environ, argv)
+    assert (e.launcher, e.rank, e.local_rank, e.world_size, e.master_port) == ("torch.distributed.launch", 3, 1, 4, 1234)
+
+
+def test_legacy_launcher_with_use_env_sets_local_rank_variable():
+    e = detect({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, ["train.py"])
+    assert (e.launcher, e.local_rank, e.world_size) == ("env", 0, 2)
+
+
+def test_local_rank_argument_without_a_launcher_is_an_error():
+    with pytest.raises(ValueError, match="RANK and WORLD_SIZE are not set"):
+        detect({}, ["train.py", "--local-rank=0"])
+
+
+def test_local_rank_from_argv_absent():
+    assert local_rank_from_argv(["train.py", "--lr", "0.1"]) is None
+
+
+SLURM = {
+    "SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
+    "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_ID": "123456",
+}
+
+
+def test_slurm_environment():
+    e = detect(SLURM)
+    assert e == DistEnv(rank=6, local_rank=2, world_size=8, local_world_size=4, node_rank=1, master_addr="gpu01",
+                        master_port=SLURM_PORT_BASE + 123456 % 20000, launcher="slurm")
+
+
+def test_slurm_master_port_and_addr_from_environment_win():
+    e = from_slurm({**SLURM, "MASTER_ADDR": "head", "MASTER_PORT": "4000"})
+    assert (e.master_addr, e.master_port) == ("head", 4000)
+
+
+def test_slurm_single_task_is_not_a_launched_rank():
+    # `sbatch --ntasks=1` then `ddpkit train --nproc-per-node 4`: ddpkit must launch the 4 itself.
+    environ = {**SLURM, "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    assert not is_launched(environ)
+    assert detect(environ).launcher == "single"
+
+
+def test_torchrun_variables_win_over_slurm():
+    # torchrun started inside an allocation: its RANK is the truth, not SLURM_PROCID.
+    assert detect({**SLURM, **TORCHRUN}).launcher == "torchrun"
+
+
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("gpu[01-04,07],cpu3", ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07", "cpu3"]),
+        ("node1", ["node1"]),
+        ("a1,b2", ["a1", "b2"]),
+        ("n[8-11]", ["n8", "n9", "n10", "n11"]),
+        ("n[009-011]", ["n009", "n010", "n011"]),
+        ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+        ("gpu[1,3],login", ["gpu1", "gpu3", "login"]),
+    ],
+)
+def test_expand_nodelist(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("bad", ["gpu[01-", "gpu01]", "gpu[a-b]", "gpu[5-3]"])
+def test_expand_nodelist_rejects_malformed(bad):
+    with pytest.raises(ValueError, match="Slurm node list"):
+        expand_nodelist(bad)
+
+
+def test_spawn_rank_comes_from_the_argument():
+    e = from_spawn(1, 2, master_port=5555)
+    assert (e.launcher, e.rank, e.local_rank, e.world_size, e.master_port) == ("spawn", 1, 1, 2, 5555)
+
+
+def test_plain_single_process():
+    e = detect({}, ["train.py"])
+    assert (e.launcher, e.rank, e.world_size, e.is_main, e.is_distributed) == ("single", 0, 1, True, False)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"rank": 2, "world_size": 2}, r"rank 2 is outside 0..1"),
+        ({"world_size": 0}, r"world size must be at least 1, got 0"),
+        ({"local_rank": 3, "local_world_size": 2, "world_size": 4}, r"local rank 3 is outside 0..1"),
+    ],
+)
+def test_inconsistent_numbers_are_refused_with_the_numbers(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DistEnv(**fields)
+
+
+def test_non_integer_variable_is_named():
+    with pytest.raises(ValueError, match=r"WORLD_SIZE='two' is not an integer"):
+        detect({"RANK": "0", "WORLD_SIZE": "two"})

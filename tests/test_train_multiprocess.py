@@ -1,0 +1,77 @@
+"""`ddpkit train` on 2 real processes (torchrun's agent, gloo): DDP must train exactly like one process."""
+
+import pytest
+
+from conftest import max_relative_difference, train
+
+# 644 training samples: 20 full global batches of 32 (the 4 left over are dropped the same way for any
+# world size); 161 validation samples, an odd number, so the two ranks hold 81 and 80.
+SYNTHETIC = ["--data", "synthetic:644", "--model", "convnet", "--optimizer", "sgd", "--lr", "0.05", "--epochs", "1"]
+
+
+@pytest.fixture(scope="module")
+def one_process_batch_32(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("one"), *SYNTHETIC, "--nproc-per-node", "1", "--batch-size", "32")
+
+
+def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path, one_process_batch_32):
+    state_1, rows_1 = one_process_batch_32
+    state_2, rows_2 = train(tmp_path, *SYNTHETIC, "--nproc-per-node", "2", "--batch-size", "16")
+    assert rows_1[0]["steps"] == rows_2[0]["steps"] == 20
+    assert rows_2[0]["world_size"] == 2 and rows_2[0]["global_batch"] == 32
+    assert max_relative_difference(state_2, state_1) <= 1e-5
+    # Exact evaluation: every one of the 161 validation samples counted once, as on one process.
+    assert rows_1[0]["val_count"] == rows_2[0]["val_count"] == 161
+    assert rows_1[0]["val_acc"] == rows_2[0]["val_acc"]
+    assert rows_2[0]["val_loss"] == pytest.approx(rows_1[0]["val_loss"], rel=1e-5)
+    assert rows_2[0]["train_loss"] == pytest.approx(rows_1[0]["train_loss"], rel=1e-5)
+
+
+def test_accumulation_equals_the_larger_batch(tmp_path, one_process_batch_32):
+    # 2 processes x batch 8 x 2 micro-steps (all-reduce skipped on the first) == 1 process x batch 32.
+    state_1, _ = one_process_batch_32
+    state_acc, rows = train(tmp_path, *SYNTHETIC, "--nproc-per-node", "2", "--batch-size", "8", "--accumulate", "2")
+    assert rows[0]["global_batch"] == 32 and rows[0]["steps"] == 20
+    assert max_relative_difference(state_acc, state_1) <= 1e-5
+
+
+def test_accumulation_on_one_process(tmp_path, one_process_batch_32):
+    state_1, _ = one_process_batch_32
+    state_acc, _ = train(tmp_path, *SYNTHETIC, "--nproc-per-node", "1", "--batch-size", "4", "--accumulate", "8")
+    assert max_relative_difference(state_acc, state_1) <= 1e-5
+
+
+def test_spawn_launcher_trains_the_same_model(tmp_path, one_process_batch_32):
+    state_1, _ = one_process_batch_32
+    state_spawn, rows = train(tmp_path, *SYNTHETIC, "--nproc-per-node", "2", "--batch-size", "16", "--launcher", "spawn")
+    assert rows[0]["world_size"] == 2
+    assert max_relative_difference(state_spawn, state_1) <= 1e-5
+
+
+def test_sync_batchnorm_on_cpu_makes_batchnorm_models_equivalent(tmp_path):
+    # Net has BatchNorm: per-process statistics differ from the global batch's unless synchronised.
+    # Synthetic noise images, not digits: the digits' flat backgrounds make exact ties in ReLU and max-pool,
+    # where a last-bit difference between batch sizes reroutes a gradient and float noise grows.
+    # BatchNorm divides by the batch's spread, which magnifies float rounding from step to step; 4 steps
+    # keep that below 1e-4 while unsynchronised BatchNorm is already ~5e-3 away.
+    common = ["--data", "synthetic:256", "--model", "net", "--optimizer", "sgd", "--lr", "0.05", "--epochs", "1"]
+    state_1, rows_1 = train(tmp_path / "one", *common, "--nproc-per-node", "1", "--batch-size", "64")
+    state_2, rows_2 = train(tmp_path / "sync", *common, "--nproc-per-node", "2", "--batch-size", "32", "--sync-bn")
+    assert rows_1[0]["steps"] == rows_2[0]["steps"] == 4
+    assert max_relative_difference(state_2, state_1) <= 1e-4
+    state_plain, _ = train(tmp_path / "plain", *common, "--nproc-per-node", "2", "--batch-size", "32")
+    # Without --sync-bn the runs really do differ: the comparison above is not vacuous.
+    assert max_relative_difference(state_plain, state_1) > 1e-3
+
+
+def test_default_run_learns_digits_and_writes_the_contract_files(tmp_path):
+    state, rows = train(tmp_path, "--epochs", "3", "--debug")
+    assert [row["epoch"] for row in rows] == [0, 1, 2]
+    for key in ("epoch", "train_loss", "val_loss", "val_acc", "val_count", "images_per_sec", "world_size", "global_batch"):
+        assert key in rows[-1]
+    assert rows[-1]["world_size"] == 2 and rows[-1]["global_batch"] == 64 and rows[-1]["val_count"] == 359
+    assert rows[-1]["val_acc"] >= 0.95
+    from ddpkit.zoo import Net
+
+    Net().load_state_dict(state)  # plain state_dict, no "module." prefix
+    assert not any(key.startswith("module.") for key in state)

@@ -1,0 +1,163 @@
+"""Pure unit tests: sampler arithmetic, device/backend choice, launcher command lines, config validation."""
+
+import collections
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from ddpkit.data import eval_indices, train_loader
+from ddpkit.env import DistEnv
+from ddpkit.errors import UsageError
+from ddpkit.launch import LaunchOptions, resolve_nproc, torchrun_argv
+from ddpkit.process_group import Runtime, choose_backend, choose_device, default_init_method
+from ddpkit.trainer import TrainConfig
+
+
+def runtime(rank: int, world: int) -> Runtime:
+    return Runtime(env=DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world),
+                   backend="gloo" if world > 1 else None, device=torch.device("cpu"))
+
+
+def dataset(n: int) -> TensorDataset:
+    return TensorDataset(torch.arange(n))
+
+
+def epoch_batches(n: int, world: int, batch: int, epoch: int, seed: int = 0) -> list[list[list[int]]]:
+    """batches[rank][step] = sample ids, through ddpkit's own train_loader."""
+    out = []
+    for rank in range(world):
+        loader = train_loader(dataset(n), batch_size=batch, runtime=runtime(rank, world), seed=seed, workers=0)
+        loader.set_epoch(epoch)
+        out.append([b[0].tolist() for b in loader])
+    return out
+
+
+@pytest.mark.parametrize("n", [96, 101, 127])
+def test_each_kept_sample_once_per_epoch_across_ranks(n):
+    batches = epoch_batches(n, world=2, batch=8, epoch=0)
+    assert len(batches[0]) == len(batches[1]) == n // 16  # equal step counts: no rank waits for another
+    seen = collections.Counter(i for rank in batches for step in rank for i in step)
+    assert set(seen.values()) == {1}
+    assert len(seen) == (n // 16) * 16  # only the last incomplete *global* batch is left out
+
+
+@pytest.mark.parametrize("n", [96, 101])
+def test_global_order_is_the_same_for_world_sizes_1_and_2(n):
+    one = epoch_batches(n, world=1, batch=16, epoch=3)[0]
+    two = epoch_batches(n, world=2, batch=8, epoch=3)
+    assert len(one) == len(two[0])
+    for step, big in enumerate(one):
+        assert sorted(two[0][step] + two[1][step]) == sorted(big)
+
+
+def test_a_new_order_each_epoch_without_calling_set_epoch():
+    loader = train_loader(dataset(64), batch_size=8, runtime=runtime(0, 1), seed=0, workers=0)
+    first = [b[0].tolist() for b in loader]
+    second = [b[0].tolist() for b in loader]  # the loader moves to the next epoch by itself
+    assert first != second and sorted(sum(first, [])) == sorted(sum(second, []))
+    loader.set_epoch(0)
+    assert [b[0].tolist() for b in loader] == first  # and is reproducible from seed and epoch
+
+
+def test_order_depends_on_the_seed():
+    assert epoch_batches(64, 1, 8, 0, seed=0) != epoch_batches(64, 1, 8, 0, seed=1)
+
+
+def test_distributed_sampler_without_drop_last_pads_with_duplicates():
+    # Why evaluation must not use DistributedSampler: with drop_last off it repeats samples to even out.
+    from torch.utils.data import DistributedSampler
+
+    ids = [i for r in range(2) for i in DistributedSampler(dataset(11), num_replicas=2, rank=r, shuffle=False)]
+    counts = collections.Counter(ids)
+    assert len(ids) == 12 and set(counts) == set(range(11)) and sorted(counts.values())[-1] == 2
+
+
+@pytest.mark.parametrize("n, world", [(11, 2), (10, 2), (7, 3), (1, 2), (5, 1)])
+def test_eval_shards_cover_every_sample_exactly_once(n, world):
+    ids = [i for rank in range(world) for i in eval_indices(n, rank, world)]
+    assert sorted(ids) == list(range(n))
+
+
+def test_too_small_a_dataset_for_one_global_batch():
+    with pytest.raises(UsageError, match=r"10 samples, fewer than one global batch of 16 \(8 per process x 2"):
+        train_loader(dataset(10), batch_size=8, runtime=runtime(0, 2), workers=0)
+
+
+def test_device_choice():
+    assert choose_device("auto", local_rank=0, local_world_size=2, cuda_count=0) == "cpu"
+    assert choose_device("auto", local_rank=1, local_world_size=2, cuda_count=2) == "cuda"
+    # 4 processes, 2 GPUs: they cannot each own one, so auto stays on the CPU.
+    assert choose_device("auto", local_rank=0, local_world_size=4, cuda_count=2) == "cpu"
+    with pytest.raises(UsageError, match="no CUDA GPU is visible"):
+        choose_device("cuda", local_rank=0, local_world_size=1, cuda_count=0)
+    with pytest.raises(UsageError, match="local rank 2 has no GPU of its own: 2 visible for 4 processes"):
+        choose_device("cuda", local_rank=2, local_world_size=4, cuda_count=2)
+
+
+def test_backend_choice():
+    assert choose_backend("auto", device="cpu", local_world_size=2, cuda_count=0) == "gloo"
+    assert choose_backend("gloo", device="cuda", local_world_size=2, cuda_count=2) == "gloo"
+    with pytest.raises(UsageError, match=r"nccl needs one CUDA GPU per process, but 0 GPU\(s\) are visible for 2"):
+        choose_backend("nccl", device="cpu", local_world_size=2, cuda_count=0)
+
+
+def test_init_method_per_launcher():
+    assert default_init_method(DistEnv(world_size=2, rank=1, local_world_size=2, local_rank=1, launcher="torchrun")) == "env://"
+    slurm = DistEnv(world_size=2, local_world_size=1, master_addr="gpu01", master_port=4000, launcher="slurm")
+    assert default_init_method(slurm) == "tcp://gpu01:4000"
+    ipv6 = DistEnv(master_addr="fe80::1", master_port=4000, launcher="spawn")
+    assert default_init_method(ipv6) == "tcp://[fe80::1]:4000"
+
+
+def test_torchrun_command_line_single_node_uses_a_free_port():
+    assert torchrun_argv(LaunchOptions(nproc_per_node=2), ["x.py"]) == [
+        "--nproc-per-node", "2", "--standalone", "--max-restarts", "0", "x.py"]
+
+
+def test_torchrun_command_line_multi_node_passes_flags_through():
+    argv = torchrun_argv(LaunchOptions(nproc_per_node=4, nnodes=2, node_rank=1, master_addr="10.0.0.1"), ["-m", "m"])
+    assert argv == ["--nproc-per-node", "4", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                    "--master-port", "29500", "--max-restarts", "0", "-m", "m"]
+
+
+def test_nproc_auto():
+    assert resolve_nproc("auto", cuda_count=0) == 2
+    assert resolve_nproc("auto", cuda_count=8) == 8
+    assert resolve_nproc("3") == 3
+    with pytest.raises(UsageError, match="whole number or auto, got 'x'"):
+        resolve_nproc("x")
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"nproc_per_node": 0}, "--nproc-per-node must be at least 1"),
+        ({"nnodes": 2, "node_rank": 2}, r"--node-rank must be in 0..1 for --nnodes 2, got 2"),
+        ({"master_port": 70000}, "--master-port must be in 1..65535"),
+        ({"launcher": "spawn", "nnodes": 2}, "spawn starts processes on this machine only"),
+    ],
+)
+def test_launch_options_validation(options, message):
+    with pytest.raises(UsageError, match=message):
+        LaunchOptions(**options)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"epochs": -1}, "--epochs must be 0 or more, got -1"),
+        ({"batch_size": 0}, "--batch-size must be at least 1, got 0"),
+        ({"accumulate": 0}, "--accumulate must be at least 1"),
+        ({"lr": -0.1}, "--lr must be a positive number"),
+        ({"model": "resnet5"}, r"unknown model 'resnet5' \(did you mean"),
+        ({"data": "imagenet"}, "unknown data set 'imagenet'"),
+        ({"data": "synthetic:0"}, "positive whole number"),
+        ({"data": "folder:/nonexistent/x"}, "folder '/nonexistent/x' does not exist"),
+        ({"sync_bn": True, "strategy": "single"}, "--sync-bn .* needs --strategy ddp"),
+        ({"bucket_cap_mb": 0}, "--bucket-cap-mb must be positive"),
+    ],
+)
+def test_train_config_validation(fields, message):
+    with pytest.raises(UsageError, match=message):
+        TrainConfig(**fields).validate()
