@@ -1,8 +1,12 @@
 """`ddpkit train` on 2 real processes (torchrun's agent, gloo): DDP must train exactly like one process."""
 
-import pytest
+import json
 
-from conftest import max_relative_difference, train
+import pytest
+import torch
+
+from conftest import max_relative_difference, run_ddpkit, train
+from ddpkit.zoo import Net
 
 # 644 training samples: 20 full global batches of 32 (the 4 left over are dropped the same way for any
 # world size); 161 validation samples, an odd number, so the two ranks hold 81 and 80.
@@ -65,13 +69,18 @@ def test_sync_batchnorm_on_cpu_makes_batchnorm_models_equivalent(tmp_path):
 
 
 def test_default_run_learns_digits_and_writes_the_contract_files(tmp_path):
-    state, rows = train(tmp_path, "--epochs", "3", "--debug")
+    result = run_ddpkit("train", "--epochs", "3", "--debug", "--output-dir", str(tmp_path), timeout=240)
+    assert result.returncode == 0, result.stderr
+    # --debug: every rank says where it runs; everything else is printed by rank 0 alone.
+    assert "[rank 0 local 0 pid" in result.stdout and "[rank 1 local 1 pid" in result.stdout
+    assert "data: cpu, model: cpu" in result.stdout
+    assert result.stdout.count("epoch 3/3:") == 1
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["epoch"] for row in rows] == [0, 1, 2]
     for key in ("epoch", "train_loss", "val_loss", "val_acc", "val_count", "images_per_sec", "world_size", "global_batch"):
         assert key in rows[-1]
     assert rows[-1]["world_size"] == 2 and rows[-1]["global_batch"] == 64 and rows[-1]["val_count"] == 359
     assert rows[-1]["val_acc"] >= 0.95
-    from ddpkit.zoo import Net
-
-    Net().load_state_dict(state)  # plain state_dict, no "module." prefix
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
     assert not any(key.startswith("module.") for key in state)
+    Net().load_state_dict(state)  # a plain state_dict for the bare model
