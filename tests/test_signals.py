@@ -1,0 +1,60 @@
+"""SIGTERM (what torchrun and Slurm send) and Ctrl-C tear the process group down and leave nothing running."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import child_env
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch.distributed as dist
+    import ddpkit
+    out = sys.argv[1]
+    try:
+        with ddpkit.distributed() as rt:
+            dist.barrier()
+            open(os.path.join(out, f"ready{rt.rank}"), "w").close()
+            while True:
+                time.sleep(0.05)
+    finally:
+        # Runs after ddpkit's teardown: the group must be gone already.
+        with open(os.path.join(out, f"exit{os.environ['RANK']}"), "w") as f:
+            f.write(str(dist.is_initialized()))
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["sigterm-to-launcher", "ctrl-c-to-group"])
+def test_signal_tears_down_every_rank_within_seconds(tmp_path, how):
+    script = tmp_path / "loop.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", str(script), str(tmp_path)],
+        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "workers never became ready"
+            time.sleep(0.1)
+        sent = time.monotonic()
+        if how == "sigterm-to-launcher":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+        proc.communicate(timeout=30)
+        assert time.monotonic() - sent < 30
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode != 0
+    assert [(tmp_path / f"exit{r}").read_text() for r in (0, 1)] == ["False", "False"]
