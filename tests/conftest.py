@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,12 +28,52 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _pids_with(key: str, value: str) -> list[int]:
+    """Processes whose environment holds ``key=value``, whatever their parent or session became."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if f"{key}={value}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return pids
+
+
+def run_command(argv: list[str], *, timeout: float, cwd: Path | None = None, **extra_env: str) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, timeout=...)`` that leaves no process behind, even when it times out.
+
+    subprocess.run's timeout kills only the launcher; torchrun starts each worker in a session of its
+    own, so the workers would live on holding the output pipes. Here a timeout sends SIGTERM to the
+    launcher's group (torchrun's agent then stops its workers), and after a grace period kills whatever
+    still carries this run's marker.
+    """
+    run_marker = uuid.uuid4().hex
+    with subprocess.Popen(
+        argv, cwd=cwd, env=child_env(DDPKIT_TEST_RUN=run_marker, **extra_env), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                stdout, stderr = proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                for pid in _pids_with("DDPKIT_TEST_RUN", run_marker):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate(timeout=20)
+            pytest.fail(f"{' '.join(argv)} ran past {timeout} s\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 def run_ddpkit(*args: str, timeout: float = 240, cwd: Path | None = None, **extra_env: str) -> subprocess.CompletedProcess:
     """``python -m ddpkit ARGS`` as a user would run it; output captured."""
-    return subprocess.run(
-        [sys.executable, "-m", "ddpkit", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=cwd, env=child_env(**extra_env),
-    )
+    return run_command([sys.executable, "-m", "ddpkit", *args], timeout=timeout, cwd=cwd, **extra_env)
 
 
 def train(tmp: Path, *args: str, timeout: float = 240) -> tuple[dict, list[dict]]:
@@ -58,16 +100,11 @@ def max_relative_difference(a: dict, b: dict) -> float:
 
 def leftover_processes() -> list[str]:
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
+    for pid in _pids_with(MARKER_KEY, MARKER):
         try:
-            environ = (entry / "environ").read_bytes()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # gone meanwhile, or not ours to read
+            found.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
             continue
-        if f"{MARKER_KEY}={MARKER}".encode() in environ:
-            found.append(f"{entry.name}: {cmdline}")
     return found
 
 

@@ -30,6 +30,10 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
             torch.save(obj, handle)
             handle.flush()
             os.fsync(handle.fileno())
+        # mkstemp creates the file readable by its owner only; give it the mode torch.save's open() would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -27,8 +27,11 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
-def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
+def _add_launch_flags(parser: argparse.ArgumentParser, *, with_launcher: bool = False) -> None:
     group = parser.add_argument_group("launching (as torchrun)")
+    if with_launcher:
+        group.add_argument("--launcher", default="torchrun", choices=LAUNCHERS,
+                           help="torchrun (its elastic agent) or spawn (torch.multiprocessing.spawn) (default: torchrun)")
     group.add_argument("--nproc-per-node", default="auto", metavar="N|auto",
                        help="processes on this node; auto = one per GPU, or 2 without GPUs (default: auto)")
     group.add_argument("--nnodes", type=int, default=1, help="number of machines (default: 1)")
@@ -84,9 +87,8 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     ddp.add_argument("--static-graph", action="store_true", help="the set of used parameters never changes")
     ddp.add_argument("--gradient-as-bucket-view", action="store_true",
                      help="gradients share memory with the all-reduce buckets (saves a gradient copy)")
-    ddp.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MB", help="all-reduce bucket size (default: 25)")
-    parser.add_argument("--launcher", default="torchrun", choices=LAUNCHERS,
-                        help="torchrun (elastic agent) or spawn (torch.multiprocessing.spawn) (default: torchrun)")
+    ddp.add_argument("--bucket-cap-mb", type=float, default=None, metavar="MB",
+                     help="all-reduce bucket size (default: PyTorch's, 25 MiB after a small first bucket)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a built-in or torchvision model",
                                 description="Train a model data-parallel on every device of this machine (or many).")
     _add_train_flags(train)
-    _add_launch_flags(train)
+    _add_launch_flags(train, with_launcher=True)
     run = commands.add_parser(
         "run", help="start a torchrun-style script on N processes",
         description="Run SCRIPT on every process, like torchrun: each gets RANK, LOCAL_RANK, WORLD_SIZE, "

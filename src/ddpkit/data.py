@@ -19,27 +19,27 @@ padding, and ``reduce_sums`` adds the per-rank sums, so every validation sample 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
 from ddpkit.errors import UsageError
-from ddpkit.process_group import Runtime
+from ddpkit.process_group import Runtime, usable_cores
 
 
-def default_workers(runtime: Runtime, in_memory: bool) -> int:
-    """Loader worker processes per rank: none for tensors already in memory, else a share of the cores."""
+def default_workers(runtime: Runtime, in_memory: bool | None, dataset: Dataset) -> int:
+    """Loader worker processes per rank: none for tensors already in memory, else a share of the cores.
+
+    ``in_memory=None`` decides by the data set's type: a TensorDataset needs no decoding workers.
+    """
+    if in_memory is None:
+        in_memory = isinstance(dataset, TensorDataset)
     if in_memory:
         return 0
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(8, cores // max(1, runtime.env.local_world_size) - 1))
+    return max(1, min(8, usable_cores() // max(1, runtime.env.local_world_size) - 1))
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -53,14 +53,15 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     return batch
 
 
-class EpochLoader:
-    """A DataLoader over a DistributedSampler that calls ``set_epoch`` itself and moves batches to the device.
+class DeviceLoader:
+    """A DataLoader whose batches arrive on ``device`` (pinned memory and non-blocking copies on GPU).
 
-    Forgetting ``sampler.set_epoch(epoch)`` is the classic DDP bug: every epoch repeats the same order.
-    Here each ``iter()`` starts the next epoch; ``set_epoch`` still sets it explicitly (for resuming).
+    With a ``DistributedSampler`` it also calls ``set_epoch`` itself. Forgetting
+    ``sampler.set_epoch(epoch)`` is the classic DDP bug: every epoch repeats the same order. Here each
+    ``iter()`` starts the next epoch; ``set_epoch`` still sets it explicitly (for resuming).
     """
 
-    def __init__(self, loader: DataLoader, sampler: DistributedSampler, device: torch.device):
+    def __init__(self, loader: DataLoader, device: torch.device, sampler: DistributedSampler | None = None):
         self.loader = loader
         self.sampler = sampler
         self.device = device
@@ -74,7 +75,8 @@ class EpochLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        self.sampler.set_epoch(self.epoch)
+        if self.sampler is not None:
+            self.sampler.set_epoch(self.epoch)
         self.epoch += 1
         for batch in self.loader:
             yield to_device(batch, self.device, self._non_blocking)
@@ -88,8 +90,8 @@ def train_loader(
     seed: int = 0,
     shuffle: bool = True,
     workers: int | None = None,
-    in_memory: bool = False,
-) -> EpochLoader:
+    in_memory: bool | None = None,
+) -> DeviceLoader:
     """Per-process batches of ``batch_size``; the global batch is ``batch_size * world_size``."""
     if batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {batch_size}")
@@ -107,7 +109,7 @@ def train_loader(
         seed=seed,
         drop_last=True,
     )
-    workers = default_workers(runtime, in_memory) if workers is None else workers
+    workers = default_workers(runtime, in_memory, dataset) if workers is None else workers
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
@@ -117,7 +119,7 @@ def train_loader(
         pin_memory=runtime.device.type == "cuda",
         persistent_workers=workers > 0,
     )
-    return EpochLoader(loader, sampler, runtime.device)
+    return DeviceLoader(loader, runtime.device, sampler)
 
 
 def eval_indices(length: int, rank: int, world_size: int) -> range:
@@ -131,14 +133,15 @@ def eval_loader(
     batch_size: int,
     runtime: Runtime,
     workers: int | None = None,
-    in_memory: bool = False,
-) -> DataLoader:
+    in_memory: bool | None = None,
+) -> DeviceLoader:
     """Each validation sample goes to exactly one rank (some ranks may get one sample fewer)."""
     shard = Subset(dataset, eval_indices(len(dataset), runtime.rank, runtime.world_size))
-    workers = default_workers(runtime, in_memory) if workers is None else workers
-    return DataLoader(
+    workers = default_workers(runtime, in_memory, dataset) if workers is None else workers
+    loader = DataLoader(
         shard, batch_size=batch_size, shuffle=False, num_workers=workers, pin_memory=runtime.device.type == "cuda"
     )
+    return DeviceLoader(loader, runtime.device)
 
 
 def reduce_sums(values: list[float], runtime: Runtime) -> list[float]:

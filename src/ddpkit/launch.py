@@ -83,11 +83,9 @@ def torchrun_argv(options: LaunchOptions, command: Sequence[str]) -> list[str]:
 
 
 def _threads_per_process(nproc: int) -> str:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return str(max(1, cores // nproc))
+    from ddpkit.process_group import usable_cores
+
+    return str(max(1, usable_cores() // nproc))
 
 
 def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: bool = False) -> int:

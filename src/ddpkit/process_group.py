@@ -120,14 +120,16 @@ def setup(
     device: str = "auto",
     init_method: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    force_group: bool = False,
+    force_group: bool = True,
     environ: Mapping[str, str] | None = None,
     argv: Sequence[str] | None = None,
     environment: env_mod.DistEnv | None = None,
 ) -> Runtime:
-    """Bind this process to its device and start the process group (when world size > 1 or forced).
+    """Bind this process to its device and start the process group.
 
-    ``force_group`` starts a group of one, which DistributedDataParallel needs even for a single process.
+    With one process, ``force_group`` (the default) still starts a group of one on a free local port,
+    because DistributedDataParallel needs one: the same script then runs under ``python script.py``
+    and under a launcher. Pass ``force_group=False`` to skip it when nothing will communicate.
     """
     if timeout_s <= 0:
         raise UsageError(f"--timeout must be a positive number of seconds, got {timeout_s}")
@@ -180,6 +182,14 @@ def distributed(**kwargs) -> Iterator[Runtime]:
         teardown()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which Slurm and containers narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -60,7 +60,7 @@ class TrainConfig:
     find_unused_parameters: bool = False
     static_graph: bool = False
     gradient_as_bucket_view: bool = False
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float | None = None  # None: PyTorch's default buckets
     debug: bool = False  # every rank prints its PID and where its data and model live
     progress: bool = True  # a progress bar on global rank 0 (only when writing to a terminal)
 
@@ -151,13 +151,8 @@ def train(cfg: TrainConfig, runtime: Runtime) -> dict:
     optimizer = make_optimizer(cfg.optimizer, wrapped.parameters(), cfg.lr)
     scaler = torch.amp.GradScaler(runtime.device.type, enabled=cfg.amp == "fp16")
 
-    loader = data.train_loader(
-        sets.train, batch_size=cfg.batch_size, runtime=runtime, seed=cfg.seed, workers=cfg.workers,
-        in_memory=sets.in_memory,
-    )
-    val_loader = data.eval_loader(
-        sets.val, batch_size=cfg.batch_size, runtime=runtime, workers=cfg.workers, in_memory=sets.in_memory
-    )
+    loader = data.train_loader(sets.train, batch_size=cfg.batch_size, runtime=runtime, seed=cfg.seed, workers=cfg.workers)
+    val_loader = data.eval_loader(sets.val, batch_size=cfg.batch_size, runtime=runtime, workers=cfg.workers)
     steps_per_epoch = len(loader) // cfg.accumulate
     if steps_per_epoch == 0 and cfg.epochs > 0:
         raise UsageError(
@@ -284,8 +279,7 @@ def evaluate(model: nn.Module, loader, runtime: Runtime, amp: str = "off") -> tu
     """Mean loss, accuracy and sample count over the whole validation set, each sample counted once."""
     model.eval()
     loss_sum, correct, count = 0.0, 0.0, 0.0
-    for batch in loader:
-        images, labels = data.to_device(batch, runtime.device)
+    for images, labels in loader:
         with _autocast(runtime, amp):
             output = model(images)
         loss_sum += F.cross_entropy(output.float(), labels, reduction="sum").item()

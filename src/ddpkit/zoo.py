@@ -155,7 +155,6 @@ class Datasets:
     train: Dataset
     val: Dataset
     num_classes: int
-    in_memory: bool  # True: tensors already in RAM, loader workers would only add overhead
 
 
 def _fit_images(images: torch.Tensor, channels: int, image_size: int) -> torch.Tensor:
@@ -185,7 +184,6 @@ def load_digits(channels: int, image_size: int) -> Datasets:
         TensorDataset(images[train_idx], labels[train_idx]),
         TensorDataset(images[val_idx], labels[val_idx]),
         num_classes=10,
-        in_memory=True,
     )
 
 
@@ -203,7 +201,6 @@ def load_synthetic(size: int, channels: int, image_size: int, num_classes: int =
         TensorDataset(images[:size], labels[:size]),
         TensorDataset(images[size:], labels[size:]),
         num_classes=num_classes,
-        in_memory=True,
     )
 
 
@@ -226,7 +223,7 @@ def load_mnist(root: str, channels: int, image_size: int) -> Datasets:
             f"MNIST is not in {os.path.join(root, 'MNIST', 'raw')} and could not be downloaded ({error}); "
             "copy the four *-idx?-ubyte files there or use --data digits"
         ) from None
-    return Datasets(train, val, num_classes=10, in_memory=False)
+    return Datasets(train, val, num_classes=10)
 
 
 def folder_transform(channels: int, image_size: int):
@@ -262,7 +259,7 @@ def load_folder(path: str, channels: int, image_size: int) -> Datasets:
         raise UsageError(
             f"--data folder:{path}: {error}; expected one sub-folder of images per class"
         ) from None
-    return Datasets(train, val, num_classes=len(classes), in_memory=False)
+    return Datasets(train, val, num_classes=len(classes))
 
 
 def load_data(spec: DataSpec, *, channels: int, image_size: int) -> Datasets:

@@ -20,11 +20,12 @@ class DDPOptions:
     static_graph: bool = False
     # Gradients become views into the all-reduce buckets: saves one gradient-sized copy of memory.
     gradient_as_bucket_view: bool = False
-    # Gradients are all-reduced in buckets of this many MiB while backward is still running.
-    bucket_cap_mb: float = 25.0
+    # Gradients are all-reduced in buckets of this many MiB while backward is still running. None keeps
+    # PyTorch's default (25 MiB, with a small first bucket so the first all-reduce starts early).
+    bucket_cap_mb: float | None = None
 
     def __post_init__(self) -> None:
-        if self.bucket_cap_mb <= 0:
+        if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
             raise UsageError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
 
 

@@ -1,0 +1,70 @@
+"""The library API in one process: what a user's own script calls."""
+
+import os
+import stat
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+import ddpkit
+from ddpkit.strategies.sync_bn import CPUSyncBatchNorm
+
+
+def test_one_plain_process_still_gets_ddp_and_is_torn_down():
+    with ddpkit.distributed(device="cpu") as rt:
+        assert (rt.rank, rt.world_size, rt.backend, rt.device.type) == (0, 1, "gloo", "cpu")
+        model = ddpkit.prepare_model(nn.Linear(3, 2), rt)
+        assert isinstance(model, DistributedDataParallel)
+        # PyTorch's own bucket default (small first bucket) unless the user sets one.
+        default = DistributedDataParallel(nn.Linear(3, 2))
+        assert model.bucket_bytes_cap == default.bucket_bytes_cap
+        model(torch.randn(4, 3)).sum().backward()
+    assert not dist.is_initialized()
+
+
+def test_prepare_model_single_and_sync_bn():
+    with ddpkit.distributed(device="cpu", force_group=False) as rt:
+        assert rt.backend is None
+        model = ddpkit.prepare_model(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), rt, "single", sync_bn=True)
+        assert isinstance(model[1], CPUSyncBatchNorm)
+        # One process: the synchronised BatchNorm is plain BatchNorm, numerically.
+        x = torch.randn(5, 2, 6, 6)
+        reference = nn.BatchNorm2d(2)
+        reference.load_state_dict(model[1].state_dict())
+        torch.testing.assert_close(model[1](x), reference(x))
+    with pytest.raises(ddpkit.UsageError, match="strategy must be one of"):
+        ddpkit.prepare_model(nn.Linear(1, 1), rt, "fsdp")
+
+
+def test_atomic_save_leaves_no_temporary_file_and_the_usual_permissions(tmp_path):
+    target = tmp_path / "sub" / "model.pt"
+    ddpkit.atomic_save({"w": torch.ones(2)}, target)
+    ddpkit.atomic_save({"w": torch.zeros(2)}, target)  # replaces the old one in one rename
+    assert os.listdir(target.parent) == ["model.pt"]
+    assert torch.equal(torch.load(target, weights_only=True)["w"], torch.zeros(2))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask
+
+
+def test_atomic_save_failure_keeps_the_previous_file(tmp_path):
+    target = tmp_path / "model.pt"
+    ddpkit.atomic_save({"w": torch.ones(2)}, target)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("cannot pickle this")
+
+    with pytest.raises(RuntimeError, match="cannot pickle"):
+        ddpkit.atomic_save({"w": Unpicklable()}, target)
+    assert os.listdir(tmp_path) == ["model.pt"]
+    assert torch.equal(torch.load(target, weights_only=True)["w"], torch.ones(2))
+
+
+def test_model_state_dict_has_no_module_prefix():
+    with ddpkit.distributed(device="cpu") as rt:
+        model = ddpkit.prepare_model(nn.Linear(3, 2), rt)
+        assert sorted(ddpkit.model_state_dict(model)) == ["bias", "weight"]
