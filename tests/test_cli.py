@@ -140,3 +140,103 @@ def test_a_failing_script_reports_the_rank_and_fails(tmp_path):
     result = run_ddpkit("run", "--nproc-per-node", "2", str(script), timeout=120)
     assert result.returncode == 1
     assert "rank 1" in result.stderr and "exited with status 3" in result.stderr
+
+
+def test_a_missing_module_is_bad_input(capsys):
+    assert main(["run", "-m", "no_such_module_here.train"]) == 2
+    assert "module 'no_such_module_here.train' cannot be imported" in capsys.readouterr().err
+
+
+def test_run_of_a_module(tmp_path):
+    (tmp_path / "mytrain.py").write_text(TORCHRUN_STYLE)
+    result = run_ddpkit("run", "--nproc-per-node", "2", "-m", "mytrain", str(tmp_path), "x", cwd=tmp_path,
+                        PYTHONPATH=str(tmp_path), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "rank1.txt").read_text() == "1 2 3.0 x"
+
+
+def test_a_busy_master_port_is_a_clear_error(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(TORCHRUN_STYLE)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        result = run_ddpkit("run", "--nproc-per-node", "2", "--master-port", port, str(script), str(tmp_path),
+                            timeout=120)
+        # A stale MASTER_PORT in the environment of a one-process run: the same answer.
+        stale = run_ddpkit("train", "--nproc-per-node", "1", "--epochs", "0", "--output-dir", str(tmp_path / "o"),
+                           MASTER_PORT=port, timeout=120)
+    for outcome in (result, stale):
+        assert outcome.returncode == 2, outcome.stderr
+        assert "Traceback" not in outcome.stderr
+        assert f":{port}" in outcome.stderr and "in use" in outcome.stderr
+
+
+def test_single_strategy_runs_one_process_with_the_default_nproc(tmp_path, capsys):
+    assert main(["train", "--strategy", "single", "--model", "convnet", "--data", "synthetic:64", "--epochs", "1",
+                 "--output-dir", str(tmp_path), "--no-progress"]) == 0
+    assert "1 process(es) via single, backend none" in capsys.readouterr().out
+
+
+def test_spawn_reports_a_worker_usage_error_as_status_2(tmp_path):
+    result = run_ddpkit("train", "--launcher", "spawn", "--model", "convnet", "--data", "synthetic:256",
+                        "--accumulate", "100", "--output-dir", str(tmp_path), timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "fewer than --accumulate 100" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_spawn_shows_a_worker_exception_and_fails(tmp_path):
+    # A model that cannot run is caught before training (exit 2); a crash needs a data folder that vanishes.
+    from PIL import Image
+
+    for name in ("a", "b"):
+        (tmp_path / "imgs" / name).mkdir(parents=True)
+        for i in range(10):
+            Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / name / f"{i}.png")
+    # Truncated image files make PIL raise inside the workers' data loading.
+    for path in (tmp_path / "imgs").rglob("*.png"):
+        path.write_bytes(b"\x89PNG\r\n\x1a\n")
+    result = run_ddpkit("train", "--launcher", "spawn", "--model", "convnet", "--data", f"folder:{tmp_path / 'imgs'}",
+                        "--batch-size", "2", "--workers", "0", "--output-dir", str(tmp_path / "o"), timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" in result.stderr and "raised the exception above" in result.stderr
+
+
+SLURM_TASK = textwrap.dedent(
+    """
+    import os, sys
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    with open(os.path.join(sys.argv[1], f"task{os.environ['SLURM_PROCID']}.txt"), "w") as f:
+        f.write(f"{os.environ['RANK']} {os.environ['LOCAL_RANK']} {os.environ['WORLD_SIZE']} {t.item()}")
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_run_under_srun_makes_each_task_one_rank(tmp_path):
+    # What `srun -n 2 ddpkit run script.py` gives each task: Slurm's variables, no torchrun ones.
+    import subprocess
+    import sys
+
+    from conftest import child_env
+    from ddpkit.process_group import free_port
+
+    script = tmp_path / "task.py"
+    script.write_text(SLURM_TASK)
+    common = {"SLURM_NTASKS": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost",
+              "SLURM_TASKS_PER_NODE": "2", "MASTER_PORT": str(free_port())}
+    tasks = [
+        subprocess.Popen([sys.executable, "-m", "ddpkit", "run", str(script), str(tmp_path)],
+                         env=child_env(SLURM_PROCID=str(r), SLURM_LOCALID=str(r), **common),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in (0, 1)
+    ]
+    outputs = [task.communicate(timeout=120) for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], outputs
+    # Two processes in all (no extra launch), ranks from SLURM_PROCID, and a real all-reduce: 1 + 2.
+    assert (tmp_path / "task0.txt").read_text() == "0 0 2 3.0"
+    assert (tmp_path / "task1.txt").read_text() == "1 1 2 3.0"

@@ -11,6 +11,7 @@ from ddpkit.env import (
     from_spawn,
     is_launched,
     local_rank_from_argv,
+    tasks_per_node,
 )
 
 TORCHRUN = {
@@ -31,6 +32,12 @@ def test_legacy_torch_distributed_launch(argv):
     environ = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "1234"}
     e = detect(environ, argv)
     assert (e.launcher, e.rank, e.local_rank, e.world_size, e.master_port) == ("torch.distributed.launch", 3, 1, 4, 1234)
+
+
+def test_legacy_launcher_is_told_apart_from_torchrun_by_its_argument():
+    # python -m torch.distributed.launch runs torchrun's agent, so TORCHELASTIC_RUN_ID is set as well.
+    e = detect({**TORCHRUN, "LOCAL_RANK": "1"}, ["train.py", "--local-rank=1"])
+    assert (e.launcher, e.local_rank) == ("torch.distributed.launch", 1)
 
 
 def test_legacy_launcher_with_use_env_sets_local_rank_variable():
@@ -57,6 +64,17 @@ def test_slurm_environment():
     e = detect(SLURM)
     assert e == DistEnv(rank=6, local_rank=2, world_size=8, local_world_size=4, node_rank=1, master_addr="gpu01",
                         master_port=SLURM_PORT_BASE + 123456 % 20000, launcher="slurm")
+
+
+@pytest.mark.parametrize("spec, counts", [("4(x2)", [4, 4]), ("4(x2),2", [4, 4, 2]), ("1,3", [1, 3]), ("8", [8])])
+def test_tasks_per_node(spec, counts):
+    assert tasks_per_node(spec) == counts
+
+
+def test_slurm_nodes_with_different_task_counts():
+    environ = {**SLURM, "SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
+               "SLURM_TASKS_PER_NODE": "1,3"}
+    assert from_slurm(environ).local_world_size == 3  # node 1's count, not node 0's
 
 
 def test_slurm_master_port_and_addr_from_environment_win():

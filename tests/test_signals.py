@@ -50,11 +50,14 @@ def test_signal_tears_down_every_rank_within_seconds(tmp_path, how):
             proc.send_signal(signal.SIGTERM)
         else:
             os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
-        proc.communicate(timeout=30)
+        _, stderr = proc.communicate(timeout=30)
         assert time.monotonic() - sent < 30
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-    assert proc.returncode != 0
+    assert proc.returncode == 128 + (signal.SIGTERM if how == "sigterm-to-launcher" else signal.SIGINT)
+    assert "ddpkit: stopped by signal" in stderr
+    # The launcher prints no traceback of its own (a worker's KeyboardInterrupt is the script's, "[rankN]: ...").
+    assert not [line for line in stderr.splitlines() if line.startswith("Traceback")], stderr
     assert [(tmp_path / f"exit{r}").read_text() for r in (0, 1)] == ["False", "False"]

@@ -64,6 +64,17 @@ def test_order_depends_on_the_seed():
     assert epoch_batches(64, 1, 8, 0, seed=0) != epoch_batches(64, 1, 8, 0, seed=1)
 
 
+@pytest.mark.parametrize("n, padding", [(96, 0), (101, 1)])
+def test_without_drop_last_every_sample_is_seen_and_only_padding_repeats(n, padding):
+    ids = []
+    for rank in range(2):
+        loader = train_loader(dataset(n), batch_size=8, runtime=runtime(rank, 2), seed=0, workers=0, drop_last=False)
+        ids += [i for batch in loader for i in batch[0].tolist()]
+    counts = collections.Counter(ids)
+    assert set(counts) == set(range(n))  # every sample, the last partial batch included
+    assert len(ids) == n + padding  # DistributedSampler evens the ranks out with `padding` repeats
+
+
 def test_distributed_sampler_without_drop_last_pads_with_duplicates():
     # Why evaluation must not use DistributedSampler: with drop_last off it repeats samples to even out.
     from torch.utils.data import DistributedSampler
@@ -133,9 +144,11 @@ def test_nproc_auto():
     "options, message",
     [
         ({"nproc_per_node": 0}, "--nproc-per-node must be at least 1"),
-        ({"nnodes": 2, "node_rank": 2}, r"--node-rank must be in 0..1 for --nnodes 2, got 2"),
+        ({"nnodes": 2, "node_rank": 2, "master_addr": "h"}, r"--node-rank must be in 0..1 for --nnodes 2, got 2"),
         ({"master_port": 70000}, "--master-port must be in 1..65535"),
-        ({"launcher": "spawn", "nnodes": 2}, "spawn starts processes on this machine only"),
+        ({"launcher": "spawn", "nnodes": 2, "master_addr": "h"}, "spawn starts processes on this machine only"),
+        ({"launcher": "spawn", "max_restarts": 1}, "--max-restarts needs torchrun's elastic agent"),
+        ({"nnodes": 2}, "--nnodes 2 needs --master-addr"),
     ],
 )
 def test_launch_options_validation(options, message):

@@ -124,9 +124,11 @@ def _train_config(ns: argparse.Namespace):
     )
 
 
-def _launch_options(ns: argparse.Namespace, launcher: str = "torchrun") -> LaunchOptions:
+def _launch_options(ns: argparse.Namespace, launcher: str = "torchrun", one_process: bool = False) -> LaunchOptions:
+    # single and dp are one process per node by nature: there `auto` means 1.
+    nproc = 1 if one_process and ns.nproc_per_node == "auto" else resolve_nproc(ns.nproc_per_node)
     return LaunchOptions(
-        nproc_per_node=resolve_nproc(ns.nproc_per_node), nnodes=ns.nnodes, node_rank=ns.node_rank,
+        nproc_per_node=nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
         master_addr=ns.master_addr, master_port=ns.master_port, max_restarts=ns.max_restarts, launcher=launcher,
     )
 
@@ -144,7 +146,8 @@ def _check_devices(cfg, nproc: int) -> None:
         if nproc > 1:
             raise UsageError(f"--strategy dp is one process driving all GPUs; use --nproc-per-node 1, not {nproc}")
         return
-    device = choose_device(cfg.device, local_rank=0, local_world_size=nproc, cuda_count=cuda_count)
+    # The last local rank is the one that runs out of GPUs first.
+    device = choose_device(cfg.device, local_rank=nproc - 1, local_world_size=nproc, cuda_count=cuda_count)
     choose_backend(cfg.backend, device=device, local_world_size=nproc, cuda_count=cuda_count)
     if cfg.strategy == "single" and nproc > 1:
         raise UsageError(f"--strategy single trains on one device; use --nproc-per-node 1 (not {nproc}) or --strategy ddp")
@@ -169,27 +172,66 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         return 0
     cfg = _train_config(ns)
     cfg.validate()
-    if env_mod.is_launched(os.environ):
+    if _already_a_rank():
         # Already one rank of a job (torchrun, Slurm's srun, the legacy launcher): train, launch nothing.
         trainer.run(cfg)
         return 0
-    launcher = "spawn" if ns.launcher == "spawn" else "torchrun"
-    options = _launch_options(ns, launcher)
+    options = _launch_options(ns, ns.launcher, one_process=cfg.strategy in ("single", "dp"))
     _check_devices(cfg, options.nproc_per_node)
     if options.world_size == 1:
         trainer.run(cfg)
         return 0
-    if launcher == "spawn":
+    if options.launcher == "spawn":
         return spawn(_spawn_train_worker, options.nproc_per_node, (cfg,))
     return elastic(options, ["-m", "ddpkit", *argv])
 
 
+def _already_a_rank() -> bool:
+    try:
+        return env_mod.is_launched(os.environ)
+    except ValueError as error:
+        raise UsageError(f"cannot read the launcher's environment: {error}") from None
+
+
+def torchrun_variables(environment: env_mod.DistEnv) -> dict[str, str]:
+    """The variables torchrun gives each worker, for a rank some other launcher (Slurm) started."""
+    return {
+        "RANK": str(environment.rank),
+        "LOCAL_RANK": str(environment.local_rank),
+        "WORLD_SIZE": str(environment.world_size),
+        "LOCAL_WORLD_SIZE": str(environment.local_world_size),
+        "GROUP_RANK": str(environment.node_rank),
+        "MASTER_ADDR": environment.master_addr,
+        "MASTER_PORT": str(environment.master_port),
+    }
+
+
 def cmd_run(ns: argparse.Namespace) -> int:
-    if not ns.module and not os.path.isfile(ns.script):
+    if ns.module:
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(ns.script) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise UsageError(f"module {ns.script!r} cannot be imported from here")
+    elif not os.path.isfile(ns.script):
         raise UsageError(f"script {ns.script!r} does not exist")
-    options = _launch_options(ns)
-    command = (["-m"] if ns.module else []) + [ns.script, *ns.script_args]
-    return elastic(options, command, local_rank_arg=ns.local_rank_arg)
+    script = (["-m"] if ns.module else []) + [ns.script]
+    if _already_a_rank():
+        # srun -n N ddpkit run script.py: this task is one rank. Give the script torchrun's variables
+        # (rank, world, master from Slurm) and become it; starting N more processes would be wrong.
+        try:
+            environment = env_mod.detect(os.environ)
+        except ValueError as error:
+            raise UsageError(f"cannot read the launcher's environment: {error}") from None
+        os.environ.update(torchrun_variables(environment))
+        # Where torchrun puts it: right after the script, before the script's own arguments.
+        local_rank = [f"--local-rank={environment.local_rank}"] if ns.local_rank_arg else []
+        sys.stdout.flush()
+        os.execv(sys.executable, [sys.executable, "-u", *script, *local_rank, *ns.script_args])
+    return elastic(_launch_options(ns), [*script, *ns.script_args], local_rank_arg=ns.local_rank_arg)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -91,12 +91,18 @@ def train_loader(
     shuffle: bool = True,
     workers: int | None = None,
     in_memory: bool | None = None,
+    drop_last: bool = True,
 ) -> DeviceLoader:
-    """Per-process batches of ``batch_size``; the global batch is ``batch_size * world_size``."""
+    """Per-process batches of ``batch_size``; the global batch is ``batch_size * world_size``.
+
+    ``drop_last=False`` keeps every sample, at a price: DistributedSampler pads the epoch with up to
+    world_size - 1 repeated samples, and the last batch is smaller, so the run no longer matches one
+    process with the global batch exactly.
+    """
     if batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {batch_size}")
     global_batch = batch_size * runtime.world_size
-    if len(dataset) < global_batch:
+    if drop_last and len(dataset) < global_batch:
         raise UsageError(
             f"the training set has {len(dataset)} samples, fewer than one global batch of {global_batch} "
             f"({batch_size} per process x {runtime.world_size} processes); lower --batch-size"
@@ -107,14 +113,14 @@ def train_loader(
         rank=runtime.rank,
         shuffle=shuffle,
         seed=seed,
-        drop_last=True,
+        drop_last=drop_last,
     )
     workers = default_workers(runtime, in_memory, dataset) if workers is None else workers
     loader = DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
-        drop_last=True,
+        drop_last=drop_last,
         num_workers=workers,
         pin_memory=runtime.device.type == "cuda",
         persistent_workers=workers > 0,

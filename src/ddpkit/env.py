@@ -98,10 +98,12 @@ def from_torchrun(environ: Mapping[str, str], argv: Sequence[str] = ()) -> DistE
     """torchrun, ``torch.distributed.launch`` or any launcher that sets RANK and WORLD_SIZE."""
     world_size = _int(environ, "WORLD_SIZE")
     argv_local_rank = local_rank_from_argv(argv)
-    if "TORCHELASTIC_RUN_ID" in environ:
-        launcher = "torchrun"
-    elif argv_local_rank is not None:
+    # The legacy launcher runs torchrun's agent too (so TORCHELASTIC_RUN_ID is set); what tells it
+    # apart is the --local-rank argument it adds.
+    if argv_local_rank is not None:
         launcher = "torch.distributed.launch"
+    elif "TORCHELASTIC_RUN_ID" in environ:
+        launcher = "torchrun"
     else:
         launcher = "env"
     local_rank = _int(environ, "LOCAL_RANK", argv_local_rank if argv_local_rank is not None else 0)
@@ -184,12 +186,15 @@ def _expand_ranges(spec: str, item: str) -> list[str]:
     return values
 
 
-def _first_count(tasks_per_node: str) -> int:
-    # SLURM_TASKS_PER_NODE looks like "4(x2),2": the first node's count is what matters here.
-    match = re.match(r"(\d+)", tasks_per_node)
-    if match is None:
-        raise ValueError(f"cannot read SLURM_TASKS_PER_NODE={tasks_per_node!r}")
-    return int(match.group(1))
+def tasks_per_node(spec: str) -> list[int]:
+    """Expand SLURM_TASKS_PER_NODE: ``"4(x2),2"`` -> ``[4, 4, 2]`` (one count per node, in node order)."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            raise ValueError(f"cannot read SLURM_TASKS_PER_NODE={spec!r}")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
 
 
 def from_slurm(environ: Mapping[str, str]) -> DistEnv:
@@ -204,11 +209,15 @@ def from_slurm(environ: Mapping[str, str]) -> DistEnv:
         master_port = SLURM_PORT_BASE + _int(environ, "SLURM_JOB_ID") % SLURM_PORT_SPAN
     else:
         master_port = DEFAULT_MASTER_PORT
-    tasks_per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
-    if environ.get("SLURM_NTASKS_PER_NODE"):
+    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    node_rank = _int(environ, "SLURM_NODEID", 0)
+    if per_node:
+        counts = tasks_per_node(per_node)
+        if node_rank >= len(counts):
+            raise ValueError(f"SLURM_NODEID={node_rank} but SLURM_TASKS_PER_NODE={per_node!r} lists {len(counts)} node(s)")
+        local_world_size = counts[node_rank]  # nodes may run different numbers of tasks
+    elif environ.get("SLURM_NTASKS_PER_NODE"):
         local_world_size = _int(environ, "SLURM_NTASKS_PER_NODE")
-    elif tasks_per_node:
-        local_world_size = _first_count(tasks_per_node)
     else:
         local_world_size = max(1, world_size // max(1, len(hosts)))
     local_rank = _int(environ, "SLURM_LOCALID", 0)
@@ -217,7 +226,7 @@ def from_slurm(environ: Mapping[str, str]) -> DistEnv:
         local_rank=local_rank,
         world_size=world_size,
         local_world_size=max(local_world_size, local_rank + 1),
-        node_rank=_int(environ, "SLURM_NODEID", 0),
+        node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,
         launcher="slurm",

@@ -49,6 +49,12 @@ class LaunchOptions:
             raise UsageError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
         if self.launcher == "spawn" and self.nnodes > 1:
             raise UsageError("--launcher spawn starts processes on this machine only; use torchrun for --nnodes > 1")
+        if self.launcher == "spawn" and self.max_restarts > 0:
+            raise UsageError("--max-restarts needs torchrun's elastic agent; drop --launcher spawn")
+        if self.nnodes > 1 and not self.master_addr:
+            raise UsageError(
+                f"--nnodes {self.nnodes} needs --master-addr: the address of node 0 that every node can reach"
+            )
 
     @property
     def world_size(self) -> int:
@@ -90,8 +96,11 @@ def _threads_per_process(nproc: int) -> str:
 
 def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: bool = False) -> int:
     """Run ``command`` on every process of this node through torchrun's agent; returns an exit status."""
+    from torch.distributed import DistNetworkError
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     # torchrun would force 1 thread per process (and warn); a fair share of the cores is faster on CPU.
     os.environ.setdefault("OMP_NUM_THREADS", _threads_per_process(options.nproc_per_node))
@@ -102,6 +111,16 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
         torchrun.run(args)
     except ChildFailedError as failed:
         return report_failures({rank: (f.exitcode, f.pid) for rank, f in failed.failures.items()})
+    except SignalException as stopped:
+        # Ctrl-C or SIGTERM reached the agent: it has already stopped every worker.
+        print(f"ddpkit: stopped by signal {stopped.sigval.name}; all workers were stopped", file=sys.stderr)
+        return 128 + int(stopped.sigval)
+    except (DistNetworkError, RendezvousError) as error:
+        where = f"{options.master_addr or '127.0.0.1'}:{options.master_port or DEFAULT_MULTINODE_PORT}"
+        raise UsageError(
+            f"could not set up the rendezvous at {where} ({str(error).splitlines()[0]}); "
+            "check --master-addr, and that --master-port is free on node 0 (or omit it on one node)"
+        ) from None
     return 0
 
 
@@ -123,11 +142,14 @@ def spawn(worker: Callable[..., object], nproc: int, args: tuple = ()) -> int:
 
     from ddpkit.process_group import free_port
 
+    os.environ.setdefault("OMP_NUM_THREADS", _threads_per_process(nproc))
     try:
         mp.spawn(worker, args=(nproc, free_port(), *args), nprocs=nproc, join=True)
     except ProcessExitedException as failed:
-        return report_failures({failed.error_index: (failed.exit_code, failed.pid)})
+        return report_failures({failed.error_index: (failed.exit_code, failed.error_pid)})
     except ProcessRaisedException as failed:
-        print(f"ddpkit: error: rank {failed.error_index} raised an exception (above)", file=sys.stderr)
+        # spawn hands the worker's traceback over in the exception instead of printing it.
+        print(f"{failed}\nddpkit: error: rank {failed.error_index} (pid {failed.error_pid}) raised the exception above",
+              file=sys.stderr)
         return 1
     return 0

@@ -134,7 +134,10 @@ def setup(
     if timeout_s <= 0:
         raise UsageError(f"--timeout must be a positive number of seconds, got {timeout_s}")
     if environment is None:
-        environment = env_mod.detect(os.environ if environ is None else environ, sys.argv if argv is None else argv)
+        try:
+            environment = env_mod.detect(os.environ if environ is None else environ, sys.argv if argv is None else argv)
+        except ValueError as error:
+            raise UsageError(f"cannot read the launcher's environment: {error}") from None
     cuda_count = torch.cuda.device_count()
     device_type = choose_device(
         device, local_rank=environment.local_rank, local_world_size=environment.local_world_size, cuda_count=cuda_count
@@ -154,14 +157,22 @@ def setup(
         return Runtime(env=environment, backend=None, device=bound)
     if environment.world_size == 1 and environment.master_port is None and init_method is None:
         init_method = f"tcp://127.0.0.1:{free_port()}"
-    dist.init_process_group(
-        backend=chosen_backend,
-        init_method=init_method or default_init_method(environment),
-        rank=environment.rank,
-        world_size=environment.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=bound if chosen_backend == "nccl" else None,
-    )
+    init_method = init_method or default_init_method(environment)
+    try:
+        dist.init_process_group(
+            backend=chosen_backend,
+            init_method=init_method,
+            rank=environment.rank,
+            world_size=environment.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=bound if chosen_backend == "nccl" else None,
+        )
+    except dist.DistNetworkError as error:
+        where = init_method if init_method != "env://" else f"{environment.master_addr}:{environment.master_port}"
+        raise UsageError(
+            f"cannot start the process group at {where} ({str(error).splitlines()[0]}); "
+            "is the port already in use (a stale MASTER_PORT?) or the master address unreachable?"
+        ) from None
     return Runtime(env=environment, backend=chosen_backend, device=bound)
 
 
@@ -204,6 +215,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 def barrier(runtime: Runtime) -> None:
     if runtime.backend is not None:
         dist.barrier()
+
+
+def broadcast_buffers(model: torch.nn.Module, runtime: Runtime) -> None:
+    """Give every rank global rank 0's buffers (BatchNorm running statistics)."""
+    if runtime.backend is None:
+        return
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
 
 
 @contextlib.contextmanager
