@@ -68,3 +68,42 @@ def test_model_state_dict_has_no_module_prefix():
     with ddpkit.distributed(device="cpu") as rt:
         model = ddpkit.prepare_model(nn.Linear(3, 2), rt)
         assert sorted(ddpkit.model_state_dict(model)) == ["bias", "weight"]
+
+
+def test_accumulation_all_reduces_once_per_optimizer_step():
+    # Without no_sync the weights would come out the same (an all-reduce per micro-step is linear), so
+    # count the all-reduces themselves with a DDP communication hook.
+    from torch.utils.data import TensorDataset
+
+    from ddpkit.trainer import TrainConfig, _train_epoch
+
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append(bucket.index())
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    cfg = TrainConfig(accumulate=4, progress=False)
+    with ddpkit.distributed(device="cpu") as rt:
+        model = ddpkit.prepare_model(nn.Sequential(nn.Flatten(), nn.Linear(4, 3)), rt)
+        model.register_comm_hook(None, counting_hook)
+        data = TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
+        loader = ddpkit.train_loader(data, batch_size=4, runtime=rt, seed=0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        _train_epoch(cfg, rt, model, optimizer, scaler, loader, steps=3, epoch=1)
+    assert calls == [0, 0, 0]  # 12 micro-steps, 3 optimizer steps, one bucket each
+
+
+def test_unwrap_removes_only_parallel_wrappers():
+    class HasModuleChild(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+            self.head = nn.Linear(2, 1)
+
+    model = HasModuleChild()
+    assert ddpkit.unwrap(model) is model
+    assert ddpkit.unwrap(nn.DataParallel(model)) is model

@@ -129,6 +129,10 @@ def _autocast(runtime: Runtime, amp: str):
 
 
 def train(cfg: TrainConfig, runtime: Runtime) -> dict:
+    if cfg.debug:
+        # Before any data is loaded: a rank that hangs later can still be found and attached to.
+        print(f"[rank {runtime.rank} local {runtime.local_rank} pid {os.getpid()}] process group up, "
+              f"backend {runtime.backend or 'none'}, device {runtime.device}", flush=True)
     spec = zoo.parse_data_spec(cfg.data)
     channels, image_size = zoo.model_input(cfg.model, spec.kind, cfg.image_size)
     # Rank 0 first: a download (MNIST) happens once, the other ranks then read the files.
@@ -183,6 +187,11 @@ def train(cfg: TrainConfig, runtime: Runtime) -> dict:
         if runtime.device.type == "cuda":
             torch.cuda.synchronize(runtime.device)
         elapsed = time.perf_counter() - started
+        if cfg.strategy == "ddp":
+            # DDP copies rank 0's buffers (BatchNorm running stats) to the others at the *start* of each
+            # forward, so after the last step each rank holds its own. Evaluate, everywhere, the model
+            # that model.pt will hold: rank 0's.
+            process_group.broadcast_buffers(unwrap(wrapped), runtime)
         # DataParallel is one process: evaluate through it; DDP ranks evaluate their own bare replica,
         # because ranks may hold different numbers of validation batches (no collective may run inside).
         val_loss, val_acc, val_count = evaluate(wrapped if cfg.strategy == "dp" else unwrap(wrapped), val_loader, runtime, cfg.amp)
@@ -233,8 +242,10 @@ def _train_epoch(cfg, runtime, model, optimizer, scaler, loader, steps, epoch) -
                     flush=True,
                 )
             last = micro == cfg.accumulate - 1
-            # Skip the all-reduce on all but the last micro-step; gradients accumulate locally.
-            sync = contextlib.nullcontext() if (last or not is_ddp) else model.no_sync()
+            # Skip the all-reduce on all but the last micro-step; gradients accumulate locally. With
+            # static_graph DDP records the graph on its first backward, which must be synchronised.
+            first_backward = epoch == 0 and step == 0 and micro == 0 and cfg.static_graph
+            sync = contextlib.nullcontext() if (last or not is_ddp or first_backward) else model.no_sync()
             with sync:
                 with _autocast(runtime, cfg.amp):
                     loss = F.cross_entropy(model(images), labels)

@@ -117,13 +117,37 @@ def model_input(name: str, data_kind: str, image_size: int | None) -> tuple[int,
     return 3, image_size or (224 if data_kind == "folder" else 32)
 
 
+# Classifiers whose training-mode output is a tuple with auxiliary heads: ddpkit trains the main head.
+AUX_LOGIT_MODELS = ("googlenet", "inception_v3")
+
+
 def build_model(name: str, *, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
     check_model_name(name)
     if name in BUILTIN_MODELS:
         return BUILTIN_MODELS[name].build(in_channels=in_channels, num_classes=num_classes, image_size=image_size)
     import torchvision
 
-    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    extra = {"aux_logits": False, "init_weights": True} if name in AUX_LOGIT_MODELS else {}
+    model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **extra)
+    check_input_size(model, name, in_channels, image_size)
+    return model
+
+
+def check_input_size(model: nn.Module, name: str, channels: int, image_size: int) -> None:
+    """One forward pass of two blank images, so a size the model cannot take is a clear error, not a traceback."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros(2, channels, image_size, image_size))
+    except (RuntimeError, AssertionError, ValueError) as error:
+        reason = (str(error).splitlines() or [type(error).__name__])[0]
+        raise UsageError(
+            f"model {name} cannot take {image_size}x{image_size} images ({reason}); "
+            "set --image-size, e.g. 224"
+        ) from None
+    finally:
+        model.train(was_training)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,8 +243,10 @@ def load_mnist(root: str, channels: int, image_size: int) -> Datasets:
         train = datasets.MNIST(root, train=True, download=True, transform=transform)
         val = datasets.MNIST(root, train=False, download=True, transform=transform)
     except (RuntimeError, OSError) as error:
+        # torchvision's message runs over several lines (one per mirror tried): keep the first.
+        reason = (str(error).splitlines() or [type(error).__name__])[0]
         raise UsageError(
-            f"MNIST is not in {os.path.join(root, 'MNIST', 'raw')} and could not be downloaded ({error}); "
+            f"MNIST is not in {os.path.join(root, 'MNIST', 'raw')} and could not be downloaded ({reason}); "
             "copy the four *-idx?-ubyte files there or use --data digits"
         ) from None
     return Datasets(train, val, num_classes=10)
@@ -238,20 +264,31 @@ def folder_transform(channels: int, image_size: int):
     return transforms.Compose(steps)
 
 
+VAL_FOLDERS = ("val", "valid", "validation", "test")
+
+
 def load_folder(path: str, channels: int, image_size: int) -> Datasets:
-    """ImageFolder: ``path/train`` + ``path/val`` when both exist, else ``path`` split 90/10."""
+    """ImageFolder: ``path/train`` + ``path/val`` (or valid, validation, test) when present, else split 90/10.
+
+    ``path/train`` alone is split 90/10; a folder without ``train/`` is itself the class-per-folder root.
+    """
     from torchvision.datasets import ImageFolder
 
     transform = folder_transform(channels, image_size)
+    train_dir = os.path.join(path, "train")
+    val_dirs = [os.path.join(path, name) for name in VAL_FOLDERS if os.path.isdir(os.path.join(path, name))]
     try:
-        if os.path.isdir(os.path.join(path, "train")) and os.path.isdir(os.path.join(path, "val")):
-            train = ImageFolder(os.path.join(path, "train"), transform=transform)
-            val = ImageFolder(os.path.join(path, "val"), transform=transform)
+        if os.path.isdir(train_dir) and val_dirs:
+            train = ImageFolder(train_dir, transform=transform)
+            val = ImageFolder(val_dirs[0], transform=transform)
             if train.classes != val.classes:
-                raise UsageError(f"{path}/train and {path}/val hold different class folders")
+                raise UsageError(
+                    f"{train_dir} and {val_dirs[0]} hold different class folders "
+                    f"({len(train.classes)} vs {len(val.classes)})"
+                )
             classes = train.classes
         else:
-            full = ImageFolder(path, transform=transform)
+            full = ImageFolder(train_dir if os.path.isdir(train_dir) else path, transform=transform)
             train_idx, val_idx = _split(len(full), 0.1)
             train, val = Subset(full, train_idx), Subset(full, val_idx)
             classes = full.classes

@@ -11,6 +11,7 @@ model stays reachable through ``unwrap`` (for saving without a ``module.`` prefi
 from __future__ import annotations
 
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.strategies.ddp import DDPOptions, apply_ddp
 from ddpkit.strategies.dp import apply_dp, check_dp_batch
@@ -25,7 +26,7 @@ STRATEGIES = {
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's model inside a DataParallel / DistributedDataParallel wrapper (or the model itself)."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+    while isinstance(model, (nn.DataParallel, DistributedDataParallel)):
         model = model.module
     return model
 

@@ -38,6 +38,9 @@ class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         self._check_input_dim(input)
         if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
             return super().forward(input)
+        # Statistics in float32 even under bf16/fp16 autocast: low precision cannot even count the samples.
+        out_dtype = input.dtype
+        input = input.float()
         channels = input.size(1)
         dims = [0, *range(2, input.dim())]
         shape = [1, channels] + [1] * (input.dim() - 2)
@@ -61,7 +64,7 @@ class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         out = centered * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             out = out * self.weight.view(shape) + self.bias.view(shape)
-        return out
+        return out.to(out_dtype)
 
 
 def _to_cpu_sync(module: nn.Module) -> nn.Module:
