@@ -85,3 +85,31 @@ def test_digits_fit_every_model(model, channels):
     sets = load_data(parse_data_spec("digits"), channels=c, image_size=size)
     assert c == channels and sets.train[0][0].shape == (c, size, size)
     assert (len(sets.train), len(sets.val)) == (1438, 359)
+
+
+def test_train_and_test_folders_are_train_and_validation(tmp_path):
+    image_folder(tmp_path / "imgs" / "train", per_class=5)
+    image_folder(tmp_path / "imgs" / "test", per_class=2)
+    sets = load_data(parse_data_spec(f"folder:{tmp_path / 'imgs'}"), channels=3, image_size=16)
+    # Not a 2-class problem "train" vs "test": the 3 classes, with test/ as the validation part.
+    assert (len(sets.train), len(sets.val), sets.num_classes) == (15, 6, 3)
+
+
+def test_a_train_folder_alone_is_split(tmp_path):
+    image_folder(tmp_path / "imgs" / "train", per_class=10)
+    sets = load_data(parse_data_spec(f"folder:{tmp_path / 'imgs'}"), channels=3, image_size=16)
+    assert (len(sets.train), len(sets.val), sets.num_classes) == (27, 3, 3)
+
+
+def test_models_with_auxiliary_heads_train(tmp_path):
+    code = main(["train", "--model", "googlenet", "--data", "synthetic:8", "--image-size", "32", "--epochs", "1",
+                 "--batch-size", "4", "--nproc-per-node", "1", "--output-dir", str(tmp_path), "--no-progress"])
+    assert code == 0
+
+
+def test_an_image_size_the_model_cannot_take_is_a_clear_error(tmp_path, capsys):
+    code = main(["train", "--model", "vit_b_16", "--data", "synthetic:8", "--epochs", "1", "--nproc-per-node", "1",
+                 "--output-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "model vit_b_16 cannot take 32x32 images" in err and "--image-size" in err
