@@ -118,6 +118,7 @@ if __name__ == "__main__":
         for epoch in range(args.epochs):  # ddpkit: --epochs (default 5)
             last_loss = train(model, optimizer, train_loader, device)  # ddpkit: (added) keep the loss
             ddpkit.print0(rt, f'epoch {epoch}: last batch loss {last_loss:.4f}')  # ddpkit: rank 0 prints
+        ddpkit.broadcast_buffers(ddpkit.unwrap(model), rt)  # ddpkit: (added) every rank tests rank 0's BatchNorm stats
         loss_sum, correct, count = test(ddpkit.unwrap(model), test_loader, device, rt)  # ddpkit: bare model
         ddpkit.print0(rt, f'test: loss {loss_sum / count:.4f}, accuracy {correct / count:.2%} '  # ddpkit
                           f'({int(correct)}/{int(count)} samples)')

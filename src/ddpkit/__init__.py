@@ -18,7 +18,7 @@ from ddpkit.data import eval_loader, reduce_sums, to_device, train_loader
 from ddpkit.env import DistEnv, detect
 from ddpkit.errors import UsageError
 from ddpkit import zoo
-from ddpkit.process_group import Runtime, barrier, distributed, free_port, main_process_first, setup, teardown
+from ddpkit.process_group import Runtime, barrier, broadcast_buffers, distributed, free_port, main_process_first, setup, teardown
 from ddpkit.strategies import STRATEGIES, DDPOptions, unwrap
 from ddpkit.strategies.sync_bn import convert_sync_batchnorm
 
@@ -41,7 +41,7 @@ def print0(runtime: Runtime, *args, **kwargs) -> None:
 
 
 __all__ = [
-    "DDPOptions", "DistEnv", "Runtime", "STRATEGIES", "UsageError", "atomic_save", "barrier", "convert_sync_batchnorm",
+    "DDPOptions", "DistEnv", "Runtime", "STRATEGIES", "UsageError", "atomic_save", "barrier", "broadcast_buffers", "convert_sync_batchnorm",
     "detect", "distributed", "eval_loader", "free_port", "main_process_first", "model_state_dict", "prepare_model", "print0",
     "reduce_sums", "setup", "teardown", "to_device", "train_loader", "unwrap", "zoo",
 ]
