@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from ddpkit import env as env_mod
 from ddpkit.errors import EXIT_USAGE, UsageError
 from ddpkit.launch import LAUNCHERS, LaunchOptions, elastic, resolve_nproc, spawn
+from ddpkit.process_group import read_environment
 
 
 class _Parser(argparse.ArgumentParser):
@@ -222,10 +223,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if _already_a_rank():
         # srun -n N ddpkit run script.py: this task is one rank. Give the script torchrun's variables
         # (rank, world, master from Slurm) and become it; starting N more processes would be wrong.
-        try:
-            environment = env_mod.detect(os.environ)
-        except ValueError as error:
-            raise UsageError(f"cannot read the launcher's environment: {error}") from None
+        environment = read_environment(argv=())
         os.environ.update(torchrun_variables(environment))
         # Where torchrun puts it: right after the script, before the script's own arguments.
         local_rank = [f"--local-rank={environment.local_rank}"] if ns.local_rank_arg else []

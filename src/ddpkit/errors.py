@@ -10,3 +10,9 @@ class UsageError(Exception):
 
 
 EXIT_USAGE = 2
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (torch and torchvision write several), or its type."""
+    lines = str(error).splitlines()
+    return lines[0] if lines else type(error).__name__

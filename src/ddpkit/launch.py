@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ddpkit.errors import EXIT_USAGE, UsageError
+from ddpkit.errors import EXIT_USAGE, UsageError, first_line
 
 DEFAULT_MULTINODE_PORT = 29500
 LAUNCHERS = ("torchrun", "spawn")
@@ -118,7 +118,7 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
     except (DistNetworkError, RendezvousError) as error:
         where = f"{options.master_addr or '127.0.0.1'}:{options.master_port or DEFAULT_MULTINODE_PORT}"
         raise UsageError(
-            f"could not set up the rendezvous at {where} ({str(error).splitlines()[0]}); "
+            f"could not set up the rendezvous at {where} ({first_line(error)}); "
             "check --master-addr, and that --master-port is free on node 0 (or omit it on one node)"
         ) from None
     return 0

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import env as env_mod
-from ddpkit.errors import UsageError
+from ddpkit.errors import UsageError, first_line
 
 BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
@@ -56,6 +56,14 @@ class Runtime:
     @property
     def is_main(self) -> bool:
         return self.env.is_main
+
+
+def read_environment(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> env_mod.DistEnv:
+    """``env.detect`` on this process's environment and arguments; malformed launcher variables are bad input."""
+    try:
+        return env_mod.detect(os.environ if environ is None else environ, sys.argv if argv is None else argv)
+    except ValueError as error:
+        raise UsageError(f"cannot read the launcher's environment: {error}") from None
 
 
 def choose_device(requested: str, *, local_rank: int, local_world_size: int, cuda_count: int) -> str:
@@ -134,10 +142,7 @@ def setup(
     if timeout_s <= 0:
         raise UsageError(f"--timeout must be a positive number of seconds, got {timeout_s}")
     if environment is None:
-        try:
-            environment = env_mod.detect(os.environ if environ is None else environ, sys.argv if argv is None else argv)
-        except ValueError as error:
-            raise UsageError(f"cannot read the launcher's environment: {error}") from None
+        environment = read_environment(environ, argv)
     cuda_count = torch.cuda.device_count()
     device_type = choose_device(
         device, local_rank=environment.local_rank, local_world_size=environment.local_world_size, cuda_count=cuda_count
@@ -170,7 +175,7 @@ def setup(
     except dist.DistNetworkError as error:
         where = init_method if init_method != "env://" else f"{environment.master_addr}:{environment.master_port}"
         raise UsageError(
-            f"cannot start the process group at {where} ({str(error).splitlines()[0]}); "
+            f"cannot start the process group at {where} ({first_line(error)}); "
             "is the port already in use (a stale MASTER_PORT?) or the master address unreachable?"
         ) from None
     return Runtime(env=environment, backend=chosen_backend, device=bound)

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset, TensorDataset
 
-from ddpkit.errors import UsageError
+from ddpkit.errors import UsageError, first_line
 
 DATA_KINDS = ("digits", "synthetic", "mnist", "folder")
 DEFAULT_SYNTHETIC_SIZE = 1024
@@ -141,9 +141,8 @@ def check_input_size(model: nn.Module, name: str, channels: int, image_size: int
         with torch.no_grad():
             model(torch.zeros(2, channels, image_size, image_size))
     except (RuntimeError, AssertionError, ValueError) as error:
-        reason = (str(error).splitlines() or [type(error).__name__])[0]
         raise UsageError(
-            f"model {name} cannot take {image_size}x{image_size} images ({reason}); "
+            f"model {name} cannot take {image_size}x{image_size} images ({first_line(error)}); "
             "set --image-size, e.g. 224"
         ) from None
     finally:
@@ -244,9 +243,8 @@ def load_mnist(root: str, channels: int, image_size: int) -> Datasets:
         val = datasets.MNIST(root, train=False, download=True, transform=transform)
     except (RuntimeError, OSError) as error:
         # torchvision's message runs over several lines (one per mirror tried): keep the first.
-        reason = (str(error).splitlines() or [type(error).__name__])[0]
         raise UsageError(
-            f"MNIST is not in {os.path.join(root, 'MNIST', 'raw')} and could not be downloaded ({reason}); "
+            f"MNIST is not in {os.path.join(root, 'MNIST', 'raw')} and could not be downloaded ({first_line(error)}); "
             "copy the four *-idx?-ubyte files there or use --data digits"
         ) from None
     return Datasets(train, val, num_classes=10)
