@@ -75,7 +75,7 @@ def test_accumulation_all_reduces_once_per_optimizer_step():
     # count the all-reduces themselves with a DDP communication hook.
     from torch.utils.data import TensorDataset
 
-    from ddpkit.trainer import TrainConfig, _train_epoch
+    from ddpkit.trainer import TrainConfig, _Loop, _Position, make_scheduler
 
     calls = []
 
@@ -93,8 +93,10 @@ def test_accumulation_all_reduces_once_per_optimizer_step():
         loader = ddpkit.train_loader(data, batch_size=4, runtime=rt, seed=0)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
-        _train_epoch(cfg, rt, model, optimizer, scaler, loader, steps=3, epoch=1)
-    assert calls == [0, 0, 0]  # 12 micro-steps, 3 optimizer steps, one bucket each
+        loop = _Loop(cfg, rt, model, optimizer, make_scheduler(cfg, optimizer, 4), scaler, loader, None, 4,
+                     _Position(epoch=1, samples=0, global_step=4))
+        _, steps = loop.epoch(1, 0, [0.0, 0.0])
+    assert steps == 4 and calls == [0, 0, 0, 0]  # 16 micro-steps, 4 optimizer steps, one bucket each
 
 
 def test_unwrap_removes_only_parallel_wrappers():

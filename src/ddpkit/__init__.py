@@ -13,7 +13,8 @@
 Start it with ``ddpkit run --nproc-per-node N script.py`` (or torchrun, or ``srun``).
 """
 
-from ddpkit.checkpoint import atomic_save, model_state_dict
+from ddpkit.checkpoint import CheckpointError, Checkpointer, Resumed, atomic_save, load_model_state, model_state_dict, read_contents
+from ddpkit.preempt import StopSignal, stop_on_signal
 from ddpkit.data import eval_loader, reduce_sums, to_device, train_loader
 from ddpkit.env import DistEnv, detect
 from ddpkit.errors import UsageError
@@ -41,7 +42,8 @@ def print0(runtime: Runtime, *args, **kwargs) -> None:
 
 
 __all__ = [
-    "DDPOptions", "DistEnv", "Runtime", "STRATEGIES", "UsageError", "atomic_save", "barrier", "broadcast_buffers", "convert_sync_batchnorm",
+    "CheckpointError", "Checkpointer", "DDPOptions", "DistEnv", "Resumed", "StopSignal", "load_model_state", "read_contents",
+    "stop_on_signal", "Runtime", "STRATEGIES", "UsageError", "atomic_save", "barrier", "broadcast_buffers", "convert_sync_batchnorm",
     "detect", "distributed", "eval_loader", "free_port", "main_process_first", "model_state_dict", "prepare_model", "print0",
     "reduce_sums", "setup", "teardown", "to_device", "train_loader", "unwrap", "zoo",
 ]

@@ -1,36 +1,92 @@
-"""Saving that never leaves a half-written file, and the model as a plain state_dict.
+"""Checkpoints that survive crashes, kills and preemption, and resume as if nothing happened.
 
-    >>> from ddpkit.checkpoint import atomic_save, model_state_dict
-    >>> atomic_save(model_state_dict(ddp_model), "runs/x/model.pt")      # doctest: +SKIP
+    >>> ckpt = Checkpointer("runs/x/checkpoints", runtime, keep=3)                  # doctest: +SKIP
+    >>> resumed = ckpt.resume("auto", model=model, optimizer=opt, loader=loader)     # before wrapping
+    >>> ...                                                                          # train
+    >>> ckpt.save(model=ddp_model, optimizer=opt, loader=loader)                     # every rank calls it
+    >>> ckpt.wait()                                                                  # before exiting
 
-``atomic_save`` writes a temporary file in the target's folder, flushes and fsyncs it, then renames it
-over the target: a crash at any moment leaves either the old file or the new one, never a torn one.
+Files. ``atomic_save`` writes a temporary file in the target's folder, flushes and fsyncs it, then renames
+it over the target: a crash at any moment leaves either the old file or the new one, never a torn one.
+A checkpoint folder holds ``step-00000123.pt`` files (the number is the optimizer step) and ``latest``,
+a one-line pointer to the newest complete one, replaced only after that file is on disk.
+
+Saving. Global rank 0 writes, in a background thread, from a CPU copy of the state taken at the step
+boundary: the other ranks go on training instead of waiting (and timing out) on a slow disk. Every
+rank contributes its own RNG states (torch, CUDA, numpy, python), gathered to rank 0.
+
+Loading. ``torch.load(..., weights_only=True)`` only: a checkpoint is untrusted input and unpickling
+runs code, so everything ddpkit writes is plain tensors, numbers, strings, lists and dicts. The
+tutorials' formats load too: a plain state_dict, and ``{"model_state_dict", "optimizer_state_dict",
+"epoch"}``, with or without DDP's ``module.`` prefix.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import platform
+import random
+import re
+import shutil
+import sys
 import tempfile
-from typing import Any
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
+from ddpkit.errors import UsageError, first_line
 from ddpkit.strategies import unwrap
 
 MODEL_FILE = "model.pt"
+FOLDER = "checkpoints"  # inside the output folder
+POINTER = "latest"
+FORMAT = "ddpkit-checkpoint/1"
+TEMP_PREFIX = ".tmp-"
+
+# Keys of a ddpkit checkpoint.
+KEY_FORMAT = "format"
+KEY_MODEL = "model"
+KEY_OPTIMIZER = "optimizer"
+KEY_SCHEDULER = "scheduler"
+KEY_SCALER = "scaler"
+KEY_PROGRESS = "progress"  # epoch, step, samples, global_step, world_size, global_batch
+KEY_RANKS = "ranks"  # one dict per rank: "rng" and whatever the caller passed as rank_state
+KEY_CONFIG = "config"
+KEY_VERSIONS = "versions"
+KEY_EXTRA = "extra"
+# The tutorials' keys.
+TUTORIAL_MODEL = "model_state_dict"
+TUTORIAL_OPTIMIZER = "optimizer_state_dict"
+TUTORIAL_EPOCH = "epoch"
+
+_NAME = re.compile(r"^step-(\d+)\.pt$")
 
 
-def atomic_save(obj: Any, path: str | os.PathLike) -> None:
+class CheckpointError(UsageError):
+    """A checkpoint that cannot be used: unreadable, truncated, not a checkpoint, or for another model."""
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
+    """Call ``write(handle)`` on a temporary file beside ``path``, make it durable, rename it over ``path``."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".pt", dir=folder)
     try:
         with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
-        # mkstemp creates the file readable by its owner only; give it the mode torch.save's open() would.
+        # mkstemp creates the file readable by its owner only; give it the mode an open() would.
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
@@ -46,6 +102,482 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
         os.close(dir_fd)
 
 
+def atomic_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save(obj, path)`` that never leaves a half-written ``path``."""
+    atomic_write(path, lambda handle: torch.save(obj, handle))
+
+
+def checkpoint_name(global_step: int) -> str:
+    return f"step-{global_step:08d}.pt"
+
+
+def list_checkpoints(folder: str | os.PathLike) -> list[Path]:
+    """The checkpoint files in ``folder``, newest (highest step) first."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), entry) for entry in folder.iterdir() if (m := _NAME.match(entry.name))]
+    return [entry for _, entry in sorted(found, reverse=True)]
+
+
+def read_pointer(folder: str | os.PathLike) -> Path | None:
+    """The file ``latest`` names, or None when there is no pointer (or it names nothing there)."""
+    try:
+        name = (Path(folder) / POINTER).read_text().strip()
+    except OSError:
+        return None
+    target = Path(folder) / name
+    return target if _NAME.match(name) and target.is_file() else None
+
+
+def write_pointer(folder: str | os.PathLike, target: Path) -> None:
+    atomic_write(Path(folder) / POINTER, lambda handle: handle.write(f"{target.name}\n".encode()))
+
+
+def prune(folder: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest checkpoints (never the one ``latest`` names); return the deleted."""
+    pinned = read_pointer(folder)
+    removed = []
+    for old in list_checkpoints(folder)[keep:]:
+        if old != pinned:
+            old.unlink(missing_ok=True)
+            removed.append(old)
+    return removed
+
+
+def remove_partial_writes(folder: str | os.PathLike) -> list[Path]:
+    """Delete temporary files a killed writer left behind (they were never renamed into place)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    partial = [entry for entry in folder.iterdir() if entry.name.startswith(TEMP_PREFIX)]
+    for entry in partial:
+        entry.unlink(missing_ok=True)
+    return partial
+
+
+def set_aside(folder: str | os.PathLike) -> Path | None:
+    """Move an earlier run's checkpoint folder to ``<folder>.prev`` (replacing an older one); return it."""
+    folder = Path(folder)
+    if not list_checkpoints(folder):
+        return None
+    previous = folder.with_name(folder.name + ".prev")
+    if previous.exists():
+        shutil.rmtree(previous)
+    folder.rename(previous)
+    return previous
+
+
+# -------------------------------------------------------------------------------------------- reading
+
+
+def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
+    """``torch.load(path, weights_only=True)``; any failure becomes a one-line ``CheckpointError``."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as error:  # torch.load raises many types for a torn or foreign file
+        text = first_line(error)
+        if "Weights only load failed" in str(error):
+            refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+            what = f" ({refused.group(1)})" if refused else ""
+            raise CheckpointError(
+                f"{path} holds Python objects{what} that weights_only loading refuses, because unpickling "
+                "them could run any code; ddpkit reads only tensors, numbers, strings, lists and dicts"
+            ) from None
+        raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt?): {text}") from None
+
+
+@dataclasses.dataclass
+class Contents:
+    """A checkpoint of any supported layout, read into ddpkit's terms."""
+
+    model: dict[str, torch.Tensor]
+    optimizer: dict | None = None
+    scheduler: dict | None = None
+    scaler: dict | None = None
+    progress: dict | None = None  # None: weights only, training starts at epoch 0
+    ranks: list[dict] = dataclasses.field(default_factory=list)
+    config: dict | None = None
+    versions: dict | None = None
+    extra: dict | None = None
+    layout: str = "ddpkit"
+
+
+def _is_state_dict(obj: Any) -> bool:
+    return isinstance(obj, dict) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
+
+
+def read_contents(obj: Any, source: str | os.PathLike = "checkpoint") -> Contents:
+    """Recognise a ddpkit checkpoint, the tutorials' dict layouts, or a plain state_dict."""
+    if isinstance(obj, dict) and obj.get(KEY_FORMAT) == FORMAT:
+        return Contents(
+            model=obj[KEY_MODEL], optimizer=obj.get(KEY_OPTIMIZER), scheduler=obj.get(KEY_SCHEDULER),
+            scaler=obj.get(KEY_SCALER), progress=obj.get(KEY_PROGRESS), ranks=list(obj.get(KEY_RANKS) or []),
+            config=obj.get(KEY_CONFIG), versions=obj.get(KEY_VERSIONS), extra=obj.get(KEY_EXTRA),
+        )
+    if isinstance(obj, dict) and _is_state_dict(obj.get(TUTORIAL_MODEL)):
+        # The tutorials save after finishing epoch N: training continues with epoch N+1.
+        epoch = obj.get(TUTORIAL_EPOCH)
+        progress = {"epoch": int(epoch) + 1, "step": 0, "samples": 0} if isinstance(epoch, int) else None
+        return Contents(model=_strip(obj[TUTORIAL_MODEL]), optimizer=obj.get(TUTORIAL_OPTIMIZER),
+                        progress=progress, layout="tutorial")
+    if isinstance(obj, dict) and _is_state_dict(obj.get(KEY_MODEL)):
+        return Contents(model=_strip(obj[KEY_MODEL]), optimizer=obj.get(KEY_OPTIMIZER), layout="model+optimizer")
+    if _is_state_dict(obj):
+        return Contents(model=_strip(obj), layout="state_dict")
+    raise CheckpointError(
+        f"{source} is not a checkpoint ddpkit can read: expected a state_dict, a dict with "
+        f"'{TUTORIAL_MODEL}' (and '{TUTORIAL_OPTIMIZER}', '{TUTORIAL_EPOCH}'), or a ddpkit checkpoint"
+    )
+
+
+def _strip(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop DDP's / DataParallel's ``module.`` prefix (saved from the wrapper instead of the model)."""
+    state = dict(state)
+    consume_prefix_in_state_dict_if_present(state, "module.")
+    return state
+
+
+def _listing(names: list[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def check_model_state(model: nn.Module, state: dict[str, torch.Tensor], source: str | os.PathLike = "checkpoint") -> None:
+    """Raise one ``CheckpointError`` naming missing keys, unexpected keys and shape mismatches."""
+    expected = unwrap(model).state_dict()
+    missing = [key for key in expected if key not in state]
+    unexpected = [key for key in state if key not in expected]
+    shapes = [
+        f"{key} {list(state[key].shape)} vs {list(value.shape)}"
+        for key, value in expected.items()
+        if key in state and state[key].shape != value.shape
+    ]
+    if not (missing or unexpected or shapes):
+        return
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing key(s): {_listing(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected key(s): {_listing(unexpected)}")
+    if shapes:
+        problems.append(f"{len(shapes)} shape mismatch(es), checkpoint vs model: {_listing(shapes, 3)}")
+    raise CheckpointError(f"{source} is for another model: {'; '.join(problems)}")
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], source: str | os.PathLike = "checkpoint") -> None:
+    """Load into the bare model (before wrapping, or through DDP/DP), refusing any mismatch up front."""
+    state = _strip(state)
+    check_model_state(model, state, source)
+    unwrap(model).load_state_dict(state)
+
+
 def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The bare model's weights on the CPU: no ``module.`` prefix, loadable with ``weights_only=True``."""
     return {key: value.detach().cpu() for key, value in unwrap(model).state_dict().items()}
+
+
+def find_resumable(folder: str | os.PathLike, warn: Callable[[str], None]) -> tuple[Path, Any] | None:
+    """The newest complete, readable checkpoint in ``folder`` and its contents; None when there is none.
+
+    ``latest`` is tried first, then every checkpoint from newest to oldest; each unreadable one is
+    reported through ``warn`` and skipped. Checkpoints that exist but are all unreadable are an error.
+    """
+    candidates = list_checkpoints(folder)
+    pointed = read_pointer(folder)
+    if pointed is not None:
+        candidates = [pointed] + [c for c in candidates if c != pointed]
+    if not candidates:
+        return None
+    reasons = []
+    for candidate in candidates:
+        try:
+            obj = load_file(candidate)
+            read_contents(obj, candidate)
+            return candidate, obj
+        except CheckpointError as error:
+            reasons.append(str(error))
+            warn(f"ddpkit: warning: skipping checkpoint {candidate}: {error}; trying the previous one")
+    raise CheckpointError(f"no usable checkpoint in {folder}: {len(reasons)} found, none readable (newest: {reasons[0]})")
+
+
+# ------------------------------------------------------------------------------------------------ RNG
+
+
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's random number generator states, in types ``weights_only`` loading accepts."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _python_rng()}
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    return state
+
+
+def _python_rng() -> list:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+    if "numpy" in state:
+        import numpy as np
+
+        numpy_state = state["numpy"]
+        np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype("uint32"), numpy_state["pos"],
+                             numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+
+
+def snapshot(obj: Any) -> Any:
+    """A copy with every tensor cloned to the CPU, safe to write while training changes the originals."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {key: snapshot(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(snapshot(value) for value in obj)
+    return obj
+
+
+def versions() -> dict[str, str]:
+    from ddpkit import __version__
+
+    # str(): torch.__version__ is a TorchVersion, which weights_only loading would refuse.
+    found = {"ddpkit": str(__version__), "torch": str(torch.__version__), "python": platform.python_version()}
+    if torch.version.cuda:
+        found["cuda"] = str(torch.version.cuda)
+    return found
+
+
+# ------------------------------------------------------------------------------------- the checkpointer
+
+
+@dataclasses.dataclass
+class Resumed:
+    """A checkpoint ``Checkpointer.load`` read; its weights are in the model already."""
+
+    path: Path
+    contents: Contents
+    runtime: Any
+    epoch: int  # the epoch to run next (part-way when samples > 0)
+    samples: int  # samples of that epoch every rank together had consumed
+    global_step: int
+    world_size: int | None  # the world size that wrote it (None: not recorded)
+    global_batch: int | None
+    rank_state: dict  # this rank's own entry (``rank_state`` given to save), {} when none
+
+    @property
+    def same_world_size(self) -> bool:
+        return self.world_size == self.runtime.world_size
+
+    def restore(self, *, optimizer=None, scheduler=None, scaler=None, loader=None) -> None:
+        """Load the rest once the model is wrapped and the optimizer exists, then this rank's RNG states.
+
+        Call it right before the training loop: anything that draws random numbers after it (and
+        before the first step) would shift the run off its uninterrupted course. The RNG states are
+        restored only for the world size that saved them.
+        """
+        contents = self.contents
+        if optimizer is not None and contents.optimizer is not None:
+            optimizer.load_state_dict(contents.optimizer)  # moves the state to the parameters' device
+        if scheduler is not None and contents.scheduler is not None:
+            scheduler.load_state_dict(contents.scheduler)
+        if scaler is not None and contents.scaler:
+            scaler.load_state_dict(contents.scaler)
+        if loader is not None:
+            loader.load_state_dict({"epoch": self.epoch, "samples": self.samples})
+        if self.rank_state.get("rng") is not None and self.same_world_size:
+            set_rng_state(self.rank_state["rng"], self.runtime.device)
+
+
+class Checkpointer:
+    """Save and resume on every rank with one call each; see the module docstring.
+
+    ``keep``: how many checkpoints stay on disk (the newest). ``writer(obj, path)`` writes one file
+    (default ``atomic_save``). ``log`` prints rank 0's messages (default: stderr).
+    """
+
+    def __init__(self, folder: str | os.PathLike, runtime, *, keep: int = 3,
+                 writer: Callable[[Any, Path], None] = atomic_save, log: Callable[[str], None] | None = None):
+        if keep < 1:
+            raise UsageError(f"--keep-checkpoints must be at least 1, got {keep}")
+        from ddpkit.process_group import control_group
+
+        self.folder = Path(folder)
+        self.runtime = runtime
+        self.keep = keep
+        self.writer = writer
+        self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+        self.group = control_group(runtime)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_path: Path | None = None
+        if runtime.is_main:
+            for partial in remove_partial_writes(self.folder):
+                self.log(f"ddpkit: removed {partial}, a checkpoint whose writing was interrupted")
+
+    # -- saving
+
+    def save(
+        self, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler=None, scaler=None,
+        loader=None, epoch: int | None = None, samples: int | None = None, global_step: int | None = None,
+        config: dict | None = None, extra: dict | None = None, rank_state: dict | None = None,
+        if_idle: bool = False,
+    ) -> Path | None:
+        """Checkpoint at this step boundary; every rank calls it. Returns the file rank 0 is writing.
+
+        The position is ``loader.state_dict()`` unless ``epoch``/``samples`` say otherwise.
+        ``if_idle``: skip (rank 0 logs it) when the previous checkpoint is still being written, instead
+        of making every rank wait for it; use it for frequent mid-epoch checkpoints.
+        ``rank_state``: small per-rank values (gathered to rank 0 with the RNG states).
+        """
+        position = loader.state_dict() if loader is not None else {"epoch": 0, "samples": 0}
+        epoch = position["epoch"] if epoch is None else epoch
+        samples = position["samples"] if samples is None else samples
+        global_batch = loader.global_batch if loader is not None else None
+        if global_step is None:
+            steps_per_epoch = loader.steps_per_epoch if loader is not None else 0
+            global_step = epoch * steps_per_epoch + (samples // global_batch if global_batch else 0)
+        ranks = self._gather({"rng": rng_state(self.runtime.device), **(rank_state or {})})
+        busy = self._writing()
+        if busy and if_idle:
+            if self.runtime.is_main:
+                self.log(f"ddpkit: skipped the checkpoint at step {global_step}: the previous one is still being written")
+            return None
+        self.wait()
+        if not self.runtime.is_main:
+            return None
+        obj = snapshot({
+            KEY_FORMAT: FORMAT,
+            KEY_MODEL: unwrap(model).state_dict(),
+            KEY_OPTIMIZER: optimizer.state_dict() if optimizer is not None else None,
+            KEY_SCHEDULER: scheduler.state_dict() if scheduler is not None else None,
+            KEY_SCALER: scaler.state_dict() if scaler is not None else None,
+            KEY_PROGRESS: {"epoch": epoch, "samples": samples, "global_step": global_step,
+                           "world_size": self.runtime.world_size, "global_batch": global_batch},
+            KEY_RANKS: ranks,
+            KEY_CONFIG: config,
+            KEY_VERSIONS: versions(),
+            KEY_EXTRA: extra,
+        })
+        path = self.folder / checkpoint_name(global_step)
+        self._thread = threading.Thread(target=self._write, args=(obj, path), name="ddpkit-checkpoint")
+        self._thread.start()
+        self.last_path = path
+        return path
+
+    def _write(self, obj: Any, path: Path) -> None:
+        try:
+            self.writer(obj, path)
+            write_pointer(self.folder, path)
+            prune(self.folder, self.keep)
+        except BaseException as error:  # reported by the main thread at its next save() or wait()
+            self._error = error
+
+    def _writing(self) -> bool:
+        """Whether rank 0 is still writing; the same answer on every rank."""
+        busy = self._thread is not None and self._thread.is_alive()
+        if self.group is None:
+            return busy
+        flag = torch.tensor([1 if busy else 0])
+        dist.broadcast(flag, src=0, group=self.group)
+        return bool(flag.item())
+
+    def _gather(self, mine: dict) -> list[dict]:
+        if self.group is None:
+            return [mine]
+        gathered: list | None = [None] * self.runtime.world_size if self.runtime.is_main else None
+        dist.gather_object(mine, gathered, dst=0, group=self.group)
+        return gathered or []
+
+    def wait(self) -> None:
+        """Every rank returns once rank 0's write is on disk (a wait without the collective timeout)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if self.group is not None:
+            dist.barrier(group=self.group)
+        if error is not None:
+            raise RuntimeError(f"writing checkpoint {self.last_path} failed: {first_line(error)}") from error
+
+    # -- resuming
+
+    def load(self, source: str | os.PathLike | None = "auto", *, model: nn.Module) -> Resumed | None:
+        """Read a checkpoint on every rank and load its weights into ``model``; None when there is none.
+
+        ``source``: ``auto`` (the newest complete checkpoint in this folder, falling back past unreadable
+        ones, None when the folder has none), a checkpoint folder, or a file (any layout ``read_contents``
+        knows). Call it on the bare model, before wrapping; then ``Resumed.restore`` for the rest.
+        """
+        if source is None:
+            return None
+        path, obj = self._choose(source, model)
+        if path is None:
+            return None
+        if obj is None:  # rank 0 read it already; the others read it now
+            try:
+                obj = load_file(path)
+            except CheckpointError as error:
+                raise CheckpointError(f"rank {self.runtime.rank} cannot read the checkpoint rank 0 chose ({error}); "
+                                      "checkpoints must be on storage every node can read") from None
+        contents = read_contents(obj, path)
+        load_model_state(model, contents.model, path)
+        progress = contents.progress or {"epoch": 0, "samples": 0}
+        ranks = contents.ranks
+        return Resumed(
+            path=path, contents=contents, runtime=self.runtime, epoch=int(progress["epoch"]),
+            samples=int(progress.get("samples", 0)), global_step=int(progress.get("global_step", 0)),
+            world_size=progress.get("world_size"), global_batch=progress.get("global_batch"),
+            rank_state=ranks[self.runtime.rank] if self.runtime.rank < len(ranks) else {},
+        )
+
+    def _choose(self, source: str | os.PathLike, model: nn.Module) -> tuple[Path | None, Any]:
+        """Rank 0 picks the file (warning about any it skips) and tells the others, or everyone raises."""
+        decision: list[Any] = [None]
+        obj = None
+        if self.runtime.is_main:
+            try:
+                found = self._find(source)
+                if found is not None:
+                    path, obj = found
+                    check_model_state(model, read_contents(obj, path).model, path)
+                    decision = [("ok", str(path))]
+                else:
+                    decision = [("none", "")]
+            except CheckpointError as error:
+                decision = [("error", str(error))]
+        if self.group is not None:
+            dist.broadcast_object_list(decision, src=0, group=self.group)
+        kind, value = decision[0]
+        if kind == "error":
+            raise CheckpointError(value, said_elsewhere=not self.runtime.is_main)
+        if kind == "none":
+            return None, None
+        return Path(value), obj
+
+    def _find(self, source: str | os.PathLike) -> tuple[Path, Any] | None:
+        if str(source) == "auto":
+            return find_resumable(self.folder, self.log)
+        path = Path(source)
+        if path.is_dir():
+            found = find_resumable(path, self.log)
+            if found is None:
+                raise CheckpointError(f"--resume {path}: the folder holds no checkpoint (step-*.pt)")
+            return found
+        if not path.exists():
+            raise CheckpointError(f"--resume {path}: no such file or folder")
+        return path, load_file(path)

@@ -42,7 +42,8 @@ def _add_launch_flags(parser: argparse.ArgumentParser, *, with_launcher: bool = 
     group.add_argument("--master-port", type=int, default=None, metavar="P",
                        help="free TCP port on node 0 (default: a free port on one node, 29500 on several)")
     group.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                       help="restart the whole group up to K times when a process fails (default: 0)")
+                       help="restart the whole group up to K times when a process fails; `ddpkit train` then "
+                            "resumes from its newest checkpoint (default: 0)")
 
 
 def _add_train_flags(parser: argparse.ArgumentParser) -> None:
@@ -73,15 +74,29 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
                        help="data loader processes per rank (default: 0 for in-memory data, else a share of cores)")
     group.add_argument("--seed", type=int, default=0, help="weights and sample order depend only on this (default: 0)")
     group.add_argument("--output-dir", default="runs/ddpkit", metavar="DIR",
-                       help="metrics.jsonl and model.pt go here (default: runs/ddpkit)")
+                       help="metrics.jsonl, model.pt and checkpoints/ go here (default: runs/ddpkit)")
     group.add_argument("--timeout", type=float, default=1800.0, metavar="SECONDS",
                        help="how long a collective waits for the other ranks before failing (default: 1800)")
     group.add_argument("--image-size", type=int, default=None, metavar="PIXELS",
                        help="side of the square input (default: 28 net, 32 convnet, 224 torchvision on folders)")
+    group.add_argument("--schedule", default="constant", choices=["constant", "step", "cosine"],
+                       help="learning-rate schedule, stepped every optimizer step (default: constant)")
+    group.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                       help="linear warm-up over the first N optimizer steps (default: 0)")
+    group.add_argument("--lr-step-epochs", type=int, default=0, metavar="E",
+                       help="step schedule: multiply the LR by --lr-gamma every E epochs (default: a third of --epochs)")
+    group.add_argument("--lr-gamma", type=float, default=0.1, metavar="G", help="step schedule factor (default: 0.1)")
     group.add_argument("--debug", action="store_true",
                        help="every rank prints its PID and the device of its data and model")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
     group.add_argument("--list-models", action="store_true", help="print the model names and exit")
+    ckpt = parser.add_argument_group("checkpoints (DIR/checkpoints)")
+    ckpt.add_argument("--resume", default=None, metavar="auto|PATH",
+                      help="auto: continue from the newest complete checkpoint in --output-dir (a fresh start if "
+                           "there is none); PATH: a checkpoint file or folder, ddpkit's or the tutorials' format")
+    ckpt.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                      help="also checkpoint every N optimizer steps (default: 0, at each epoch's end only)")
+    ckpt.add_argument("--keep-checkpoints", type=int, default=3, metavar="K", help="keep the newest K (default: 3)")
     ddp = parser.add_argument_group("DistributedDataParallel knobs")
     ddp.add_argument("--find-unused-parameters", action="store_true",
                      help="allow parameters that get no gradient in a step (costs a graph walk per step)")
@@ -121,7 +136,9 @@ def _train_config(ns: argparse.Namespace):
         accumulate=ns.accumulate, workers=ns.workers, seed=ns.seed, output_dir=ns.output_dir, timeout=ns.timeout,
         image_size=ns.image_size, find_unused_parameters=ns.find_unused_parameters, static_graph=ns.static_graph,
         gradient_as_bucket_view=ns.gradient_as_bucket_view, bucket_cap_mb=ns.bucket_cap_mb, debug=ns.debug,
-        progress=not ns.no_progress,
+        progress=not ns.no_progress, schedule=ns.schedule, warmup_steps=ns.warmup_steps,
+        lr_step_epochs=ns.lr_step_epochs, lr_gamma=ns.lr_gamma, resume=ns.resume,
+        checkpoint_every=ns.checkpoint_every, keep_checkpoints=ns.keep_checkpoints,
     )
 
 
@@ -161,7 +178,8 @@ def _spawn_train_worker(rank: int, world_size: int, port: int, cfg) -> None:
     try:
         trainer.run(cfg, environment=environment)
     except UsageError as error:
-        print(f"ddpkit: error: {error}", file=sys.stderr, flush=True)
+        if not error.said_elsewhere:
+            print(f"ddpkit: error: {error}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USAGE)
 
 
@@ -240,7 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_train(ns, argv)
         return cmd_run(ns)
     except UsageError as error:
-        print(f"ddpkit: error: {error}", file=sys.stderr, flush=True)
+        if not error.said_elsewhere:
+            print(f"ddpkit: error: {error}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("ddpkit: interrupted", file=sys.stderr, flush=True)

@@ -19,6 +19,8 @@ padding, and ``reduce_sums`` adds the per-rank sums, so every validation sample 
 
 from __future__ import annotations
 
+import math
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -53,33 +55,139 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     return batch
 
 
+class ResumableSampler(DistributedSampler):
+    """``DistributedSampler`` that can start an epoch part-way, after ``start`` samples of the global order.
+
+    Resuming after k optimizer steps of a global batch G means skipping the first k*G samples of the
+    epoch's permutation (the one DistributedSampler draws from ``seed + epoch``), then dealing the rest
+    to the ranks as usual. Because the skip is counted in global samples, the world size may change on
+    resume: the remaining samples are simply dealt to the new number of ranks.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.start = 0
+
+    def _remaining(self) -> list[int]:
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(len(self.dataset), generator=generator).tolist()  # type: ignore[arg-type]
+        else:
+            order = list(range(len(self.dataset)))  # type: ignore[arg-type]
+        order = order[self.start:]
+        usable = len(order) // self.num_replicas * self.num_replicas
+        if self.drop_last or usable == len(order):
+            return order[:usable]
+        padding = self.num_replicas - (len(order) - usable)
+        return order + (order * math.ceil(padding / max(len(order), 1)))[:padding]
+
+    def __iter__(self) -> Iterator[int]:
+        if self.start == 0:
+            return super().__iter__()
+        return iter(self._remaining()[self.rank::self.num_replicas])
+
+    def __len__(self) -> int:
+        if self.start == 0:
+            return super().__len__()
+        return len(self._remaining()) // self.num_replicas
+
+
+def _ignore_stop_signals(worker_id: int) -> None:  # noqa: ARG001 - DataLoader's worker_init_fn signature
+    """Loader workers leave SIGTERM/SIGINT to their rank, which stops at a step boundary and ends them.
+
+    torchrun signals a worker's whole process group; a loader process dying of it would abort the rank
+    in the middle of the step it is meant to finish cleanly.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class DeviceLoader:
     """A DataLoader whose batches arrive on ``device`` (pinned memory and non-blocking copies on GPU).
 
     With a ``DistributedSampler`` it also calls ``set_epoch`` itself. Forgetting
     ``sampler.set_epoch(epoch)`` is the classic DDP bug: every epoch repeats the same order. Here each
     ``iter()`` starts the next epoch; ``set_epoch`` still sets it explicitly (for resuming).
+
+    ``state_dict()`` is the position in the global sample order (epoch, samples consumed by all ranks),
+    and ``load_state_dict()`` makes the next ``iter()`` continue from there: the resumed run sees
+    exactly the batches the interrupted one had not reached, for any world size.
     """
 
-    def __init__(self, loader: DataLoader, device: torch.device, sampler: DistributedSampler | None = None):
+    def __init__(self, loader: DataLoader, device: torch.device, sampler: DistributedSampler | None = None,
+                 seed: int = 0, rank: int = 0):
         self.loader = loader
         self.sampler = sampler
         self.device = device
-        self.epoch = 0
+        self.epoch = 0  # the epoch the next iter() runs
+        self.seed = seed
+        self.rank = rank
+        self._start = 0  # global samples of that epoch to skip (a resumed position)
+        self._running: tuple[int, int] | None = None  # (epoch, start) of the iteration in progress
+        self._yielded = 0
         self._non_blocking = device.type == "cuda" and loader.pin_memory
 
     def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self._start = 0
         self.epoch = epoch
 
+    @property
+    def global_batch(self) -> int:
+        replicas = self.sampler.num_replicas if self.sampler is not None else 1
+        return (self.loader.batch_size or 1) * replicas
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches in a whole epoch (whatever position the loader was told to resume from)."""
+        start, self._start = self._start, 0
+        try:
+            return len(self)
+        finally:
+            self._start = start
+
+    def state_dict(self) -> dict[str, int]:
+        """Where a resumed run should continue: mid-epoch while iterating, else the next epoch's start."""
+        if self._running is not None:
+            epoch, start = self._running
+            return {"epoch": epoch, "samples": start + self._yielded * self.global_batch, "seed": self.seed}
+        return {"epoch": self.epoch, "samples": self._start, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch = int(state["epoch"])
+        self._start = int(state["samples"])
+        self._running = None
+
     def __len__(self) -> int:
+        self._position_sampler(self.epoch, self._start)
         return len(self.loader)
 
-    def __iter__(self) -> Iterator[Any]:
+    def _position_sampler(self, epoch: int, start: int) -> None:
+        if isinstance(self.sampler, ResumableSampler):
+            self.sampler.start = start
+        elif start and self.sampler is not None:
+            raise ValueError("this loader's sampler cannot start part-way through an epoch")
         if self.sampler is not None:
-            self.sampler.set_epoch(self.epoch)
-        self.epoch += 1
+            self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch, start = self.epoch, self._start
+        self._position_sampler(epoch, start)
+        # The loader draws its workers' seeds from this generator, not from the global RNG: a resumed
+        # run's global RNG (dropout, augmentation) then continues exactly where it was saved.
+        if self.loader.generator is not None:
+            self.loader.generator.manual_seed(_epoch_seed(self.seed, self.rank, epoch))
+        self.epoch, self._start = epoch + 1, 0
+        self._running, self._yielded = (epoch, start), 0
         for batch in self.loader:
+            self._yielded += 1  # counted as handed over: a checkpoint taken now is past this batch
             yield to_device(batch, self.device, self._non_blocking)
+        self._running = None
+
+
+def _epoch_seed(seed: int, rank: int, epoch: int) -> int:
+    return (seed * 1_000_003 + rank * 7_919 + epoch) % (2**63)
 
 
 def train_loader(
@@ -107,7 +215,7 @@ def train_loader(
             f"the training set has {len(dataset)} samples, fewer than one global batch of {global_batch} "
             f"({batch_size} per process x {runtime.world_size} processes); lower --batch-size"
         )
-    sampler = DistributedSampler(
+    sampler = ResumableSampler(
         dataset,
         num_replicas=runtime.world_size,
         rank=runtime.rank,
@@ -124,8 +232,10 @@ def train_loader(
         num_workers=workers,
         pin_memory=runtime.device.type == "cuda",
         persistent_workers=workers > 0,
+        worker_init_fn=_ignore_stop_signals if workers > 0 else None,
+        generator=torch.Generator(),
     )
-    return DeviceLoader(loader, runtime.device, sampler)
+    return DeviceLoader(loader, runtime.device, sampler, seed=seed, rank=runtime.rank)
 
 
 def eval_indices(length: int, rank: int, world_size: int) -> range:
@@ -145,9 +255,10 @@ def eval_loader(
     shard = Subset(dataset, eval_indices(len(dataset), runtime.rank, runtime.world_size))
     workers = default_workers(runtime, in_memory, dataset) if workers is None else workers
     loader = DataLoader(
-        shard, batch_size=batch_size, shuffle=False, num_workers=workers, pin_memory=runtime.device.type == "cuda"
+        shard, batch_size=batch_size, shuffle=False, num_workers=workers, pin_memory=runtime.device.type == "cuda",
+        worker_init_fn=_ignore_stop_signals if workers > 0 else None, generator=torch.Generator(),
     )
-    return DeviceLoader(loader, runtime.device)
+    return DeviceLoader(loader, runtime.device, rank=runtime.rank)
 
 
 def reduce_sums(values: list[float], runtime: Runtime) -> list[float]:

@@ -6,7 +6,13 @@ class UsageError(Exception):
 
     The message says what was wrong and how to fix it, e.g.
     ``--batch-size must be at least 1, got 0``.
+
+    ``said_elsewhere``: another rank (rank 0) prints the same message; this one exits 2 silently.
     """
+
+    def __init__(self, message: str, *, said_elsewhere: bool = False):
+        super().__init__(message)
+        self.said_elsewhere = said_elsewhere
 
 
 EXIT_USAGE = 2

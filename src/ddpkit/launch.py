@@ -11,6 +11,7 @@ torchrun's standalone rendezvous, which binds a free port itself, so a busy 2950
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -104,6 +105,10 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
 
     # torchrun would force 1 thread per process (and warn); a fair share of the cores is faster on CPU.
     os.environ.setdefault("OMP_NUM_THREADS", _threads_per_process(options.nproc_per_node))
+    # By default the workers' process group shares the rendezvous' TCP store, and after a restart the
+    # new workers can read the dead ones' addresses and hang in init_process_group (PyTorch issue
+    # 135712, seen here with torch 2.15 and --max-restarts). A store of their own avoids it.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = torchrun.parse_args(torchrun_argv(options, command))
     # The legacy torch.distributed.launch behaviour: pass --local-rank=N instead of only LOCAL_RANK.
     args.use_env = not local_rank_arg
@@ -112,8 +117,11 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
     except ChildFailedError as failed:
         return report_failures({rank: (f.exitcode, f.pid) for rank, f in failed.failures.items()})
     except SignalException as stopped:
-        # Ctrl-C or SIGTERM reached the agent: it has already stopped every worker.
-        print(f"ddpkit: stopped by signal {stopped.sigval.name}; all workers were stopped", file=sys.stderr)
+        # Ctrl-C or SIGTERM reached the agent, which passed it on and gave the workers its grace period
+        # to checkpoint and exit. A second signal interrupts that wait: end whatever is left, now.
+        killed = kill_children()
+        detail = f"; {killed} worker(s) still running were killed" if killed else ""
+        print(f"ddpkit: stopped by signal {stopped.sigval.name}{detail}", file=sys.stderr)
         return 128 + int(stopped.sigval)
     except (DistNetworkError, RendezvousError) as error:
         where = f"{options.master_addr or '127.0.0.1'}:{options.master_port or DEFAULT_MULTINODE_PORT}"
@@ -122,6 +130,52 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
             "check --master-addr, and that --master-port is free on node 0 (or omit it on one node)"
         ) from None
     return 0
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                # The command name (field 2) may hold spaces; the parent pid is the second field after it.
+                parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid:
+            children.append(int(entry))
+    return children
+
+
+def kill_children(grace_s: float = 5.0) -> int:
+    """SIGKILL this process's child processes and their process groups; return how many were alive.
+
+    torchrun starts each worker in a session of its own (so a terminal's Ctrl-C reaches only the agent);
+    killing a worker's group also ends its data-loader processes.
+    """
+    import signal
+    import time
+
+    if not os.path.isdir("/proc"):
+        return 0
+    children = _children(os.getpid())
+    for pid in children:
+        try:
+            os.killpg(pid, signal.SIGKILL)  # a worker leads its own group: it and its loader processes
+        except (ProcessLookupError, PermissionError):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + grace_s
+    for pid in children:
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG) != (0, 0):
+                    break
+            except ChildProcessError:
+                break
+            time.sleep(0.05)
+    return len(children)
 
 
 def report_failures(failures: dict[int, tuple[int, int]]) -> int:
@@ -138,7 +192,10 @@ def report_failures(failures: dict[int, tuple[int, int]]) -> int:
 def spawn(worker: Callable[..., object], nproc: int, args: tuple = ()) -> int:
     """The tutorials' way: ``torch.multiprocessing.spawn(worker, args=(port, *args))``, rank first."""
     import torch.multiprocessing as mp
-    from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
+    from torch.multiprocessing.spawn import (
+        ProcessExitedException,
+        ProcessRaisedException,
+    )
 
     from ddpkit.process_group import free_port
 

@@ -183,8 +183,31 @@ def setup(
 
 def teardown() -> None:
     """Destroy the process group if one is up; safe to call twice."""
+    global _control_group
+    _control_group = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# Waiting for rank 0 to finish writing a checkpoint may take long on a slow disk; that wait must not be
+# bounded by --timeout, which is meant for collectives of the training step.
+CONTROL_TIMEOUT_S = 24 * 3600.0
+_control_group = None
+
+
+def control_group(runtime: Runtime):
+    """A gloo group beside the training one, for small CPU messages (stop flags, checkpoint hand-offs).
+
+    It has its own long timeout and works whatever the main backend is (NCCL cannot carry CPU objects).
+    Created on first use; every rank must make its first call at the same point, like any collective.
+    ``None`` when there is no process group.
+    """
+    global _control_group
+    if runtime.backend is None:
+        return None
+    if _control_group is None:
+        _control_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
+    return _control_group
 
 
 @contextlib.contextmanager

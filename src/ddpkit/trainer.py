@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -23,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddpkit import checkpoint, data, process_group, zoo
+from ddpkit import checkpoint, data, preempt, process_group, zoo
 from ddpkit.env import DistEnv
 from ddpkit.errors import UsageError
 from ddpkit.process_group import Runtime
@@ -34,6 +35,7 @@ OPTIMIZERS = ("sgd", "adam", "adadelta")
 DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3, "adadelta": 1.0}
 AMP_DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 METRICS_FILE = "metrics.jsonl"
+SCHEDULES = ("constant", "step", "cosine")
 
 
 @dataclasses.dataclass
@@ -61,6 +63,13 @@ class TrainConfig:
     static_graph: bool = False
     gradient_as_bucket_view: bool = False
     bucket_cap_mb: float | None = None  # None: PyTorch's default buckets
+    schedule: str = "constant"  # constant | step | cosine, stepped once per optimizer step
+    warmup_steps: int = 0  # linear warm-up from lr/warmup_steps to lr over this many optimizer steps
+    lr_step_epochs: int = 0  # step schedule: multiply by lr_gamma every this many epochs (0: a third of --epochs)
+    lr_gamma: float = 0.1
+    resume: str | None = None  # None: fresh start; "auto": newest complete checkpoint in output_dir; or a path
+    checkpoint_every: int = 0  # also checkpoint every N optimizer steps (0: at each epoch's end only)
+    keep_checkpoints: int = 3
     debug: bool = False  # every rank prints its PID and where its data and model live
     progress: bool = True  # a progress bar on global rank 0 (only when writing to a terminal)
 
@@ -88,6 +97,22 @@ class TrainConfig:
             raise UsageError(f"--timeout must be a positive number of seconds, got {self.timeout}")
         if self.sync_bn and self.strategy != "ddp":
             raise UsageError(f"--sync-bn synchronises BatchNorm across DDP processes; it needs --strategy ddp, not {self.strategy}")
+        if self.schedule not in SCHEDULES:
+            raise UsageError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.warmup_steps < 0:
+            raise UsageError(f"--warmup-steps must be 0 or more, got {self.warmup_steps}")
+        if self.lr_step_epochs < 0:
+            raise UsageError(f"--lr-step-epochs must be 0 or more, got {self.lr_step_epochs}")
+        if not 0 < self.lr_gamma <= 1:
+            raise UsageError(f"--lr-gamma must be in (0, 1], got {self.lr_gamma}")
+        if self.checkpoint_every < 0:
+            raise UsageError(f"--checkpoint-every must be 0 (epoch ends only) or more, got {self.checkpoint_every}")
+        if self.keep_checkpoints < 1:
+            raise UsageError(f"--keep-checkpoints must be at least 1, got {self.keep_checkpoints}")
+        if self.resume == "":
+            raise UsageError("--resume needs a value: auto, a checkpoint file, or a checkpoint folder")
+        if self.resume not in (None, "auto") and not os.path.exists(self.resume):
+            raise UsageError(f"--resume {self.resume}: no such file or folder (give a checkpoint file or folder, or auto)")
         DDPOptions(bucket_cap_mb=self.bucket_cap_mb)
         zoo.parse_data_spec(self.data)
         zoo.check_model_name(self.model)
@@ -100,6 +125,40 @@ def make_optimizer(name: str, params, lr: float | None) -> torch.optim.Optimizer
     if name == "adam":
         return torch.optim.Adam(params, lr=lr)
     return torch.optim.Adadelta(params, lr=lr)
+
+
+def lr_factor(cfg: TrainConfig, step: int, steps_per_epoch: int) -> float:
+    """The multiplier of the base learning rate for optimizer step ``step`` (0-based) of the whole run.
+
+    Warm-up rises linearly to 1 over ``warmup_steps``; then ``cosine`` decays to 0 at the last step of
+    ``epochs``, ``step`` multiplies by ``lr_gamma`` every ``lr_step_epochs`` epochs, ``constant`` stays.
+    """
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "cosine":
+        total = max(cfg.epochs * steps_per_epoch - cfg.warmup_steps, 1)
+        return 0.5 * (1.0 + math.cos(math.pi * min(step - cfg.warmup_steps, total) / total))
+    if cfg.schedule == "step":
+        every = cfg.lr_step_epochs or max(1, cfg.epochs // 3)
+        return cfg.lr_gamma ** (step // max(steps_per_epoch, 1) // every)
+    return 1.0
+
+
+def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int):
+    """PyTorch's LambdaLR over ``lr_factor``: its state_dict is plain numbers, loadable with weights_only."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(_factor_at, cfg, steps_per_epoch))
+
+
+def _factor_at(cfg: TrainConfig, steps_per_epoch: int, step: int) -> float:
+    return lr_factor(cfg, step, steps_per_epoch)
+
+
+def place_scheduler(scheduler, step: int) -> None:
+    """Put a LambdaLR at ``step`` (after a resume whose steps per epoch differ), as if stepped there."""
+    scheduler.last_epoch = step
+    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(step)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 
 def log(runtime: Runtime, message: str) -> None:
@@ -145,6 +204,22 @@ def train(cfg: TrainConfig, runtime: Runtime) -> dict:
         model = convert_sync_batchnorm(model, runtime)
     if cfg.strategy == "dp":
         check_dp_batch(cfg.batch_size, torch.cuda.device_count())
+
+    folder = os.path.join(cfg.output_dir, checkpoint.FOLDER)
+    source = cfg.resume
+    if source is None and runtime.env.restart_count > 0:
+        source = "auto"  # torchrun restarted the group after a failure: carry on from the last checkpoint
+        log(runtime, f"ddpkit: restart {runtime.env.restart_count} of the group: resuming from the newest checkpoint")
+    if source is None and runtime.is_main:
+        moved = checkpoint.set_aside(folder)
+        if moved is not None:
+            log(runtime, f"ddpkit: starting fresh (no --resume); the earlier run's checkpoints were moved to {moved}")
+    ckpt = checkpoint.Checkpointer(folder, runtime, keep=cfg.keep_checkpoints, log=lambda text: log(runtime, text))
+    # Weights go into the bare model, before wrapping; the rest once the optimizer exists.
+    resumed = ckpt.load(source, model=model)
+    if source == "auto" and resumed is None:
+        log(runtime, f"ddpkit: --resume auto: no checkpoint in {folder}, starting fresh")
+
     ddp_options = DDPOptions(
         find_unused_parameters=cfg.find_unused_parameters,
         static_graph=cfg.static_graph,
@@ -163,6 +238,7 @@ def train(cfg: TrainConfig, runtime: Runtime) -> dict:
             f"one epoch has {len(loader)} batches per process, fewer than --accumulate {cfg.accumulate}; "
             "lower --accumulate or --batch-size"
         )
+    scheduler = make_scheduler(cfg, optimizer, steps_per_epoch)
     global_batch = _global_batch(cfg, runtime)
     n_params = sum(p.numel() for p in model.parameters())
     log(
@@ -174,93 +250,216 @@ def train(cfg: TrainConfig, runtime: Runtime) -> dict:
         + (f" x {cfg.accumulate} micro-steps" if cfg.accumulate > 1 else "")
         + f" = global batch {global_batch}; {steps_per_epoch} steps per epoch",
     )
+    position = _Position(epoch=0, samples=0, global_step=0)
+    partial = [0.0, 0.0]
+    if resumed is not None:
+        position, partial = _restore(cfg, runtime, resumed, optimizer, scheduler, scaler, steps_per_epoch)
     metrics_path = os.path.join(cfg.output_dir, METRICS_FILE)
     if runtime.is_main:
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        open(metrics_path, "w").close()
+        _keep_metrics_before(metrics_path, position.epoch)
 
     record: dict = {}
-    for epoch in range(cfg.epochs):
-        loader.set_epoch(epoch)
-        started = time.perf_counter()
-        train_loss = _train_epoch(cfg, runtime, wrapped, optimizer, scaler, loader, steps_per_epoch, epoch)
-        if runtime.device.type == "cuda":
-            torch.cuda.synchronize(runtime.device)
-        elapsed = time.perf_counter() - started
-        if cfg.strategy == "ddp":
-            # DDP copies rank 0's buffers (BatchNorm running stats) to the others at the *start* of each
-            # forward, so after the last step each rank holds its own. Evaluate, everywhere, the model
-            # that model.pt will hold: rank 0's.
-            process_group.broadcast_buffers(unwrap(wrapped), runtime)
-        # DataParallel is one process: evaluate through it; DDP ranks evaluate their own bare replica,
-        # because ranks may hold different numbers of validation batches (no collective may run inside).
-        val_loss, val_acc, val_count = evaluate(wrapped if cfg.strategy == "dp" else unwrap(wrapped), val_loader, runtime, cfg.amp)
-        record = {
-            "epoch": epoch,
-            "train_loss": train_loss,
-            "val_loss": val_loss,
-            "val_acc": val_acc,
-            "val_count": val_count,
-            "images_per_sec": steps_per_epoch * global_batch / elapsed,
-            "epoch_time_s": elapsed,
-            "world_size": runtime.world_size,
-            "global_batch": global_batch,
-            "steps": steps_per_epoch,
-            "lr": optimizer.param_groups[0]["lr"],
-        }
-        if runtime.is_main:
-            with open(metrics_path, "a") as handle:
-                handle.write(json.dumps(record) + "\n")
-        log(
-            runtime,
-            f"epoch {epoch + 1}/{cfg.epochs}: train_loss {train_loss:.4f}  val_loss {val_loss:.4f}  "
-            f"val_acc {val_acc:.2%} ({val_count} samples)  {record['images_per_sec']:.0f} images/s",
-        )
+    loop = _Loop(cfg, runtime, wrapped, optimizer, scheduler, scaler, loader, ckpt, steps_per_epoch, position)
+    with preempt.stop_on_signal(runtime) as loop.stop:
+        for epoch in range(position.epoch, cfg.epochs):
+            start = position.samples if epoch == position.epoch else 0
+            loader.load_state_dict({"epoch": epoch, "samples": start})
+            started = time.perf_counter()
+            train_loss, steps_run = loop.epoch(epoch, start, partial if start else [0.0, 0.0])
+            if runtime.device.type == "cuda":
+                torch.cuda.synchronize(runtime.device)
+            elapsed = time.perf_counter() - started
+            if cfg.strategy == "ddp":
+                # DDP copies rank 0's buffers (BatchNorm running stats) to the others at the *start* of each
+                # forward, so after the last step each rank holds its own. Evaluate, everywhere, the model
+                # that model.pt will hold: rank 0's.
+                process_group.broadcast_buffers(unwrap(wrapped), runtime)
+            # DataParallel is one process: evaluate through it; DDP ranks evaluate their own bare replica,
+            # because ranks may hold different numbers of validation batches (no collective may run inside).
+            val_loss, val_acc, val_count = evaluate(wrapped if cfg.strategy == "dp" else unwrap(wrapped), val_loader, runtime, cfg.amp)
+            record = {
+                "epoch": epoch,
+                "train_loss": train_loss,
+                "val_loss": val_loss,
+                "val_acc": val_acc,
+                "val_count": val_count,
+                "images_per_sec": steps_run * global_batch / elapsed,
+                "epoch_time_s": elapsed,
+                "world_size": runtime.world_size,
+                "global_batch": global_batch,
+                "steps": steps_per_epoch,
+                "lr": optimizer.param_groups[0]["lr"],
+            }
+            if start:
+                record["resumed_at_step"] = steps_per_epoch - steps_run
+            if runtime.is_main:
+                with open(metrics_path, "a") as handle:
+                    handle.write(json.dumps(record) + "\n")
+            log(
+                runtime,
+                f"epoch {epoch + 1}/{cfg.epochs}: train_loss {train_loss:.4f}  val_loss {val_loss:.4f}  "
+                f"val_acc {val_acc:.2%} ({val_count} samples)  {record['images_per_sec']:.0f} images/s",
+            )
+            loop.save(epoch + 1, 0, [0.0, 0.0], if_idle=False)
+    ckpt.wait()
     if runtime.is_main:
         checkpoint.atomic_save(checkpoint.model_state_dict(wrapped), os.path.join(cfg.output_dir, checkpoint.MODEL_FILE))
         log(runtime, f"saved {os.path.join(cfg.output_dir, checkpoint.MODEL_FILE)} and {metrics_path}")
     # Nobody leaves (and tears the group down) before rank 0 has written the model.
-    process_group.barrier(runtime)
+    ckpt.wait()
     return record
 
 
-def _train_epoch(cfg, runtime, model, optimizer, scaler, loader, steps, epoch) -> float:
-    model.train()
-    progress = _progress_bar(runtime, cfg, steps, epoch)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=runtime.device)
-    seen = 0
-    batches = iter(loader)
-    is_ddp = hasattr(model, "no_sync") and cfg.strategy == "ddp"
-    for step in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        for micro in range(cfg.accumulate):
-            images, labels = next(batches)
-            if cfg.debug and step == 0 and micro == 0:
-                print(
-                    f"[rank {runtime.rank} local {runtime.local_rank} pid {os.getpid()}] "
-                    f"data: {images.device}, model: {next(model.parameters()).device}",
-                    flush=True,
-                )
-            last = micro == cfg.accumulate - 1
-            # Skip the all-reduce on all but the last micro-step; gradients accumulate locally. With
-            # static_graph DDP records the graph on its first backward, which must be synchronised.
-            first_backward = epoch == 0 and step == 0 and micro == 0 and cfg.static_graph
-            sync = contextlib.nullcontext() if (last or not is_ddp or first_backward) else model.no_sync()
-            with sync:
-                with _autocast(runtime, cfg.amp):
-                    loss = F.cross_entropy(model(images), labels)
-                scaler.scale(loss / cfg.accumulate).backward()
-            loss_sum += loss.detach().double() * labels.shape[0]
-            seen += labels.shape[0]
-        scaler.step(optimizer)
-        scaler.update()
+@dataclasses.dataclass
+class _Position:
+    epoch: int  # the epoch to run next
+    samples: int  # samples of it all ranks together have consumed
+    global_step: int  # optimizer steps since the run began (names the checkpoints)
+
+
+def _restore(cfg, runtime, resumed, optimizer, scheduler, scaler, steps_per_epoch) -> tuple[_Position, list[float]]:
+    """Load the optimizer, schedule, scaler and RNG; say what changed; return where to continue."""
+    contents = resumed.contents
+    resumed.restore(optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    global_batch = _global_batch(cfg, runtime)
+    samples = resumed.samples
+    step_in_epoch = samples // global_batch
+    # The schedule counts optimizer steps of this run's size, whatever size wrote the checkpoint.
+    place_scheduler(scheduler, resumed.epoch * steps_per_epoch + step_in_epoch)
+    where = f"epoch {resumed.epoch + 1}" + (f" after {samples} samples (step {step_in_epoch} of {steps_per_epoch})" if samples else "")
+    log(runtime, f"ddpkit: resumed from {resumed.path} ({contents.layout}): continuing at {where}")
+    if contents.layout != "ddpkit":
+        parts = ["weights"] + (["optimizer"] if contents.optimizer is not None else [])
+        log(runtime, f"ddpkit: that file holds {' and '.join(parts)} only: no RNG or data position, so the run "
+                     "continues from the epoch's start, not bit for bit")
+    if contents.config:
+        changed = [f"{key} {contents.config[key]!r} -> {value!r}" for key, value in dataclasses.asdict(cfg).items()
+                   if key in contents.config and contents.config[key] != value and key not in _RESUME_FREE]
+        if changed:
+            log(runtime, f"ddpkit: settings differ from the checkpoint's run: {', '.join(changed)}")
+    if resumed.global_batch is not None and resumed.global_batch != global_batch:
+        per_process = runtime.world_size * cfg.accumulate
+        keep = (f"; to keep global batch {resumed.global_batch}, pass --batch-size {resumed.global_batch // per_process}"
+                if resumed.global_batch % per_process == 0 else "")
+        log(runtime, f"ddpkit: the checkpoint was written with global batch {resumed.global_batch} "
+                     f"({resumed.world_size} process(es)); this run's is {global_batch} ({runtime.world_size} x "
+                     f"{cfg.batch_size}{f' x {cfg.accumulate}' if cfg.accumulate > 1 else ''}). The data order "
+                     f"continues where it stopped; the learning rate is not rescaled{keep}")
+    elif resumed.world_size is not None and not resumed.same_world_size:
+        log(runtime, f"ddpkit: the checkpoint was written by {resumed.world_size} process(es), now "
+                     f"{runtime.world_size}: the same global batch {global_batch}; each rank starts a new random stream")
+    partial = resumed.rank_state.get("partial") if resumed.same_world_size else None
+    if partial is None:
+        # Another world size: the epoch's running loss so far goes to rank 0, which adds it up anyway.
+        totals = contents.extra.get("partial_total") if contents.extra else None
+        partial = list(totals) if (totals and runtime.is_main) else [0.0, 0.0]
+    position = _Position(epoch=resumed.epoch, samples=samples, global_step=resumed.global_step
+                         or resumed.epoch * steps_per_epoch + step_in_epoch)
+    return position, list(partial)
+
+
+# Fields that may change between an interrupted run and its resumption without comment.
+_RESUME_FREE = {"resume", "epochs", "debug", "progress", "workers", "output_dir", "timeout", "checkpoint_every",
+                "keep_checkpoints"}
+
+
+def _keep_metrics_before(path: str, epoch: int) -> None:
+    """metrics.jsonl keeps the lines of the epochs before ``epoch`` (all of a fresh run's are dropped)."""
+    kept = []
+    if epoch > 0 and os.path.exists(path):
+        with open(path) as handle:
+            for line in handle:
+                try:
+                    if json.loads(line)["epoch"] < epoch:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line torn by a crash
+    checkpoint.atomic_write(path, lambda handle: handle.write("".join(kept).encode()))
+
+
+class _Loop:
+    """The optimizer steps of one epoch, with mid-epoch checkpoints and the stop-signal check."""
+
+    def __init__(self, cfg, runtime, model, optimizer, scheduler, scaler, loader, ckpt, steps_per_epoch, position):
+        self.cfg, self.runtime, self.model = cfg, runtime, model
+        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        self.loader, self.ckpt, self.steps_per_epoch = loader, ckpt, steps_per_epoch
+        self.global_step = position.global_step
+        self.stop: preempt.StopSignal | None = None
+        self.backward_done = False
+
+    def save(self, epoch: int, samples: int, partial: list[float], *, if_idle: bool) -> None:
+        totals = data.reduce_sums(partial, self.runtime) if samples else [0.0, 0.0]
+        self.ckpt.save(
+            model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
+            loader=self.loader, epoch=epoch, samples=samples, global_step=self.global_step,
+            config=dataclasses.asdict(self.cfg), extra={"partial_total": totals},
+            rank_state={"partial": [float(v) for v in partial]}, if_idle=if_idle,
+        )
+
+    def epoch(self, epoch: int, start: int, partial: list[float]) -> tuple[float, int]:
+        """Train from ``start`` samples into ``epoch``; return the epoch's mean loss and the steps run here."""
+        cfg, runtime, model = self.cfg, self.runtime, self.model
+        model.train()
+        steps = len(self.loader) // cfg.accumulate
+        global_batch = _global_batch(cfg, runtime)
+        progress = _progress_bar(runtime, cfg, steps, epoch)
+        loss_sum = torch.tensor(partial[0], dtype=torch.float64, device=runtime.device)
+        seen = partial[1]
+        batches = iter(self.loader)
+        is_ddp = hasattr(model, "no_sync") and cfg.strategy == "ddp"
+        for step in range(steps):
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro in range(cfg.accumulate):
+                images, labels = next(batches)
+                if cfg.debug and step == 0 and micro == 0:
+                    print(
+                        f"[rank {runtime.rank} local {runtime.local_rank} pid {os.getpid()}] "
+                        f"data: {images.device}, model: {next(model.parameters()).device}",
+                        flush=True,
+                    )
+                last = micro == cfg.accumulate - 1
+                # Skip the all-reduce on all but the last micro-step; gradients accumulate locally. With
+                # static_graph DDP records the graph on its first backward (in this process, resumed or
+                # not), which must be synchronised.
+                first_backward = cfg.static_graph and not self.backward_done
+                sync = contextlib.nullcontext() if (last or not is_ddp or first_backward) else model.no_sync()
+                with sync:
+                    with _autocast(runtime, cfg.amp):
+                        loss = F.cross_entropy(model(images), labels)
+                    self.scaler.scale(loss / cfg.accumulate).backward()
+                self.backward_done = True
+                loss_sum += loss.detach().double() * labels.shape[0]
+                seen += labels.shape[0]
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.scheduler.step()
+            self.global_step += 1
+            if progress is not None:
+                progress.update(global_batch)
+            done = start + (step + 1) * global_batch
+            if self.stop is not None and self.stop.requested():
+                self._stop(epoch, done, [loss_sum.item(), seen], progress)
+            every = cfg.checkpoint_every
+            if every and self.global_step % every == 0 and step + 1 < steps:
+                self.save(epoch, done, [loss_sum.item(), seen], if_idle=True)
         if progress is not None:
-            progress.update(_global_batch(cfg, runtime))
-    if progress is not None:
-        progress.close()
-    # The loss in any single rank's batches is a sample; the epoch's loss is the sum over all ranks.
-    total, count = data.reduce_sums([loss_sum.item(), float(seen)], runtime)
-    return total / max(count, 1.0)
+            progress.close()
+        # The loss in any single rank's batches is a sample; the epoch's loss is the sum over all ranks.
+        total, count = data.reduce_sums([loss_sum.item(), float(seen)], runtime)
+        return total / max(count, 1.0), steps
+
+    def _stop(self, epoch: int, samples: int, partial: list[float], progress) -> None:
+        """Every rank got here at the same step: write one checkpoint, wait for it, leave."""
+        if progress is not None:
+            progress.close()
+        self.save(epoch, samples, partial, if_idle=False)
+        self.ckpt.wait()
+        # One write per line: the ranks print at the same moment into the same pipe.
+        sys.stdout.write(f"ddpkit: rank {self.runtime.rank} stopped by {self.stop.signal_name} at epoch {epoch + 1}, "
+                         f"step {self.global_step}; checkpoint {self.ckpt.last_path or 'written by rank 0'}\n")
+        sys.stdout.flush()
+        raise preempt.StopNow(self.stop.exit_code)
 
 
 def _progress_bar(runtime: Runtime, cfg: TrainConfig, steps: int, epoch: int):

@@ -1,0 +1,342 @@
+"""Resume, restarts and preemption for real: `ddpkit train` on 2 processes (torchrun's agent, gloo).
+
+The yardstick is bit-identity: on CPU an interrupted and resumed run must end with exactly the model.pt
+of the uninterrupted one. `net` has BatchNorm (its buffers must continue too); the user's loop at the
+end has dropout, so its random stream must continue exactly.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import child_env, run_ddpkit, train
+
+from ddpkit import checkpoint
+from ddpkit.zoo import Net
+
+RUN = ["--model", "net", "--data", "digits", "--epochs", "2", "--nproc-per-node", "2"]  # 22 steps per epoch
+
+
+def identical(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run, with a checkpoint every 5 steps kept, and the same run without checkpoints."""
+    folder = tmp_path_factory.mktemp("reference")
+    state, rows = train(folder, *RUN, "--checkpoint-every", "5", "--keep-checkpoints", "100")
+    plain, _ = train(tmp_path_factory.mktemp("plain"), *RUN)
+    return folder, state, rows, plain
+
+
+def test_checkpointing_does_not_change_the_run(reference):
+    folder, state, _, plain = reference
+    assert identical(state, plain)
+    names = [p.name for p in checkpoint.list_checkpoints(folder / "checkpoints")]
+    # Every 5 steps, plus each epoch's end (22, 44); the step that ends an epoch is saved once.
+    assert names == [checkpoint.checkpoint_name(s) for s in (44, 40, 35, 30, 25, 22, 20, 15, 10, 5)]
+    assert checkpoint.read_pointer(folder / "checkpoints").name == "step-00000044.pt"
+    saved = checkpoint.load_file(folder / "checkpoints" / "step-00000025.pt")
+    assert saved["progress"] == {"epoch": 1, "samples": 3 * 64, "global_step": 25, "world_size": 2, "global_batch": 64}
+    assert len(saved["ranks"]) == 2 and {"rng", "partial"} <= saved["ranks"][1].keys()
+    assert saved["config"]["model"] == "net" and saved["versions"]["torch"] == str(torch.__version__)
+    assert {"optimizer", "scheduler", "scaler"} <= saved.keys()
+
+
+@pytest.mark.parametrize("step", [5, 15, 22, 25])  # 22: an epoch boundary
+def test_resume_is_bit_identical(tmp_path, reference, step):
+    folder, state, rows, _ = reference
+    result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN,
+                        "--resume", str(folder / "checkpoints" / checkpoint.checkpoint_name(step)))
+    assert result.returncode == 0, result.stderr
+    assert f"resumed from {folder / 'checkpoints' / checkpoint.checkpoint_name(step)}" in result.stdout
+    assert identical(torch.load(tmp_path / "model.pt", weights_only=True), state)
+    resumed_rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # The epoch it resumed in reports the same loss over all its steps, and the next one is unchanged.
+    assert resumed_rows[-1]["train_loss"] == rows[-1]["train_loss"]
+    assert resumed_rows[-1]["val_acc"] == rows[-1]["val_acc"]
+
+
+def test_resume_auto_falls_back_past_a_corrupt_newest_checkpoint(tmp_path, reference):
+    folder, state, _, _ = reference
+    shutil.copytree(folder / "checkpoints", tmp_path / "checkpoints")
+    for newer in ("step-00000044.pt", "step-00000040.pt", "step-00000035.pt"):
+        (tmp_path / "checkpoints" / newer).unlink()
+    newest = tmp_path / "checkpoints" / "step-00000030.pt"
+    newest.write_bytes(newest.read_bytes()[:5000])  # torn, as by a disk that filled up
+    checkpoint.write_pointer(tmp_path / "checkpoints", newest)
+    result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN, "--resume", "auto")
+    assert result.returncode == 0, result.stderr
+    assert f"skipping checkpoint {newest}" in result.stdout
+    assert "resumed from" in result.stdout and "step-00000025.pt" in result.stdout
+    assert identical(torch.load(tmp_path / "model.pt", weights_only=True), state)
+
+
+def test_no_readable_checkpoint_is_a_clear_error(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step-00000003.pt").write_bytes(b"not a zip file")
+    result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN, "--resume", "auto")
+    assert result.returncode == 2
+    assert "ddpkit: error: no usable checkpoint in" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_checkpoint_of_another_model_is_refused_with_what_differs(tmp_path, reference):
+    folder = reference[0]
+    result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN, "--model", "convnet",
+                        "--resume", str(folder / "checkpoints"))
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ddpkit: error:")]
+    assert len(errors) == 1, result.stderr  # said once, by rank 0, not by every rank
+    assert "is for another model: 4 missing key(s): conv2d.weight" in errors[0]
+    assert "18 unexpected key(s): conv1.weight" in errors[0] and "Traceback" not in result.stderr
+
+
+def test_the_tutorials_checkpoint_resumes_at_the_next_epoch(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.Adam(model.parameters())
+    # What the tutorials write from rank 0: the DDP wrapper's state_dict, with its "module." prefix.
+    torch.save({"epoch": 0, "model_state_dict": {f"module.{k}": v for k, v in model.state_dict().items()},
+                "optimizer_state_dict": optimizer.state_dict()}, tmp_path / "epoch_0.pt")
+    result = run_ddpkit("train", "--output-dir", str(tmp_path / "out"), "--no-progress", *RUN,
+                        "--resume", str(tmp_path / "epoch_0.pt"))
+    assert result.returncode == 0, result.stderr
+    assert "(tutorial): continuing at epoch 2" in result.stdout
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["epoch"] for row in rows] == [1]
+
+
+def test_resuming_on_another_world_size_says_what_it_did_to_the_global_batch(tmp_path, reference):
+    folder = reference[0]
+    result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN, "--nproc-per-node", "1",
+                        "--resume", str(folder / "checkpoints" / "step-00000025.pt"))
+    assert result.returncode == 0, result.stderr
+    assert "written with global batch 64 (2 process(es)); this run's is 32 (1 x 32)" in result.stdout
+    assert "pass --batch-size 64" in result.stdout
+    # Epoch 2 continues after the 192 samples the two processes had consumed: step 6 of 44 at batch 32.
+    assert "after 192 samples (step 6 of 44)" in result.stdout
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["epoch"] == 1 and rows[-1]["resumed_at_step"] == 6
+
+
+def test_a_fresh_start_sets_the_earlier_checkpoints_aside(tmp_path):
+    train(tmp_path, *RUN, "--epochs", "1")
+    result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN, "--epochs", "1")
+    assert result.returncode == 0, result.stderr
+    assert "were moved to" in result.stdout
+    assert checkpoint.list_checkpoints(tmp_path / "checkpoints.prev")
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def _worker_pid(launcher: subprocess.Popen, rank: int) -> int | None:
+    """The pid of the launcher's child that runs global rank ``rank`` (read from its environment)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == launcher.pid and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def _start(tmp_path: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "train", "--output-dir", str(tmp_path), "--no-progress", *args],
+        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+def test_kill_9_of_a_rank_restarts_the_group_and_ends_with_the_same_model(tmp_path, reference):
+    proc = _start(tmp_path, *RUN, "--checkpoint-every", "4", "--max-restarts", "1")
+    try:
+        deadline = time.monotonic() + 120
+        victim = None
+        while victim is None:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint was ever written"
+            if checkpoint.list_checkpoints(tmp_path / "checkpoints"):
+                victim = _worker_pid(proc, rank=1)
+            time.sleep(0.005)
+        # Freeze it first: the run cannot get one step further, so the kill lands mid-epoch.
+        os.kill(victim, signal.SIGSTOP)
+        killed_after = [p.name for p in checkpoint.list_checkpoints(tmp_path / "checkpoints")]
+        os.kill(victim, signal.SIGKILL)
+    finally:
+        stdout, stderr = _finish(proc, timeout=180)
+    assert proc.returncode == 0, stdout + stderr
+    assert "step-00000044.pt" not in killed_after  # it really was killed before the end
+    assert "restart 1 of the group: resuming from the newest checkpoint" in stdout
+    assert "resumed from" in stdout and "after" in stdout  # part-way through an epoch
+    assert identical(torch.load(tmp_path / "model.pt", weights_only=True), reference[1])
+
+
+def _signal_when(proc: subprocess.Popen, ready, signals: list[int]) -> tuple[str, str, float]:
+    """Once ``ready()``, send ``signals`` to the launcher 10 ms apart; return its output and how long it took."""
+    try:
+        deadline = time.monotonic() + 120
+        while not ready():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the run never got ready for the signal"
+            time.sleep(0.01)
+        sent = time.monotonic()
+        for number in signals:
+            proc.send_signal(number)
+            time.sleep(0.01)
+        stdout, stderr = _finish(proc, timeout=60)
+        return stdout, stderr, time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            _finish(proc, timeout=1)
+
+
+LONG = ["--model", "net", "--data", "digits", "--epochs", "6", "--nproc-per-node", "2"]
+
+
+def test_sigterm_checkpoints_at_one_step_on_every_rank_and_the_run_resumes_exactly(tmp_path, tmp_path_factory):
+    proc = _start(tmp_path, *LONG)
+    first_epoch_done = lambda: (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text()
+    stdout, stderr, took = _signal_when(proc, first_epoch_done, [signal.SIGTERM])
+    assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
+    assert took < 15, f"took {took:.1f} s to stop"
+    stops = re.findall(r"rank (\d) stopped by SIGTERM at epoch \d+, step (\d+);", stdout)
+    assert sorted(rank for rank, _ in stops) == ["0", "1"], stdout
+    steps = {step for _, step in stops}
+    assert len(steps) == 1  # both ranks stopped after the same step
+    step = int(steps.pop())
+    assert 22 < step < 6 * 22
+    assert checkpoint.read_pointer(tmp_path / "checkpoints").name == checkpoint.checkpoint_name(step)
+    assert not (tmp_path / "model.pt").exists()
+
+    resumed = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *LONG, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr
+    uninterrupted, _ = train(tmp_path_factory.mktemp("long"), *LONG)
+    assert identical(torch.load(tmp_path / "model.pt", weights_only=True), uninterrupted)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["epoch"] for row in rows] == list(range(6))
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    proc = _start(tmp_path, *LONG, "--epochs", "100")
+    stdout, stderr, took = _signal_when(proc, lambda: checkpoint.list_checkpoints(tmp_path / "checkpoints"),
+                                        [signal.SIGINT, signal.SIGINT])
+    assert proc.returncode == 128 + signal.SIGINT, stdout + stderr
+    assert took < 10
+    assert "ddpkit: stopped by signal SIGINT" in stderr
+
+
+SLOW_SAVE = textwrap.dedent(
+    """
+    import sys, time
+    import torch, torch.nn as nn
+    import ddpkit
+    from ddpkit.checkpoint import atomic_save
+
+    def slow_disk(obj, path):  # far slower than the collective timeout below
+        time.sleep(8)
+        atomic_save(obj, path)
+
+    with ddpkit.distributed(timeout_s=3) as rt:
+        torch.manual_seed(0)
+        model = ddpkit.prepare_model(nn.Linear(4, 2), rt)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ckpt = ddpkit.Checkpointer(sys.argv[1], rt)
+        for step in range(20):
+            model(torch.randn(8, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 2:
+                ckpt.save(model=model, optimizer=optimizer, global_step=step + 1)
+            time.sleep(0.1)
+        ckpt.wait()  # every rank waits here, for as long as the write takes
+        ddpkit.print0(rt, "done")
+    """
+)
+
+
+def test_a_slow_checkpoint_write_makes_no_rank_time_out(tmp_path):
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_SAVE)
+    result = run_ddpkit("run", "--nproc-per-node", "2", str(script), str(tmp_path / "ckpt"), timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "done" in result.stdout
+    assert checkpoint.read_pointer(tmp_path / "ckpt").name == "step-00000003.pt"
+
+
+OWN_LOOP = textwrap.dedent(
+    """
+    # A user's own loop with ddpkit's checkpoints; stops (as if killed) after --crash-after steps.
+    import sys
+    import torch, torch.nn as nn, torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+    import ddpkit
+
+    folder, crash_after = sys.argv[1], int(sys.argv[2])
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(200, 6, generator=generator), torch.randint(0, 3, (200,), generator=generator))
+    with ddpkit.distributed() as rt:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+        ckpt = ddpkit.Checkpointer(folder + "/checkpoints", rt)
+        resumed = ckpt.load("auto", model=model)
+        model = ddpkit.prepare_model(model, rt)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        loader = ddpkit.train_loader(data, batch_size=10, runtime=rt, seed=0)
+        start, steps = 0, 0
+        if resumed is not None:
+            resumed.restore(optimizer=optimizer, loader=loader)
+            start = resumed.epoch
+            ddpkit.print0(rt, f"resumed at epoch {resumed.epoch} after {resumed.samples} samples")
+        for epoch in range(start, 3):
+            for x, y in loader:
+                optimizer.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                steps += 1
+                if steps == crash_after:
+                    ckpt.save(model=model, optimizer=optimizer, loader=loader)
+                    ckpt.wait()
+                    sys.exit(3)
+            ckpt.save(model=model, optimizer=optimizer, loader=loader)
+        ckpt.wait()
+        if rt.is_main:
+            ddpkit.atomic_save(ddpkit.model_state_dict(model), folder + "/model.pt")
+    """
+)
+
+
+def test_the_library_resumes_a_users_own_loop_exactly(tmp_path):
+    script = tmp_path / "own_loop.py"
+    script.write_text(OWN_LOOP)
+    whole = run_ddpkit("run", "--nproc-per-node", "2", str(script), str(tmp_path / "whole"), "0")
+    assert whole.returncode == 0, whole.stderr
+    crashed = run_ddpkit("run", "--nproc-per-node", "2", str(script), str(tmp_path / "cut"), "13")  # epoch 2, step 3
+    assert crashed.returncode == 1
+    finished = run_ddpkit("run", "--nproc-per-node", "2", str(script), str(tmp_path / "cut"), "0")
+    assert finished.returncode == 0, finished.stderr
+    assert "resumed at epoch 1 after 60 samples" in finished.stdout
+    assert identical(torch.load(tmp_path / "cut" / "model.pt", weights_only=True),
+                     torch.load(tmp_path / "whole" / "model.pt", weights_only=True))
