@@ -59,25 +59,32 @@ class Model(nn.Module):
         return out
 
 
-# ddpkit: rank, device and process group, destroyed however the block ends; the block is indented.
-with ddpkit.distributed(device=config.device) as rt:  # ddpkit
-    # Instantiate models, datasets, loaders, and optimizers
-    torch.manual_seed(0)  # ddpkit: every rank must generate the same random data set
-    model = Model(config.num_classes)
-    dataset = RandomDataset(config.dataset_size)
-    # ddpkit: DistributedSampler + DataLoader; set_epoch and moving batches to rt.device are done for you
-    loader = ddpkit.train_loader(dataset, batch_size=config.batch_size, runtime=rt, seed=0, in_memory=True)
-    loss_func = nn.CrossEntropyLoss()
-    model = ddpkit.prepare_model(model, rt)  # ddpkit: to this rank's device, wrapped in DDP
-    optimizer = SGD(model.parameters(), lr=0.1, momentum=0.9)
+# ddpkit: the job in a function: its DDP model and process-group objects are freed when it returns,
+# not while the interpreter shuts down (where freeing them can abort the process).
+def main():
+    # ddpkit: rank, device and process group, destroyed however the block ends; the block is indented.
+    with ddpkit.distributed(device=config.device) as rt:  # ddpkit
+        # Instantiate models, datasets, loaders, and optimizers
+        torch.manual_seed(0)  # ddpkit: every rank must generate the same random data set
+        model = Model(config.num_classes)
+        dataset = RandomDataset(config.dataset_size)
+        # ddpkit: DistributedSampler + DataLoader; set_epoch and moving batches to rt.device are done for you
+        loader = ddpkit.train_loader(dataset, batch_size=config.batch_size, runtime=rt, seed=0, in_memory=True)
+        loss_func = nn.CrossEntropyLoss()
+        model = ddpkit.prepare_model(model, rt)  # ddpkit: to this rank's device, wrapped in DDP
+        optimizer = SGD(model.parameters(), lr=0.1, momentum=0.9)
 
-    # Start training
-    for epoch in range(config.epochs):
-        for step, (images, labels) in enumerate(loader):  # ddpkit: batches arrive on rt.device
-            preds = model(images)
-            loss = loss_func(preds, labels)
-            optimizer.zero_grad()
-            loss.backward()  # (DDP all-reduces the gradients during this call)
-            optimizer.step()
-            ddpkit.print0(rt, f'Step: {step}, Loss: {loss.item()}')  # ddpkit: global rank 0 only
-        ddpkit.print0(rt, f'Epoch {epoch} Finished !')  # ddpkit: global rank 0 only
+        # Start training
+        for epoch in range(config.epochs):
+            for step, (images, labels) in enumerate(loader):  # ddpkit: batches arrive on rt.device
+                preds = model(images)
+                loss = loss_func(preds, labels)
+                optimizer.zero_grad()
+                loss.backward()  # (DDP all-reduces the gradients during this call)
+                optimizer.step()
+                ddpkit.print0(rt, f'Step: {step}, Loss: {loss.item()}')  # ddpkit: global rank 0 only
+            ddpkit.print0(rt, f'Epoch {epoch} Finished !')  # ddpkit: global rank 0 only
+
+
+if __name__ == "__main__":  # ddpkit
+    main()
