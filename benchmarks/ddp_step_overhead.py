@@ -12,7 +12,7 @@ per-process batch, in the same processes, over the same gloo process group:
   ``backward`` / ``step``, with ``sampler.set_epoch(epoch)`` at every epoch.
 * ddpkit: what ``ddpkit train`` runs: the model from ``ddpkit.prepare_model(model, rt)``, the loader
   from ``ddpkit.train_loader(...)`` (called with the arguments ``ddpkit.trainer.train`` passes), and
-  the step loop of the real ``ddpkit.trainer._train_epoch``, called directly on a loader that hands
+  the step loop of the real ``ddpkit.trainer._Loop.epoch``, called directly on a loader that hands
   it the next S batches (so its per-call epilogue - one ``all_reduce`` of the loss sums - is paid once
   per S steps here, once per epoch in ``ddpkit train``).
 
@@ -135,7 +135,7 @@ class NextBatches:
 
 
 class DdpkitLoop:
-    """``ddpkit train``'s pieces: prepare_model, train_loader, and the real trainer._train_epoch."""
+    """``ddpkit train``'s pieces: prepare_model, train_loader, and the real trainer._Loop (its epoch loop)."""
 
     def __init__(self, base_model, datasets, runtime, args):
         # The config ddpkit train builds from these flags; --no-progress, so rank 0 does no tqdm work
@@ -156,13 +156,17 @@ class DdpkitLoop:
         self.batches = NextBatches(loader)
         self.calls = 0
         self.last_loss = float("nan")
+        # ddpkit train also steps an LR schedule (constant here) and checks for a stop signal every step.
+        scheduler = trainer.make_scheduler(self.cfg, self.optimizer, len(loader))
+        self.loop = trainer._Loop(self.cfg, runtime, self.model, self.optimizer, scheduler, self.scaler, self.batches,
+                                  None, len(loader), trainer._Position(epoch=0, samples=0, global_step=0))
+        self.stop = ddpkit.stop_on_signal(runtime)
+        self.loop.stop = self.stop
 
     def run(self, steps: int) -> None:
         # The real function ddpkit train calls once per epoch; "epoch" only numbers a progress bar.
         self.batches.steps = steps
-        self.last_loss = trainer._train_epoch(
-            self.cfg, self.runtime, self.model, self.optimizer, self.scaler, self.batches, steps, self.calls
-        )
+        self.last_loss, _ = self.loop.epoch(self.calls, 0, [0.0, 0.0])
         self.calls += 1
 
 

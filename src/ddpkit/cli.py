@@ -124,7 +124,54 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as in `python -m`")
     run.add_argument("script", metavar="SCRIPT", help="the training script (or module with -m)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to SCRIPT unchanged")
+    bench = commands.add_parser(
+        "bench", help="images/s of single, DP and DDP at 1, 2, ... devices",
+        description="Measure training throughput for each strategy and device count: a table like the "
+                    "tutorials', scaling efficiency, communication wait, ddpkit's overhead over a hand-written "
+                    "loop, and a projection to more devices.")
+    bench.add_argument("--model", default=None, help="default: resnet50 on GPU, net on CPU")
+    bench.add_argument("--strategies", default="single,dp,ddp", metavar="LIST",
+                       help="comma list of single, dp, ddp (dp is skipped without GPUs) (default: single,dp,ddp)")
+    bench.add_argument("--nproc", default=None, metavar="LIST",
+                       help="device counts to try, e.g. 1,2,4 (default: 1,2 on CPU; 1,2,4,... up to the GPUs)")
+    bench.add_argument("--batch-size", type=int, default=32, metavar="B", help="per device (default: 32)")
+    bench.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: auto")
+    bench.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16", "bf16"],
+                       help="fp16/bf16 use autocast, fp16 with a GradScaler; tf32 enables TF32 matmuls (default: fp32)")
+    bench.add_argument("--channels-last", action="store_true", help="model and images in channels_last")
+    bench.add_argument("--compile", action="store_true", help="torch.compile the model")
+    bench.add_argument("--data", default="synthetic", choices=["synthetic", "loader"],
+                       help="synthetic: one batch already on the device; loader: a DataLoader over pinned host "
+                            "memory, copied each step (default: synthetic)")
+    bench.add_argument("--image-size", type=int, default=None, metavar="PIXELS")
+    bench.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5)")
+    bench.add_argument("--steps", type=int, default=20, help="steps per timed round (default: 20)")
+    bench.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported (default: 3)")
+    bench.add_argument("--link-gbps", default="100,400", metavar="LIST",
+                       help="link bandwidths (Gb/s) to project DDP efficiency for (default: 100,400)")
+    bench.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
+    bench.add_argument("--csv", default=None, metavar="FILE", help="write the result rows as CSV")
+    bench.add_argument("--plot", default=None, metavar="FILE.png", help="plot throughput and efficiency (matplotlib)")
     return parser
+
+
+def cmd_bench(ns: argparse.Namespace) -> int:
+    from ddpkit import bench
+
+    options = bench.BenchOptions(
+        model=ns.model, strategies=bench.parse_list(ns.strategies, str, "--strategies"),
+        nproc=bench.parse_list(ns.nproc, int, "--nproc") if ns.nproc else None, batch_size=ns.batch_size,
+        device=ns.device, precision=ns.precision, channels_last=ns.channels_last, compile=ns.compile, data=ns.data,
+        image_size=ns.image_size, warmup=ns.warmup, steps=ns.steps, repeats=ns.repeats,
+        link_gbps=bench.parse_list(ns.link_gbps, float, "--link-gbps"), json_path=ns.json, csv_path=ns.csv,
+        plot_path=ns.plot,
+    )
+    try:
+        bench.run(options)
+    except RuntimeError as error:
+        print(f"ddpkit: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def _train_config(ns: argparse.Namespace):
@@ -256,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = build_parser().parse_args(argv)
         if ns.command == "train":
             return cmd_train(ns, argv)
+        if ns.command == "bench":
+            return cmd_bench(ns)
         return cmd_run(ns)
     except UsageError as error:
         if not error.said_elsewhere:

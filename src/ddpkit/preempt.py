@@ -10,10 +10,11 @@
 
 Schedulers (Slurm, Kubernetes, torchrun's agent) send SIGTERM and wait a grace period before SIGKILL;
 a terminal sends SIGINT. The signal reaches ranks at different moments, and a rank that stops alone
-leaves the others blocked in the next all-reduce. So the handler only raises a flag, and at each step
-every rank puts its flag (the signal number, or 0) into a tiny max all-reduce on a side gloo group. That all-reduce is asynchronous and
-read one step later, so it costs no wait on the training path: all ranks see the same sum for the same
-step and stop together, one or two steps after the first signal. A second signal stops at once.
+leaves the others blocked in the next all-reduce. So the handler only raises a flag, and at step
+boundaries every rank puts its flag (the signal number, or 0) into a tiny max all-reduce on a side gloo group. That all-reduce is asynchronous and
+read at the next check, so it costs no wait on the training path, and it runs every 8th step only (on a
+2-core machine a per-step one measurably slowed the step): all ranks see the same value at the same
+step and stop together, 8 to 16 steps after the first signal. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -37,9 +38,13 @@ class StopNow(SystemExit):
 class StopSignal:
     """Catches the stop signals while active; ``requested()`` is the ranks' common decision."""
 
-    def __init__(self, runtime: Runtime, signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
+    def __init__(self, runtime: Runtime, signals: tuple[signal.Signals, ...] = STOP_SIGNALS, every: int = 8):
+        if every < 1:
+            raise ValueError(f"every must be at least 1, got {every}")
         self.runtime = runtime
         self.signals = signals
+        self.every = every
+        self._calls = 0
         self.received: int | None = None
         self.group = control_group(runtime)
         self._flag = torch.zeros(1, dtype=torch.int32)
@@ -75,9 +80,16 @@ class StopSignal:
         return signal.Signals(self.received).name if self.received else "none"
 
     def requested(self) -> bool:
-        """Whether any rank has been signalled; call it at each step boundary on every rank."""
+        """Whether any rank has been signalled; call it at each step boundary on every rank.
+
+        The ranks compare notes on every ``every``-th call only (all ranks count the same calls), so a
+        stop comes at most about 2 x ``every`` steps after the signal.
+        """
         if self.group is None:
             return self.received is not None
+        self._calls += 1
+        if self._calls % self.every:
+            return False
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
@@ -90,6 +102,6 @@ class StopSignal:
         return False
 
 
-def stop_on_signal(runtime: Runtime, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> StopSignal:
+def stop_on_signal(runtime: Runtime, signals: tuple[signal.Signals, ...] = STOP_SIGNALS, every: int = 8) -> StopSignal:
     """A ``StopSignal`` to use as a context manager around the training loop."""
-    return StopSignal(runtime, signals)
+    return StopSignal(runtime, signals, every)

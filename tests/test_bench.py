@@ -1,0 +1,141 @@
+"""`ddpkit bench`: option checks, the projection's arithmetic, and a tiny real run on 2 CPU processes."""
+
+import csv
+import json
+
+import pytest
+import torch
+from conftest import run_ddpkit
+
+from ddpkit import bench, projection
+from ddpkit.cli import main
+
+NO_GPU = torch.cuda.device_count() == 0
+
+
+# ------------------------------------------------------------------------------------------ projection
+
+
+def test_ring_allreduce_moves_two_n_minus_one_over_n_of_the_gradients():
+    assert projection.ring_allreduce_bytes(1, 100.0) == 0.0
+    assert projection.ring_allreduce_bytes(2, 100.0) == 100.0
+    assert projection.ring_allreduce_bytes(4, 100.0) == 150.0
+    assert projection.ring_allreduce_bytes(8, 100.0) == 175.0
+    with pytest.raises(ValueError, match="at least 1, got 0"):
+        projection.ring_allreduce_bytes(0, 100.0)
+
+
+def test_allreduce_time_is_hops_times_latency_plus_bytes_over_bandwidth():
+    # 4 ranks, 1 GB of gradients, 10 GB/s links, 1 ms per hop: 6 hops + 1.5 GB / 10 GB/s.
+    assert projection.allreduce_seconds(4, 1e9, 1e10, latency_s=1e-3) == pytest.approx(0.006 + 0.15)
+    assert projection.allreduce_seconds(1, 1e9, 1e10) == 0.0
+
+
+def test_overlap_hides_the_all_reduce_behind_the_backward_pass():
+    # 300 ms of compute hides 0.6 x 300 = 180 ms: a 250 ms all-reduce adds 70 ms.
+    assert projection.projected_step_seconds(0.3, 0.25, overlap=0.6) == pytest.approx(0.37)
+    assert projection.projected_efficiency(0.3, 0.25, overlap=0.6) == pytest.approx(0.3 / 0.37)
+    assert projection.projected_efficiency(0.3, 0.1, overlap=0.6) == 1.0  # fully hidden
+    assert projection.projected_efficiency(0.3, 0.3, overlap=0.0) == pytest.approx(0.5)  # none hidden
+    with pytest.raises(ValueError, match="overlap"):
+        projection.projected_step_seconds(0.3, 0.1, overlap=1.5)
+
+
+def test_project_rows_for_each_link_and_world_size():
+    # ResNet-50-like: 102 MB of fp32 gradients, 100 ms per step, batch 64 per device, 100 Gb/s links.
+    rows = projection.project(world_sizes=[2, 8], compute_s=0.1, grad_bytes=102e6, global_batch_per_device=64,
+                              links={"100 Gb/s": 100e9 / 8}, latency_s=0.0)
+    assert [r.world_size for r in rows] == [2, 8]
+    two, eight = rows
+    assert two.bandwidth_gbps == pytest.approx(100.0)
+    assert two.allreduce_s == pytest.approx(102e6 / 12.5e9)  # 8.16 ms, hidden by 60 ms of backward
+    assert two.efficiency == 1.0 and two.images_per_sec == pytest.approx(2 * 64 / 0.1)
+    assert eight.allreduce_s == pytest.approx(1.75 * 102e6 / 12.5e9)
+    assert eight.images_per_sec == pytest.approx(8 * 64 / eight.step_s)
+
+
+# -------------------------------------------------------------------------------------------- results
+
+
+def test_efficiency_is_per_device_throughput_over_the_one_device_run():
+    raw = {"images_per_step": 32, "steps": 10, "peak_memory_bytes": [1], "grad_bytes": 4}
+    rows = [
+        bench.summarize("single", 1, {**raw, "times": {"ddpkit": [1.0, 1.0, 1.2], "hand": [1.0, 1.0, 1.0]}}),
+        bench.summarize("ddp", 2, {**raw, "images_per_step": 64,
+                                   "times": {"ddpkit": [1.6] * 3, "hand": [1.6] * 3, "no_sync": [1.2] * 3}}),
+    ]
+    bench.add_efficiency(rows)
+    single, ddp = rows
+    assert single["images_per_sec"] == 320.0 and single["spread"] == [320 / 1.2, 320.0]
+    assert ddp["images_per_sec"] == 400.0 and ddp["efficiency"] == pytest.approx(400 / (2 * 320))
+    assert ddp["comm_share"] == pytest.approx(0.25)  # 1.6 s with the all-reduce, 1.2 s without
+    assert single["ddpkit_over_hand"] == 1.0 and single["efficiency"] == 1.0
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--nproc", "0"], "--nproc takes whole numbers of at least 1, got 0"),
+        (["bench", "--nproc", "one,two"], "--nproc takes a comma-separated list, got 'one,two'"),
+        (["bench", "--strategies", "ddp,fsdp"], "--strategies takes a comma list of single, dp, ddp"),
+        (["bench", "--steps", "0"], "--steps must be at least 1, got 0"),
+        (["bench", "--model", "resnet"], "unknown model 'resnet'"),
+        (["bench", "--link-gbps", "0"], "--link-gbps takes positive numbers"),
+        (["bench", "--precision", "fp8"], "invalid choice: 'fp8'"),
+    ],
+)
+def test_bad_bench_options_are_one_line_and_status_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the refusal on a machine without a GPU")
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--strategies", "dp"], "--strategies dp needs CUDA GPUs"),
+        (["bench", "--precision", "tf32"], "--precision tf32 is a GPU mode"),
+        (["bench", "--device", "cuda"], "no CUDA GPU is visible"),
+    ],
+)
+def test_gpu_only_bench_options_are_refused_without_a_gpu(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_tiny_cpu_bench_writes_json_csv_and_png_from_its_own_rows(tmp_path):
+    out = tmp_path / "bench"
+    result = run_ddpkit("bench", "--model", "convnet", "--nproc", "1,2", "--batch-size", "8", "--steps", "3",
+                        "--warmup", "1", "--repeats", "2", "--json", f"{out}.json", "--csv", f"{out}.csv",
+                        "--plot", f"{out}.png", timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "single img/s (eff)" in result.stdout and "PROJECTION (not measured)" in result.stdout
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["environment"]["torch"] == str(torch.__version__)
+    rows = {(r["strategy"], r["devices"]): r for r in report["results"]}
+    assert set(rows) == {("single", 1), ("ddp", 1), ("ddp", 2)}  # dp is skipped without GPUs
+    base = rows["single", 1]["images_per_sec"]
+    for (_, devices), row in rows.items():
+        assert row["images_per_sec"] > 0 and row["spread"][0] <= row["images_per_sec"] <= row["spread"][1]
+        assert row["efficiency"] == pytest.approx(row["images_per_sec"] / (devices * base))
+        assert len(row["peak_memory_bytes"]) == devices and min(row["peak_memory_bytes"]) > 0
+    assert 0 <= rows["ddp", 2]["comm_share"] < 1 and rows["ddp", 2]["allreduce_bytes_per_s"] > 0
+    assert report["projection"]["check"][0]["devices"] == 2
+    with open(tmp_path / "bench.csv", newline="") as handle:
+        table = list(csv.DictReader(handle))
+    assert [(r["strategy"], r["devices"]) for r in table] == [("single", "1"), ("ddp", "1"), ("ddp", "2")]
+    assert float(table[2]["efficiency"]) == pytest.approx(rows["ddp", 2]["efficiency"])
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_through_a_data_loader(tmp_path):
+    result = run_ddpkit("bench", "--model", "net", "--nproc", "1", "--strategies", "single", "--data", "loader",
+                        "--batch-size", "8", "--steps", "3", "--warmup", "1", "--repeats", "1",
+                        "--json", str(tmp_path / "b.json"), timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "loader data" in result.stdout
+    assert json.loads((tmp_path / "b.json").read_text())["results"][0]["images_per_sec"] > 0
