@@ -111,7 +111,7 @@ def test_a_tiny_cpu_bench_writes_json_csv_and_png_from_its_own_rows(tmp_path):
     out = tmp_path / "bench"
     result = run_ddpkit("bench", "--model", "convnet", "--nproc", "1,2", "--batch-size", "8", "--steps", "3",
                         "--warmup", "1", "--repeats", "2", "--json", f"{out}.json", "--csv", f"{out}.csv",
-                        "--plot", f"{out}.png", timeout=240)
+                        "--plot", f"{out}.png", "--sweep", timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "single img/s (eff)" in result.stdout and "PROJECTION (not measured)" in result.stdout
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -130,6 +130,12 @@ def test_a_tiny_cpu_bench_writes_json_csv_and_png_from_its_own_rows(tmp_path):
     assert [(r["strategy"], r["devices"]) for r in table] == [("single", "1"), ("ddp", "1"), ("ddp", "2")]
     assert float(table[2]["efficiency"]) == pytest.approx(rows["ddp", 2]["efficiency"])
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The sweep: every bucket size and every hook, each timed or said why not.
+    sweep = report["sweep"]
+    assert [(r["bucket_cap_mb"], r["hook"]) for r in sweep] == [
+        (1.0, "none"), (5.0, "none"), (25.0, "none"), (100.0, "none"), (None, "fp16"), (None, "bf16"), (None, "powersgd")]
+    assert all(r.get("images_per_sec", 0) > 0 or r.get("error") for r in sweep)
+    assert "best:" in result.stdout
 
 
 def test_bench_through_a_data_loader(tmp_path):
@@ -139,3 +145,20 @@ def test_bench_through_a_data_loader(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "loader data" in result.stdout
     assert json.loads((tmp_path / "b.json").read_text())["results"][0]["images_per_sec"] > 0
+
+
+def test_bench_on_an_image_folder_decoded_by_loader_processes(tmp_path):
+    from PIL import Image
+
+    for k, name in enumerate(("cat", "dog")):
+        (tmp_path / "images" / name).mkdir(parents=True)
+        for i in range(12):
+            Image.new("RGB", (40 + i, 36), (90 * k, 10 * i, 100)).save(tmp_path / "images" / name / f"{i}.jpg")
+    result = run_ddpkit("bench", "--model", "convnet", "--nproc", "1", "--strategies", "single",
+                        "--data", f"folder:{tmp_path / 'images'}", "--batch-size", "4", "--steps", "3",
+                        "--warmup", "1", "--repeats", "1", "--json", str(tmp_path / "b.json"), timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"folder:{tmp_path / 'images'} data" in result.stdout
+    assert json.loads((tmp_path / "b.json").read_text())["results"][0]["images_per_sec"] > 0
+    missing = run_ddpkit("bench", "--data", "folder:/no/such/images", timeout=60)
+    assert missing.returncode == 2 and "folder '/no/such/images' does not exist" in missing.stderr

@@ -52,10 +52,11 @@ def test_resumable_sampler_from_the_start_is_distributed_sampler(n, world, drop_
 
 
 @pytest.mark.parametrize("steps_done", [1, 3, 6])
-def test_resuming_part_way_gives_each_rank_exactly_its_remaining_indices(steps_done):
-    world, batch = 2, 8
-    whole = rank_indices(ResumableSampler, 101, world, 2)
-    rest = rank_indices(ResumableSampler, 101, world, 2, start=steps_done * batch * world)
+@pytest.mark.parametrize("n,world,drop_last", [(101, 2, True), (101, 3, False), (10, 4, False)])
+def test_resuming_part_way_gives_each_rank_exactly_its_remaining_indices(steps_done, n, world, drop_last):
+    batch = 1 if n == 10 else 4
+    whole = rank_indices(DistributedSampler, n, world, 2, drop_last=drop_last)
+    rest = rank_indices(ResumableSampler, n, world, 2, start=steps_done * batch * world, drop_last=drop_last)
     assert rest == [indices[steps_done * batch:] for indices in whole]
 
 
@@ -304,7 +305,7 @@ def test_a_failed_write_is_reported(tmp_path):
 
     ckpt = Checkpointer(tmp_path, runtime(), writer=broken, log=lambda text: None)
     ckpt.save(model=nn.Linear(2, 2), global_step=1)
-    with pytest.raises(RuntimeError, match="No space left on device"):
+    with pytest.raises(CheckpointError, match="writing checkpoint .*step-00000001.pt failed: .*No space left on device"):
         ckpt.wait()
 
 
@@ -331,3 +332,15 @@ def test_a_scheduler_placed_at_a_step_matches_one_stepped_there():
     place_scheduler(placed, 7)
     assert placed.get_last_lr() == stepped.get_last_lr()
     assert placed.optimizer.param_groups[0]["lr"] == stepped.optimizer.param_groups[0]["lr"]
+
+
+def test_an_optimizer_state_for_another_optimizer_is_refused_in_one_line():
+    model, saved = tutorial_checkpoint(epoch=0)  # SGD with momentum
+    adam = torch.optim.Adam(model.parameters())
+    with pytest.raises(CheckpointError, match=r"for another optimizer than Adam \(it has dampening, momentum, nesterov\)"):
+        checkpoint.check_optimizer_state(adam, saved["optimizer_state_dict"], "tutorial.pt")
+    fewer = torch.optim.SGD(list(model.parameters())[:2], lr=0.1, momentum=0.9)
+    with pytest.raises(CheckpointError, match=r"covers \[\d+\] parameters per group, this model's optimizer \[2\]"):
+        checkpoint.check_optimizer_state(fewer, saved["optimizer_state_dict"], "tutorial.pt")
+    checkpoint.check_optimizer_state(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+                                     saved["optimizer_state_dict"])

@@ -37,3 +37,30 @@ def test_debug_shows_each_rank_on_its_own_gpu(tmp_path):
     assert result.returncode == 0, result.stderr
     for rank in range(n):
         assert f"data: cuda:{rank}, model: cuda:{rank}" in result.stdout
+
+
+def test_bench_on_the_gpus_reports_dp_memory_per_gpu_and_bf16(tmp_path):
+    import json
+
+    from conftest import run_ddpkit
+
+    n = torch.cuda.device_count()
+    result = run_ddpkit("bench", "--model", "resnet18", "--nproc", f"1,{n}", "--precision", "bf16", "--channels-last",
+                        "--steps", "5", "--warmup", "3", "--repeats", "2", "--json", str(tmp_path / "b.json"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "b.json").read_text())
+    dp = [r for r in report["results"] if r["strategy"] == "dp"]
+    assert dp and all(len(r["peak_memory_bytes"]) == n for r in dp)
+    assert report["environment"]["devices"] and report["environment"]["nccl"]
+
+
+def test_resume_state_with_cuda_rng_round_trips(tmp_path):
+    from ddpkit import checkpoint
+
+    torch.cuda.manual_seed(3)
+    state = checkpoint.rng_state(torch.device("cuda", 0))
+    expected = torch.rand(4, device="cuda")
+    checkpoint.atomic_save({"rng": state}, tmp_path / "rng.pt")
+    torch.cuda.manual_seed(9)
+    checkpoint.set_rng_state(checkpoint.load_file(tmp_path / "rng.pt")["rng"], torch.device("cuda", 0))
+    assert torch.equal(torch.rand(4, device="cuda"), expected)

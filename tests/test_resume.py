@@ -130,8 +130,9 @@ def test_resuming_on_another_world_size_says_what_it_did_to_the_global_batch(tmp
     assert rows[-1]["epoch"] == 1 and rows[-1]["resumed_at_step"] == 6
 
 
-def test_a_fresh_start_sets_the_earlier_checkpoints_aside(tmp_path):
-    train(tmp_path, *RUN, "--epochs", "1")
+def test_a_fresh_start_sets_the_earlier_checkpoints_aside(tmp_path, reference):
+    shutil.copytree(reference[0] / "checkpoints", tmp_path / "checkpoints")  # an earlier run's
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
     result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN, "--epochs", "1")
     assert result.returncode == 0, result.stderr
     assert "were moved to" in result.stdout
@@ -171,7 +172,9 @@ def _finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
 
 
 def test_kill_9_of_a_rank_restarts_the_group_and_ends_with_the_same_model(tmp_path, reference):
-    proc = _start(tmp_path, *RUN, "--checkpoint-every", "4", "--max-restarts", "1")
+    # Started from another run's checkpoint: the restart must take its own newer ones, not that one again.
+    start = reference[0] / "checkpoints" / checkpoint.checkpoint_name(5)
+    proc = _start(tmp_path, *RUN, "--checkpoint-every", "4", "--max-restarts", "1", "--resume", str(start))
     try:
         deadline = time.monotonic() + 120
         victim = None
@@ -190,7 +193,8 @@ def test_kill_9_of_a_rank_restarts_the_group_and_ends_with_the_same_model(tmp_pa
     assert proc.returncode == 0, stdout + stderr
     assert "step-00000044.pt" not in killed_after  # it really was killed before the end
     assert "restart 1 of the group: resuming from the newest checkpoint" in stdout
-    assert "resumed from" in stdout and "after" in stdout  # part-way through an epoch
+    resumes = re.findall(r"resumed from (\S+) \(ddpkit\): continuing at epoch \d after \d+ samples", stdout)
+    assert resumes[0] == str(start) and resumes[1].startswith(str(tmp_path / "checkpoints")), stdout
     assert identical(torch.load(tmp_path / "model.pt", weights_only=True), reference[1])
 
 

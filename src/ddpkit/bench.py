@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ddpkit import projection
-from ddpkit.errors import UsageError
+from ddpkit.errors import EXIT_USAGE, UsageError
 
 STRATEGIES = ("single", "dp", "ddp")
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
@@ -58,6 +59,7 @@ class BenchOptions:
     steps: int = 20
     repeats: int = 3
     link_gbps: tuple[float, ...] = (100.0, 400.0)
+    sweep: bool = False  # also time DDP per bucket size and per gradient-compression hook
     json_path: str | None = None
     csv_path: str | None = None
     plot_path: str | None = None
@@ -88,8 +90,12 @@ class BenchOptions:
             raise UsageError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.precision in ("tf32", "fp16") and device != "cuda":
             raise UsageError(f"--precision {self.precision} is a GPU mode; on CPU use fp32 or bf16")
-        if self.data not in DATA_SOURCES:
-            raise UsageError(f"--data must be one of {', '.join(DATA_SOURCES)}, got {self.data!r}")
+        if self.data.startswith("folder:"):
+            from ddpkit import zoo
+
+            zoo.parse_data_spec(self.data)  # the folder must exist
+        elif self.data not in DATA_SOURCES:
+            raise UsageError(f"--data must be synthetic, loader or folder:PATH, got {self.data!r}")
         for name, value, least in (("--batch-size", self.batch_size, 1), ("--steps", self.steps, 1),
                                    ("--repeats", self.repeats, 1), ("--warmup", self.warmup, 0)):
             if value < least:
@@ -194,9 +200,13 @@ def measure(options: BenchOptions, strategy: str, runtime) -> dict:
     if options.precision == "tf32":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    channels, image_size = zoo.model_input(options.model, "synthetic", options.image_size)
+    from_folder = options.data.startswith("folder:")
+    channels, image_size = zoo.model_input(options.model, "folder" if from_folder else "synthetic", options.image_size)
+    folder = zoo.load_folder(options.data.partition(":")[2], channels, image_size) if from_folder else None
+    folder_set = folder.train if folder is not None else None
+    num_classes = folder.num_classes if folder is not None else 10
     torch.manual_seed(0)
-    model = zoo.build_model(options.model, in_channels=channels, num_classes=10, image_size=image_size)
+    model = zoo.build_model(options.model, in_channels=channels, num_classes=num_classes, image_size=image_size)
     memory_format = torch.channels_last if options.channels_last else torch.contiguous_format
     model = model.to(memory_format=memory_format)
     wrapped = WRAPPERS[strategy](model, runtime, ddp=DDPOptions())
@@ -209,7 +219,21 @@ def measure(options: BenchOptions, strategy: str, runtime) -> dict:
                       amp={"fp16": "fp16", "bf16": "bf16"}.get(options.precision, "off"))
     optimizer = make_optimizer("sgd", wrapped.parameters(), None)
     scaler = torch.amp.GradScaler(device.type, enabled=options.precision == "fp16")
-    if options.data == "loader":
+    if from_folder:
+        # Decoding and augmenting JPEG/PNG files on CPU loader processes, as ddpkit train does.
+        from torch.utils.data import DataLoader
+
+        from ddpkit.data import default_workers
+
+        workers = default_workers(runtime, False, folder_set)
+        loader = DataLoader(folder_set, batch_size=per_step, shuffle=True, num_workers=workers, drop_last=True,
+                            pin_memory=device.type == "cuda", persistent_workers=workers > 0)
+        if len(loader) == 0:
+            raise UsageError(f"{options.data} has {len(folder_set)} training images, fewer than one batch of {per_step}")
+        batches = _Batches(
+            ((x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True))
+             for x, y in itertools.chain.from_iterable(itertools.repeat(loader))), options.steps)
+    elif options.data == "loader":
         from torch.utils.data import DataLoader, TensorDataset
 
         host = TensorDataset(images.cpu().repeat(4, 1, 1, 1), labels.cpu().repeat(4))
@@ -227,42 +251,112 @@ def measure(options: BenchOptions, strategy: str, runtime) -> dict:
         loop.epoch(0, 0, [0.0, 0.0])
 
     def hand_round(no_sync: bool = False) -> None:
-        wrapped.train()
-        for x, y in batches:
-            with wrapped.no_sync() if no_sync else contextlib.nullcontext():
-                optimizer.zero_grad(set_to_none=True)
-                with _autocast(device, options.precision):
-                    loss = F.cross_entropy(wrapped(x), y)
-                scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+        _hand_steps(wrapped, optimizer, scaler, batches, options.precision, no_sync)
 
     rounds = {"ddpkit": ddpkit_round, "hand": hand_round}
     if strategy == "ddp" and runtime.world_size > 1:
         rounds["no_sync"] = lambda: hand_round(no_sync=True)
-    for run_round in rounds.values():  # warm-up: allocator, cuDNN autotuning, compile, DDP's first buckets
+    times = _timed_rounds(rounds, options, runtime)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return {
+        "times": times,
+        # DataParallel: every GPU of the one process (GPU 0 gathers outputs and holds more, as the tutorials warn).
+        "peak_memory_bytes": ([int(torch.cuda.max_memory_allocated(i)) for i in range(torch.cuda.device_count())]
+                              if strategy == "dp" else _peak_memory_bytes(device)),
+        "grad_bytes": grad_bytes,
+        "allreduce_bytes_per_s": _allreduce_bandwidth(grad_bytes, runtime) if runtime.world_size > 1 else None,
+        "images_per_step": per_step * (runtime.world_size if strategy != "dp" else 1),
+    }
+
+
+def _hand_steps(model, optimizer, scaler, batches, precision: str, no_sync: bool = False) -> None:
+    """The training step as the tutorials write it, once per batch of ``batches``."""
+    model.train()
+    device = next(model.parameters()).device
+    for x, y in batches:
+        with model.no_sync() if no_sync else contextlib.nullcontext():
+            optimizer.zero_grad(set_to_none=True)
+            with _autocast(device, precision):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def _timed_rounds(rounds: dict, options: BenchOptions, runtime) -> dict[str, list[float]]:
+    """Warm each variant up, then time ``repeats`` rounds of each, interleaved (AB, BA, ...)."""
+    device = runtime.device
+    for run_round in rounds.values():  # allocator, cuDNN autotuning, compile, DDP's first buckets
         for _ in range(max(1, -(-options.warmup // options.steps))):
             run_round()
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+        for index in range(torch.cuda.device_count()):  # all of them: DataParallel uses every GPU
+            torch.cuda.reset_peak_memory_stats(index)
     times: dict[str, list[float]] = {name: [] for name in rounds}
     for repeat in range(options.repeats):
         order = list(rounds.items())
-        # Interleaved, and in reverse every other round (AB, BA, ...): drift and going first hit all alike.
+        # In reverse every other round: drift, and going first, hit every variant alike.
         for name, run_round in order if repeat % 2 == 0 else reversed(order):
             _sync(device)
             started = time.perf_counter()
             run_round()
             _sync(device)
             times[name].append(_slowest(time.perf_counter() - started, runtime))
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return {
-        "times": times,
-        "peak_memory_bytes": _peak_memory_bytes(device),
-        "grad_bytes": grad_bytes,
-        "allreduce_bytes_per_s": _allreduce_bandwidth(grad_bytes, runtime) if runtime.world_size > 1 else None,
-        "images_per_step": per_step * (runtime.world_size if strategy != "dp" else 1),
-    }
+    return times
+
+
+SWEEP_BUCKETS_MB = (1.0, 5.0, 25.0, 100.0)
+SWEEP_HOOKS = ("fp16", "bf16", "powersgd")
+
+
+def _comm_hook(model, name: str):
+    """Register one of PyTorch's gradient-compression hooks on a DDP model."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "bf16":
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    else:
+        # Rank-1 PowerSGD after 2 plain steps (PowerSGD's own warm-up), within our warm-up.
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def sweep(options: BenchOptions, runtime) -> list[dict]:
+    """The hand-written DDP step for each bucket size (no hook) and each hook (PyTorch's default buckets)."""
+    from ddpkit import zoo
+    from ddpkit.strategies import DDPOptions, apply_ddp
+    from ddpkit.trainer import make_optimizer
+
+    channels, image_size = zoo.model_input(options.model, "synthetic", options.image_size)
+    images = torch.randn(options.batch_size, channels, image_size, image_size).to(runtime.device)
+    labels = torch.randint(0, 10, (options.batch_size,)).to(runtime.device)
+    batches = _Batches(itertools.repeat((images, labels)), options.steps)
+    configs = [(mb, "none") for mb in SWEEP_BUCKETS_MB] + [(None, hook) for hook in SWEEP_HOOKS]
+    results = []
+    for bucket_mb, hook in configs:
+        torch.manual_seed(0)
+        model = zoo.build_model(options.model, in_channels=channels, num_classes=10, image_size=image_size)
+        ddp = apply_ddp(model, runtime, ddp=DDPOptions(bucket_cap_mb=bucket_mb))
+        optimizer = make_optimizer("sgd", ddp.parameters(), None)
+        scaler = torch.amp.GradScaler(runtime.device.type, enabled=options.precision == "fp16")
+        row = {"bucket_cap_mb": bucket_mb, "hook": hook}
+        try:
+            if hook != "none":
+                _comm_hook(ddp, hook)
+            hand = functools.partial(_hand_steps, ddp, optimizer, scaler, batches, options.precision)
+            times = _timed_rounds({"hand": hand}, options, runtime)["hand"]
+        except RuntimeError as error:  # a hook the backend cannot run (gloo has no bf16 all-reduce, say)
+            from ddpkit.errors import first_line
+
+            row["error"] = first_line(error)
+            results.append(row)
+            continue
+        rates = [options.batch_size * runtime.world_size * options.steps / t for t in times]
+        row.update(images_per_sec=statistics.median(rates), spread=[min(rates), max(rates)])
+        results.append(row)
+    return results
 
 
 def _allreduce_bandwidth(grad_bytes: int, runtime, repeats: int = 5) -> float:
@@ -283,13 +377,30 @@ def _allreduce_bandwidth(grad_bytes: int, runtime, repeats: int = 5) -> float:
 
 def worker_main(argv: Sequence[str]) -> int:
     """One bench process: ``python -m ddpkit.bench OPTIONS_JSON STRATEGY OUT_JSON``; rank 0 writes OUT_JSON."""
-    from ddpkit import process_group
-
     options = BenchOptions(**json.loads(argv[0]))
     strategy, out_path = argv[1], argv[2]
-    with process_group.distributed(device=options.device, force_group=strategy == "ddp") as runtime:
+    try:
+        return _worker(options, strategy, out_path)
+    except UsageError as error:
+        if not error.said_elsewhere:
+            print(f"ddpkit: error: {error}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+
+
+def _worker(options: BenchOptions, strategy: str, out_path: str) -> int:
+    from ddpkit import process_group
+
+    with process_group.distributed(device=options.device, force_group=strategy != "single") as runtime:
+        if strategy == "sweep":
+            result = {"sweep": sweep(options, runtime)}
+            if runtime.is_main:
+                with open(out_path, "w") as handle:
+                    json.dump(result, handle)
+            return 0
         result = measure(options, strategy, runtime)
-        memory = _gather_memory(result["peak_memory_bytes"], runtime)
+        memory = result["peak_memory_bytes"]
+        if strategy != "dp":
+            memory = _gather_memory(memory, runtime)
         if runtime.is_main:
             result["peak_memory_bytes"] = memory
             with open(out_path, "w") as handle:
@@ -321,6 +432,8 @@ def _run_one(options: BenchOptions, strategy: str, nproc: int) -> dict:
         out = os.path.join(folder, "result.json")
         command = ["-m", "ddpkit.bench", json.dumps(dataclasses.asdict(options)), strategy, out]
         status = elastic(LaunchOptions(nproc_per_node=nproc), command)
+        if status == EXIT_USAGE:
+            raise UsageError("a bench process refused its input (see above)", said_elsewhere=True)
         if status != 0 or not os.path.exists(out):
             raise RuntimeError(f"the {strategy} run on {nproc} device(s) failed (status {status}); its output is above")
         with open(out) as handle:
@@ -395,6 +508,9 @@ def run(options: BenchOptions) -> dict:
               "projection": _projection(options, rows)}
     print(format_table(options, rows))
     print(format_projection(report["projection"]))
+    if options.sweep:
+        report["sweep"] = _run_one(options, "sweep", max(options.nproc))["sweep"]
+        print(format_sweep(report["sweep"], max(options.nproc)))
     write_outputs(options, report)
     return report
 
@@ -481,6 +597,26 @@ def format_projection(report: dict) -> str:
     for check in report["check"]:
         lines.append(f"  check on this machine, {check['devices']} processes: projected step "
                      f"{check['projected_step_s'] * 1e3:.1f} ms, measured {check['measured_step_s'] * 1e3:.1f} ms")
+    return "\n".join(lines)
+
+
+def format_sweep(rows: list[dict], devices: int) -> str:
+    lines = ["", f"DDP tuning sweep on {devices} device(s), hand-written step: images/s median [min-max]"]
+    for row in rows:
+        what = f"bucket {row['bucket_cap_mb']:g} MB" if row["bucket_cap_mb"] else "default buckets"
+        what += "" if row["hook"] == "none" else f", {row['hook']} hook"
+        if "error" in row:
+            lines.append(f"  {what:<32} not run: {row['error']}")
+        else:
+            lines.append(f"  {what:<32} {row['images_per_sec']:8.0f}  [{row['spread'][0]:.0f}-{row['spread'][1]:.0f}]")
+    ran = [row for row in rows if "error" not in row]
+    if ran:
+        best = max(ran, key=lambda row: row["images_per_sec"])
+        buckets = f"bucket {best['bucket_cap_mb']:g} MB" if best["bucket_cap_mb"] else "default buckets"
+        others = [row for row in ran if row is not best]
+        # Call it a tie when the best's slowest round is no faster than another's fastest.
+        tied = any(best["spread"][0] <= row["spread"][1] for row in others)
+        lines.append(f"  best: {buckets}, hook {best['hook']}" + (" (its spread overlaps others': a tie)" if tied else ""))
     return "\n".join(lines)
 
 

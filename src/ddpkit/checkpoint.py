@@ -280,6 +280,26 @@ def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {key: value.detach().cpu() for key, value in unwrap(model).state_dict().items()}
 
 
+def check_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, source: str | os.PathLike = "checkpoint") -> None:
+    """One ``CheckpointError`` when a saved optimizer state cannot drive ``optimizer`` (another kind, other params)."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or not groups:
+        raise CheckpointError(f"{source}: its optimizer state has no param_groups")
+    saved_counts = [len(group.get("params", [])) for group in groups]
+    counts = [len(group["params"]) for group in optimizer.param_groups]
+    if saved_counts != counts:
+        raise CheckpointError(f"{source}: its optimizer state covers {saved_counts} parameters per group, this "
+                              f"model's optimizer {counts}")
+    # A setting this optimizer does not know marks another kind (SGD's momentum in an Adam, say); settings
+    # only the new one has are filled in by PyTorch for states saved by older versions.
+    foreign = sorted(set(groups[0]) - set(optimizer.param_groups[0]) - {"params", "initial_lr"})
+    if foreign:
+        raise CheckpointError(
+            f"{source}: its optimizer state is for another optimizer than {type(optimizer).__name__} (it has "
+            f"{', '.join(foreign)}); resume with the --optimizer that wrote it"
+        )
+
+
 def find_resumable(folder: str | os.PathLike, warn: Callable[[str], None]) -> tuple[Path, Any] | None:
     """The newest complete, readable checkpoint in ``folder`` and its contents; None when there is none.
 
@@ -392,6 +412,7 @@ class Resumed:
         """
         contents = self.contents
         if optimizer is not None and contents.optimizer is not None:
+            check_optimizer_state(optimizer, contents.optimizer, self.path)
             optimizer.load_state_dict(contents.optimizer)  # moves the state to the parameters' device
         if scheduler is not None and contents.scheduler is not None:
             scheduler.load_state_dict(contents.scheduler)
@@ -435,7 +456,7 @@ class Checkpointer:
         self, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler=None, scaler=None,
         loader=None, epoch: int | None = None, samples: int | None = None, global_step: int | None = None,
         config: dict | None = None, extra: dict | None = None, rank_state: dict | None = None,
-        if_idle: bool = False,
+        if_idle: bool = False, global_batch: int | None = None,
     ) -> Path | None:
         """Checkpoint at this step boundary; every rank calls it. Returns the file rank 0 is writing.
 
@@ -447,7 +468,8 @@ class Checkpointer:
         position = loader.state_dict() if loader is not None else {"epoch": 0, "samples": 0}
         epoch = position["epoch"] if epoch is None else epoch
         samples = position["samples"] if samples is None else samples
-        global_batch = loader.global_batch if loader is not None else None
+        if global_batch is None:  # samples per optimizer step (pass it when accumulating micro-batches)
+            global_batch = loader.global_batch if loader is not None else None
         if global_step is None:
             steps_per_epoch = loader.steps_per_epoch if loader is not None else 0
             global_step = epoch * steps_per_epoch + (samples // global_batch if global_batch else 0)
@@ -509,10 +531,16 @@ class Checkpointer:
             self._thread.join()
             self._thread = None
         error, self._error = self._error, None
+        failed = error is not None
         if self.group is not None:
-            dist.barrier(group=self.group)
-        if error is not None:
-            raise RuntimeError(f"writing checkpoint {self.last_path} failed: {first_line(error)}") from error
+            # Also the hand-off every rank waits on: rank 0 sends it once the write is done (or failed).
+            flag = torch.tensor([1 if failed else 0])
+            dist.broadcast(flag, src=0, group=self.group)
+            failed = bool(flag.item())
+        if failed:
+            what = first_line(error) if error is not None else "see rank 0's message"
+            raise CheckpointError(f"writing checkpoint {self.last_path or ''} failed: {what}",
+                                  said_elsewhere=not self.runtime.is_main)
 
     # -- resuming
 

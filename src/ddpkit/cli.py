@@ -140,15 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fp16/bf16 use autocast, fp16 with a GradScaler; tf32 enables TF32 matmuls (default: fp32)")
     bench.add_argument("--channels-last", action="store_true", help="model and images in channels_last")
     bench.add_argument("--compile", action="store_true", help="torch.compile the model")
-    bench.add_argument("--data", default="synthetic", choices=["synthetic", "loader"],
+    bench.add_argument("--data", default="synthetic", metavar="synthetic|loader|folder:PATH",
                        help="synthetic: one batch already on the device; loader: a DataLoader over pinned host "
-                            "memory, copied each step (default: synthetic)")
+                            "memory, copied each step; folder:PATH: an ImageFolder decoded by CPU loader "
+                            "processes (default: synthetic)")
     bench.add_argument("--image-size", type=int, default=None, metavar="PIXELS")
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5)")
     bench.add_argument("--steps", type=int, default=20, help="steps per timed round (default: 20)")
     bench.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported (default: 3)")
     bench.add_argument("--link-gbps", default="100,400", metavar="LIST",
                        help="link bandwidths (Gb/s) to project DDP efficiency for (default: 100,400)")
+    bench.add_argument("--sweep", action="store_true",
+                       help="also time DDP on the most devices for bucket sizes 1/5/25/100 MB and the fp16, bf16 "
+                            "and PowerSGD gradient-compression hooks, and name the best")
     bench.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
     bench.add_argument("--csv", default=None, metavar="FILE", help="write the result rows as CSV")
     bench.add_argument("--plot", default=None, metavar="FILE.png", help="plot throughput and efficiency (matplotlib)")
@@ -163,7 +167,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         nproc=bench.parse_list(ns.nproc, int, "--nproc") if ns.nproc else None, batch_size=ns.batch_size,
         device=ns.device, precision=ns.precision, channels_last=ns.channels_last, compile=ns.compile, data=ns.data,
         image_size=ns.image_size, warmup=ns.warmup, steps=ns.steps, repeats=ns.repeats,
-        link_gbps=bench.parse_list(ns.link_gbps, float, "--link-gbps"), json_path=ns.json, csv_path=ns.csv,
+        link_gbps=bench.parse_list(ns.link_gbps, float, "--link-gbps"), sweep=ns.sweep, json_path=ns.json, csv_path=ns.csv,
         plot_path=ns.plot,
     )
     try:

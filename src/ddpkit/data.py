@@ -75,12 +75,18 @@ class ResumableSampler(DistributedSampler):
             order = torch.randperm(len(self.dataset), generator=generator).tolist()  # type: ignore[arg-type]
         else:
             order = list(range(len(self.dataset)))  # type: ignore[arg-type]
-        order = order[self.start:]
-        usable = len(order) // self.num_replicas * self.num_replicas
-        if self.drop_last or usable == len(order):
-            return order[:usable]
-        padding = self.num_replicas - (len(order) - usable)
-        return order + (order * math.ceil(padding / max(len(order), 1)))[:padding]
+        # The whole epoch as DistributedSampler deals it (cut, or padded from its start), then the rest.
+        if self.drop_last:
+            order = order[: self.total_size]
+        else:
+            order = (order * math.ceil(self.total_size / max(len(order), 1)))[: self.total_size]
+        rest = order[self.start:]
+        # After a change of world size the rest may not split evenly: every rank must get as many.
+        usable = len(rest) // self.num_replicas * self.num_replicas
+        if self.drop_last or usable == len(rest):
+            return rest[:usable]
+        padding = self.num_replicas - (len(rest) - usable)
+        return rest + (rest * math.ceil(padding / len(rest)))[:padding]
 
     def __iter__(self) -> Iterator[int]:
         if self.start == 0:

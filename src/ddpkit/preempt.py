@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from types import FrameType
 
 import torch
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from ddpkit.process_group import Runtime, control_group
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_WINDOW_S = 1.0  # a second signal within this time of the first is taken as the same one
 
 
 class StopNow(SystemExit):
@@ -50,11 +52,17 @@ class StopSignal:
         self._flag = torch.zeros(1, dtype=torch.int32)
         self._pending: dist.Work | None = None
         self._previous: dict[int, object] = {}
+        self._own_at: float | None = None  # when this process itself was first signalled
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:  # noqa: ARG002 - signal's signature
-        if self.received is not None:
+        # Only this process's own earlier signal makes this one the second, and not an echo of it: under
+        # Slurm a task can get the same SIGTERM from Slurm and, a moment later, from torchrun's agent.
+        now = time.monotonic()
+        if self._own_at is not None and now - self._own_at > REPEAT_WINDOW_S:
             raise StopNow(128 + signum)
-        self.received = signum
+        if self._own_at is None:
+            self._own_at = now
+        self.received = self.received or signum
 
     def __enter__(self) -> StopSignal:
         if threading.current_thread() is threading.main_thread():
@@ -79,26 +87,36 @@ class StopSignal:
     def signal_name(self) -> str:
         return signal.Signals(self.received).name if self.received else "none"
 
-    def requested(self) -> bool:
+    def requested(self, *, now: bool = False) -> bool:
         """Whether any rank has been signalled; call it at each step boundary on every rank.
 
         The ranks compare notes on every ``every``-th call only (all ranks count the same calls), so a
-        stop comes at most about 2 x ``every`` steps after the signal.
+        stop comes at most about 2 x ``every`` steps after the signal. ``now=True`` compares at once and
+        waits for the answer: for the end of an epoch, before a long evaluation.
         """
         if self.group is None:
             return self.received is not None
         self._calls += 1
-        if self._calls % self.every:
+        if not now and self._calls % self.every:
             return False
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
-            if self._flag.item() > 0:
-                # A rank that was not signalled itself stops as the signalled one does.
-                self.received = self.received or int(self._flag.item())
+            if self._adopt():
                 return True
         self._flag = torch.tensor([self.received or 0], dtype=torch.int32)
         self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        if now:
+            self._pending.wait()
+            self._pending = None
+            return self._adopt()
+        return False
+
+    def _adopt(self) -> bool:
+        """Whether the combined flag says stop; a rank that was not signalled stops as the signalled one."""
+        if self._flag.item() > 0:
+            self.received = self.received or int(self._flag.item())
+            return True
         return False
 
 

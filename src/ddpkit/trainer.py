@@ -207,8 +207,10 @@ def train(cfg: TrainConfig, runtime: Runtime) -> dict:
 
     folder = os.path.join(cfg.output_dir, checkpoint.FOLDER)
     source = cfg.resume
-    if source is None and runtime.env.restart_count > 0:
-        source = "auto"  # torchrun restarted the group after a failure: carry on from the last checkpoint
+    if runtime.env.restart_count > 0 and (source is None or checkpoint.list_checkpoints(folder)):
+        # torchrun restarted the group after a failure: carry on from this run's newest checkpoint (a
+        # --resume PATH was the starting point of the first attempt only).
+        source = "auto"
         log(runtime, f"ddpkit: restart {runtime.env.restart_count} of the group: resuming from the newest checkpoint")
     if source is None and runtime.is_main:
         moved = checkpoint.set_aside(folder)
@@ -266,6 +268,9 @@ def train(cfg: TrainConfig, runtime: Runtime) -> dict:
             loader.load_state_dict({"epoch": epoch, "samples": start})
             started = time.perf_counter()
             train_loss, steps_run = loop.epoch(epoch, start, partial if start else [0.0, 0.0])
+            if loop.stop.requested(now=True):
+                # Signalled late in the epoch: stop before a long evaluation eats the grace period.
+                loop.stop_now(epoch, loop.last_samples, loop.last_partial, None)
             if runtime.device.type == "cuda":
                 torch.cuda.synchronize(runtime.device)
             elapsed = time.perf_counter() - started
@@ -321,17 +326,26 @@ def _restore(cfg, runtime, resumed, optimizer, scheduler, scaler, steps_per_epoc
     """Load the optimizer, schedule, scaler and RNG; say what changed; return where to continue."""
     contents = resumed.contents
     resumed.restore(optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    # This run's --lr is the schedule's base (the checkpoint's, unless --lr changed it).
+    base_lr = DEFAULT_LR[cfg.optimizer] if cfg.lr is None else cfg.lr
+    scheduler.base_lrs = [base_lr for _ in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["initial_lr"] = base_lr
     global_batch = _global_batch(cfg, runtime)
     samples = resumed.samples
     step_in_epoch = samples // global_batch
     # The schedule counts optimizer steps of this run's size, whatever size wrote the checkpoint.
     place_scheduler(scheduler, resumed.epoch * steps_per_epoch + step_in_epoch)
-    where = f"epoch {resumed.epoch + 1}" + (f" after {samples} samples (step {step_in_epoch} of {steps_per_epoch})" if samples else "")
-    log(runtime, f"ddpkit: resumed from {resumed.path} ({contents.layout}): continuing at {where}")
+    if resumed.epoch >= cfg.epochs:
+        where = f"nothing left to train: it ends epoch {resumed.epoch} and --epochs is {cfg.epochs}"
+    else:
+        where = ("continuing at epoch " + str(resumed.epoch + 1)
+                 + (f" after {samples} samples (step {step_in_epoch} of {steps_per_epoch})" if samples else ""))
+    log(runtime, f"ddpkit: resumed from {resumed.path} ({contents.layout}): {where}")
     if contents.layout != "ddpkit":
         parts = ["weights"] + (["optimizer"] if contents.optimizer is not None else [])
         log(runtime, f"ddpkit: that file holds {' and '.join(parts)} only: no RNG or data position, so the run "
-                     "continues from the epoch's start, not bit for bit")
+                     "continues from an epoch's start, not bit for bit")
     if contents.config:
         changed = [f"{key} {contents.config[key]!r} -> {value!r}" for key, value in dataclasses.asdict(cfg).items()
                    if key in contents.config and contents.config[key] != value and key not in _RESUME_FREE]
@@ -347,7 +361,8 @@ def _restore(cfg, runtime, resumed, optimizer, scheduler, scaler, steps_per_epoc
                      f"continues where it stopped; the learning rate is not rescaled{keep}")
     elif resumed.world_size is not None and not resumed.same_world_size:
         log(runtime, f"ddpkit: the checkpoint was written by {resumed.world_size} process(es), now "
-                     f"{runtime.world_size}: the same global batch {global_batch}; each rank starts a new random stream")
+                     f"{runtime.world_size}: the same global batch {global_batch}; the ranks' random states are not "
+                     "restored (they continue from the seed)")
     partial = resumed.rank_state.get("partial") if resumed.same_world_size else None
     if partial is None:
         # Another world size: the epoch's running loss so far goes to rank 0, which adds it up anyway.
@@ -387,6 +402,7 @@ class _Loop:
         self.global_step = position.global_step
         self.stop: preempt.StopSignal | None = None
         self.backward_done = False
+        self.last_samples, self.last_partial = 0, [0.0, 0.0]  # where the last epoch() ended, for a stop there
 
     def save(self, epoch: int, samples: int, partial: list[float], *, if_idle: bool) -> None:
         totals = data.reduce_sums(partial, self.runtime) if samples else [0.0, 0.0]
@@ -395,6 +411,7 @@ class _Loop:
             loader=self.loader, epoch=epoch, samples=samples, global_step=self.global_step,
             config=dataclasses.asdict(self.cfg), extra={"partial_total": totals},
             rank_state={"partial": [float(v) for v in partial]}, if_idle=if_idle,
+            global_batch=_global_batch(self.cfg, self.runtime),
         )
 
     def epoch(self, epoch: int, start: int, partial: list[float]) -> tuple[float, int]:
@@ -439,17 +456,18 @@ class _Loop:
                 progress.update(global_batch)
             done = start + (step + 1) * global_batch
             if self.stop is not None and self.stop.requested():
-                self._stop(epoch, done, [loss_sum.item(), seen], progress)
+                self.stop_now(epoch, done, [loss_sum.item(), seen], progress)
             every = cfg.checkpoint_every
             if every and self.global_step % every == 0 and step + 1 < steps:
                 self.save(epoch, done, [loss_sum.item(), seen], if_idle=True)
         if progress is not None:
             progress.close()
+        self.last_samples, self.last_partial = start + steps * global_batch, [loss_sum.item(), seen]
         # The loss in any single rank's batches is a sample; the epoch's loss is the sum over all ranks.
         total, count = data.reduce_sums([loss_sum.item(), float(seen)], runtime)
         return total / max(count, 1.0), steps
 
-    def _stop(self, epoch: int, samples: int, partial: list[float], progress) -> None:
+    def stop_now(self, epoch: int, samples: int, partial: list[float], progress) -> None:
         """Every rank got here at the same step: write one checkpoint, wait for it, leave."""
         if progress is not None:
             progress.close()
