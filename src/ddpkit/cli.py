@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "memory, copied each step; folder:PATH: an ImageFolder decoded by CPU loader "
                             "processes (default: synthetic)")
     bench.add_argument("--image-size", type=int, default=None, metavar="PIXELS")
-    bench.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5)")
+    bench.add_argument("--warmup", type=int, default=5,
+                       help="untimed steps of each variant first, rounded up to whole rounds of --steps (default: 5)")
     bench.add_argument("--steps", type=int, default=20, help="steps per timed round (default: 20)")
     bench.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported (default: 3)")
     bench.add_argument("--link-gbps", default="100,400", metavar="LIST",
