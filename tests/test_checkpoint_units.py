@@ -344,3 +344,16 @@ def test_an_optimizer_state_for_another_optimizer_is_refused_in_one_line():
         checkpoint.check_optimizer_state(fewer, saved["optimizer_state_dict"], "tutorial.pt")
     checkpoint.check_optimizer_state(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
                                      saved["optimizer_state_dict"])
+
+
+def test_resuming_an_earlier_checkpoint_retires_the_later_ones(tmp_path):
+    model = nn.Linear(2, 2)
+    ckpt = Checkpointer(tmp_path, runtime(), keep=10, log=lambda text: None)
+    for step in (5, 10, 15):
+        ckpt.save(model=model, global_step=step)
+        ckpt.wait()
+    logged = []
+    resumed = Checkpointer(tmp_path, runtime(), log=logged.append).load(tmp_path / "step-00000010.pt", model=model)
+    assert resumed.global_step == 10
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-00000010.pt", "step-00000005.pt"]
+    assert (tmp_path / "step-00000015.pt.stale").exists() and "past the step this run resumes from" in logged[0]

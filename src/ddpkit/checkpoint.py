@@ -582,7 +582,9 @@ class Checkpointer:
                 found = self._find(source)
                 if found is not None:
                     path, obj = found
-                    check_model_state(model, read_contents(obj, path).model, path)
+                    contents = read_contents(obj, path)
+                    check_model_state(model, contents.model, path)
+                    self._retire_newer(path, int((contents.progress or {}).get("global_step", 0)))
                     decision = [("ok", str(path))]
                 else:
                     decision = [("none", "")]
@@ -596,6 +598,19 @@ class Checkpointer:
         if kind == "none":
             return None, None
         return Path(value), obj
+
+    def _retire_newer(self, chosen: Path, step: int) -> None:
+        """Rename this folder's checkpoints past the resumed step to ``*.stale``.
+
+        They belong to another course of the run (a corrupt file skipped, or the later checkpoints of a run
+        resumed from an earlier one): left in place they would outrank the new ones in ``list_checkpoints``
+        and in pruning, and a later ``--resume auto`` could pick them.
+        """
+        for entry in list_checkpoints(self.folder):
+            if entry.resolve() != chosen.resolve() and int(_NAME.match(entry.name).group(1)) > step:
+                stale = entry.with_name(entry.name + ".stale")
+                entry.rename(stale)
+                self.log(f"ddpkit: renamed {entry} to {stale.name}: it is past the step this run resumes from")
 
     def _find(self, source: str | os.PathLike) -> tuple[Path, Any] | None:
         if str(source) == "auto":
