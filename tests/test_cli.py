@@ -33,6 +33,7 @@ NO_GPU = torch.cuda.device_count() == 0
         (["train", "--warmup-steps", "-1"], "--warmup-steps must be 0 or more, got -1"),
         (["run", "--nproc-per-node", "2", "/no/such/script.py"], "script '/no/such/script.py' does not exist"),
         (["run"], "the following arguments are required: SCRIPT"),
+        (["run", "--timeout", "0", "x.py"], "--timeout must be a positive number of seconds, got 0.0"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(argv, message, capsys):

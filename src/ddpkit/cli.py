@@ -41,6 +41,9 @@ def _add_launch_flags(parser: argparse.ArgumentParser, *, with_launcher: bool = 
                        help="address of node 0, reachable from every node (default: 127.0.0.1)")
     group.add_argument("--master-port", type=int, default=None, metavar="P",
                        help="free TCP port on node 0 (default: a free port on one node, 29500 on several)")
+    group.add_argument("--find-hangs", action="store_true",
+                       help="TORCH_DISTRIBUTED_DEBUG=DETAIL for the workers: before each collective the ranks check "
+                            "in, so a timeout names the rank(s) that never arrived (slower; for debugging)")
     group.add_argument("--max-restarts", type=int, default=0, metavar="K",
                        help="restart the whole group up to K times when a process fails; `ddpkit train` then "
                             "resumes from its newest checkpoint (default: 0)")
@@ -119,11 +122,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run SCRIPT on every process, like torchrun: each gets RANK, LOCAL_RANK, WORLD_SIZE, "
                     "MASTER_ADDR and MASTER_PORT in its environment.")
     _add_launch_flags(run)
+    run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                     help="collective timeout for scripts using ddpkit.distributed() (default: 1800)")
     run.add_argument("--local-rank-arg", action="store_true",
                      help="also pass --local-rank=N, like the old `python -m torch.distributed.launch`")
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as in `python -m`")
     run.add_argument("script", metavar="SCRIPT", help="the training script (or module with -m)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to SCRIPT unchanged")
+    doctor = commands.add_parser(
+        "doctor", help="versions, backends, GPUs, variables, leftovers; a connectivity check across processes",
+        description="Explain this machine before a run and after a hang: versions, backends, GPUs and their "
+                    "topology, the NCCL/GLOO/TORCH variables in effect with what each does, processes holding "
+                    "the master port or GPU memory; with --nproc-per-node N (or under torchrun/srun) also an "
+                    "all-reduce check across the processes, with latency, bandwidth and each rank's interface.")
+    doctor.add_argument("--json", default=None, metavar="FILE|-", help="write the report as JSON (- for stdout)")
+    doctor.add_argument("--port", type=int, default=None,
+                        help="port to look for holders of (default: MASTER_PORT, else 29500)")
+    _add_launch_flags(doctor)
     bench = commands.add_parser(
         "bench", help="images/s of single, DP and DDP at 1, 2, ... devices",
         description="Measure training throughput for each strategy and device count: a table like the "
@@ -158,6 +173,39 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--csv", default=None, metavar="FILE", help="write the result rows as CSV")
     bench.add_argument("--plot", default=None, metavar="FILE.png", help="plot throughput and efficiency (matplotlib)")
     return parser
+
+
+def cmd_doctor(ns: argparse.Namespace, argv: Sequence[str]) -> int:
+    import json
+
+    from ddpkit import doctor
+
+    if _already_a_rank():
+        from ddpkit import process_group
+
+        with process_group.distributed() as runtime:
+            check = doctor.connectivity(runtime)
+            if not runtime.is_main:
+                return 0 if check["ok"] else 1
+    else:
+        check = None
+        if ns.nproc_per_node != "auto" or ns.nnodes > 1:
+            options = _launch_options(ns)
+            if options.world_size > 1:
+                # Every process runs this command again as one rank; rank 0 prints the report.
+                return elastic(options, ["-m", "ddpkit", *argv])
+    report = doctor.machine_report(ns.port)
+    if check is not None:
+        report["connectivity"] = check
+        report["port"], report["port_holders"] = None, []  # the job's own store is what holds it
+    if ns.json == "-":
+        print(json.dumps(report, indent=2))
+    else:
+        print(doctor.format_report(report))
+        if ns.json:
+            with open(ns.json, "w") as handle:
+                json.dump(report, handle, indent=2)
+    return 0 if check is None or check["ok"] else 1
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
@@ -302,14 +350,30 @@ def cmd_run(ns: argparse.Namespace) -> int:
     return elastic(_launch_options(ns), [*script, *ns.script_args], local_rank_arg=ns.local_rank_arg)
 
 
+def _export_debug_settings(ns: argparse.Namespace) -> None:
+    """Settings the workers read from their environment (they inherit the launcher's)."""
+    if getattr(ns, "find_hangs", False):
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    timeout = getattr(ns, "timeout", None)
+    if ns.command == "run" and timeout is not None:
+        if timeout <= 0:
+            raise UsageError(f"--timeout must be a positive number of seconds, got {timeout}")
+        from ddpkit.process_group import TIMEOUT_ENV
+
+        os.environ[TIMEOUT_ENV] = str(timeout)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         ns = build_parser().parse_args(argv)
+        _export_debug_settings(ns)
         if ns.command == "train":
             return cmd_train(ns, argv)
         if ns.command == "bench":
             return cmd_bench(ns)
+        if ns.command == "doctor":
+            return cmd_doctor(ns, argv)
         return cmd_run(ns)
     except UsageError as error:
         if not error.said_elsewhere:

@@ -12,10 +12,13 @@ on normal exit, on an exception, on Ctrl-C and on SIGTERM (which torchrun and Sl
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
+import gc
 import datetime
 import os
+import re
 import signal
 import sys
 import threading
@@ -127,7 +130,7 @@ def setup(
     backend: str = "auto",
     device: str = "auto",
     init_method: str | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
     force_group: bool = True,
     environ: Mapping[str, str] | None = None,
     argv: Sequence[str] | None = None,
@@ -139,6 +142,8 @@ def setup(
     because DistributedDataParallel needs one: the same script then runs under ``python script.py``
     and under a launcher. Pass ``force_group=False`` to skip it when nothing will communicate.
     """
+    if timeout_s is None:
+        timeout_s = _timeout_from(os.environ if environ is None else environ)
     if timeout_s <= 0:
         raise UsageError(f"--timeout must be a positive number of seconds, got {timeout_s}")
     if environment is None:
@@ -163,6 +168,7 @@ def setup(
     if environment.world_size == 1 and environment.master_port is None and init_method is None:
         init_method = f"tcp://127.0.0.1:{free_port()}"
     init_method = init_method or default_init_method(environment)
+    _free_cycles_at_exit()
     try:
         dist.init_process_group(
             backend=chosen_backend,
@@ -179,6 +185,22 @@ def setup(
             "is the port already in use (a stale MASTER_PORT?) or the master address unreachable?"
         ) from None
     return Runtime(env=environment, backend=chosen_backend, device=bound)
+
+
+_cycles_hook_registered = False
+
+
+def _free_cycles_at_exit() -> None:
+    """Collect cyclic garbage (DDP models, their reducers and process groups) before the interpreter shuts down.
+
+    A DDP model that is only reachable through reference cycles is otherwise freed during interpreter
+    finalization, and tearing gloo's C++ objects down then aborts the process now and then ("terminate
+    called without an active exception", signal 6) after the work is done; see docs/examples.md.
+    """
+    global _cycles_hook_registered
+    if not _cycles_hook_registered:
+        atexit.register(gc.collect)
+        _cycles_hook_registered = True
 
 
 def teardown() -> None:
@@ -210,6 +232,37 @@ def control_group(runtime: Runtime):
     return _control_group
 
 
+TIMEOUT_ENV = "DDPKIT_TIMEOUT_S"  # set by `ddpkit run --timeout`: the default for setup(timeout_s=None)
+
+
+def _timeout_from(environ: Mapping[str, str]) -> float:
+    value = environ.get(TIMEOUT_ENV)
+    if value is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        return float(value)
+    except ValueError:
+        raise UsageError(f"{TIMEOUT_ENV} must be a number of seconds, got {value!r}") from None
+
+
+_MISSING_RANKS = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier in (\d+) ms")
+
+
+def explain_hang(error: BaseException) -> str | None:
+    """One line for a collective that timed out, naming the ranks that never arrived when PyTorch knows them."""
+    text = str(error)
+    missing = _MISSING_RANKS.search(text)
+    if missing:
+        ranks = missing.group(1).strip().rstrip(",")
+        return (f"a collective timed out after {int(missing.group(2)) / 1000:g} s: rank(s) {ranks} never reached it "
+                f"(they are stuck before it; `ddpkit train --debug` prints each rank's pid, `py-spy dump --pid PID` "
+                f"shows where it is)")
+    if "Timed out" in text or "timed out" in text:
+        return ("a collective timed out waiting for another rank; rerun with --find-hangs to learn which rank "
+                "never reached it")
+    return None
+
+
 @contextlib.contextmanager
 def distributed(**kwargs) -> Iterator[Runtime]:
     """``setup(**kwargs)``, then ``teardown()`` however the block ends (error, Ctrl-C, SIGTERM)."""
@@ -217,6 +270,11 @@ def distributed(**kwargs) -> Iterator[Runtime]:
     runtime = setup(**kwargs)
     try:
         yield runtime
+    except RuntimeError as error:
+        explanation = explain_hang(error)
+        if explanation:
+            print(f"ddpkit: error: rank {runtime.rank}: {explanation}", file=sys.stderr, flush=True)
+        raise
     finally:
         teardown()
         if previous is not None:
