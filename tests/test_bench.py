@@ -1,16 +1,13 @@
-"""`ddpkit bench`: option checks, the projection's arithmetic, and a tiny real run on 2 CPU processes."""
+"""`ddpkit bench`: the projection's arithmetic, result rows, and tiny real runs on 2 CPU processes."""
 
 import csv
 import json
 
 import pytest
 import torch
+
 from conftest import run_ddpkit
-
 from ddpkit import bench, projection
-from ddpkit.cli import main
-
-NO_GPU = torch.cuda.device_count() == 0
 
 
 # ------------------------------------------------------------------------------------------ projection
@@ -72,39 +69,7 @@ def test_efficiency_is_per_device_throughput_over_the_one_device_run():
     assert single["ddpkit_over_hand"] == 1.0 and single["efficiency"] == 1.0
 
 
-# ---------------------------------------------------------------------------------------------- CLI
-
-
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["bench", "--nproc", "0"], "--nproc takes whole numbers of at least 1, got 0"),
-        (["bench", "--nproc", "one,two"], "--nproc takes a comma-separated list, got 'one,two'"),
-        (["bench", "--strategies", "ddp,fsdp"], "--strategies takes a comma list of single, dp, ddp"),
-        (["bench", "--steps", "0"], "--steps must be at least 1, got 0"),
-        (["bench", "--model", "resnet"], "unknown model 'resnet'"),
-        (["bench", "--link-gbps", "0"], "--link-gbps takes positive numbers"),
-        (["bench", "--precision", "fp8"], "invalid choice: 'fp8'"),
-    ],
-)
-def test_bad_bench_options_are_one_line_and_status_2(argv, message, capsys):
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err and "Traceback" not in err
-
-
-@pytest.mark.skipif(not NO_GPU, reason="checks the refusal on a machine without a GPU")
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["bench", "--strategies", "dp"], "--strategies dp needs CUDA GPUs"),
-        (["bench", "--precision", "tf32"], "--precision tf32 is a GPU mode"),
-        (["bench", "--device", "cuda"], "no CUDA GPU is visible"),
-    ],
-)
-def test_gpu_only_bench_options_are_refused_without_a_gpu(argv, message, capsys):
-    assert main(argv) == 2
-    assert message in capsys.readouterr().err
+# -------------------------------------------------------- CLI (bad options: in test_cli.py with the others)
 
 
 def test_a_tiny_cpu_bench_writes_json_csv_and_png_from_its_own_rows(tmp_path):

@@ -34,6 +34,13 @@ NO_GPU = torch.cuda.device_count() == 0
         (["run", "--nproc-per-node", "2", "/no/such/script.py"], "script '/no/such/script.py' does not exist"),
         (["run"], "the following arguments are required: SCRIPT"),
         (["run", "--timeout", "0", "x.py"], "--timeout must be a positive number of seconds, got 0.0"),
+        (["bench", "--nproc", "0"], "--nproc takes whole numbers of at least 1, got 0"),
+        (["bench", "--nproc", "one,two"], "--nproc takes a comma-separated list, got 'one,two'"),
+        (["bench", "--strategies", "ddp,fsdp"], "--strategies takes a comma list of single, dp, ddp"),
+        (["bench", "--steps", "0"], "--steps must be at least 1, got 0"),
+        (["bench", "--model", "resnet"], "unknown model 'resnet'"),
+        (["bench", "--link-gbps", "0"], "--link-gbps takes positive numbers"),
+        (["bench", "--precision", "fp8"], "invalid choice: 'fp8'"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(argv, message, capsys):
@@ -50,6 +57,9 @@ def test_bad_input_is_one_line_and_status_2(argv, message, capsys):
         (["train", "--strategy", "dp"], "--strategy dp needs at least one CUDA GPU"),
         (["train", "--backend", "nccl"], "--backend nccl needs one CUDA GPU per process"),
         (["train", "--device", "cuda"], "no CUDA GPU is visible"),
+        (["bench", "--strategies", "dp"], "--strategies dp needs CUDA GPUs"),
+        (["bench", "--precision", "tf32"], "--precision tf32 is a GPU mode"),
+        (["bench", "--device", "cuda"], "no CUDA GPU is visible"),
     ],
 )
 def test_gpu_only_options_are_refused_without_a_gpu(argv, message, capsys):

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from ddpkit import projection
-from ddpkit.errors import EXIT_USAGE, UsageError
+from ddpkit.process_group import control_group, synchronize
+from ddpkit.errors import EXIT_USAGE, UsageError, report_usage_error
 
 STRATEGIES = ("single", "dp", "ddp")
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
@@ -147,11 +148,6 @@ class _Batches:
         return itertools.islice(self.source, self.steps)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _slowest(seconds: float, runtime) -> float:
     """A round takes as long as its slowest rank."""
     if runtime.backend is None:
@@ -159,14 +155,8 @@ def _slowest(seconds: float, runtime) -> float:
     import torch.distributed as dist
 
     value = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=_cpu_group(runtime))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=control_group(runtime))
     return float(value.item())
-
-
-def _cpu_group(runtime):
-    from ddpkit.process_group import control_group
-
-    return control_group(runtime)
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
@@ -177,10 +167,15 @@ def _peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def _autocast(device: torch.device, precision: str):
-    if precision in ("fp16", "bf16"):
-        return torch.autocast(device_type=device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16)
-    return contextlib.nullcontext()
+def _amp(precision: str) -> str:
+    """The trainer's --amp for a --precision (tf32 and fp32 are not autocast)."""
+    return precision if precision in ("fp16", "bf16") else "off"
+
+
+def _device_batches(loader, memory_format: torch.memory_format, steps: int) -> _Batches:
+    """``steps`` batches at a time from ddpkit's loader (already on the device), epoch after epoch."""
+    return _Batches(((x.contiguous(memory_format=memory_format), y)
+                     for x, y in itertools.chain.from_iterable(itertools.repeat(loader))), steps)
 
 
 def measure(options: BenchOptions, strategy: str, runtime) -> dict:
@@ -216,32 +211,19 @@ def measure(options: BenchOptions, strategy: str, runtime) -> dict:
     images = torch.randn(per_step, channels, image_size, image_size).to(device, memory_format=memory_format)
     labels = torch.randint(0, 10, (per_step,)).to(device)
     cfg = TrainConfig(model=options.model, batch_size=per_step, strategy=strategy, optimizer="sgd", progress=False,
-                      amp={"fp16": "fp16", "bf16": "bf16"}.get(options.precision, "off"))
+                      amp=_amp(options.precision))
     optimizer = make_optimizer("sgd", wrapped.parameters(), None)
     scaler = torch.amp.GradScaler(device.type, enabled=options.precision == "fp16")
-    if from_folder:
-        # Decoding and augmenting JPEG/PNG files on CPU loader processes, as ddpkit train does.
-        from torch.utils.data import DataLoader
+    if from_folder or options.data == "loader":
+        from torch.utils.data import TensorDataset
 
-        from ddpkit.data import default_workers
+        from ddpkit.data import train_loader
 
-        workers = default_workers(runtime, False, folder_set)
-        loader = DataLoader(folder_set, batch_size=per_step, shuffle=True, num_workers=workers, drop_last=True,
-                            pin_memory=device.type == "cuda", persistent_workers=workers > 0)
-        if len(loader) == 0:
-            raise UsageError(f"{options.data} has {len(folder_set)} training images, fewer than one batch of {per_step}")
-        batches = _Batches(
-            ((x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True))
-             for x, y in itertools.chain.from_iterable(itertools.repeat(loader))), options.steps)
-    elif options.data == "loader":
-        from torch.utils.data import DataLoader, TensorDataset
-
-        host = TensorDataset(images.cpu().repeat(4, 1, 1, 1), labels.cpu().repeat(4))
-        loader = DataLoader(host, batch_size=per_step, shuffle=False, pin_memory=device.type == "cuda", drop_last=True)
-        # Each step copies its batch from pinned host memory, as ddpkit's loader does.
-        batches = _Batches(
-            ((x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True))
-             for x, y in itertools.chain.from_iterable(itertools.repeat(loader))), options.steps)
+        # ddpkit train's own loader: image files decoded and augmented by CPU loader processes, or tensors
+        # in (pinned) host memory; either way every step copies its batch to the device.
+        dataset = folder_set if from_folder else TensorDataset(images.cpu().repeat(4, 1, 1, 1), labels.cpu().repeat(4))
+        loader = train_loader(dataset, batch_size=per_step, runtime=runtime, seed=0)
+        batches = _device_batches(loader, memory_format, options.steps)
     else:
         batches = _Batches(itertools.repeat((images, labels)), options.steps)
     loop = _Loop(cfg, runtime, wrapped, optimizer, make_scheduler(cfg, optimizer, options.steps), scaler, batches,
@@ -251,7 +233,7 @@ def measure(options: BenchOptions, strategy: str, runtime) -> dict:
         loop.epoch(0, 0, [0.0, 0.0])
 
     def hand_round(no_sync: bool = False) -> None:
-        _hand_steps(wrapped, optimizer, scaler, batches, options.precision, no_sync)
+        _hand_steps(wrapped, optimizer, scaler, batches, runtime, cfg.amp, no_sync)
 
     rounds = {"ddpkit": ddpkit_round, "hand": hand_round}
     if strategy == "ddp" and runtime.world_size > 1:
@@ -269,14 +251,15 @@ def measure(options: BenchOptions, strategy: str, runtime) -> dict:
     }
 
 
-def _hand_steps(model, optimizer, scaler, batches, precision: str, no_sync: bool = False) -> None:
+def _hand_steps(model, optimizer, scaler, batches, runtime, amp: str, no_sync: bool = False) -> None:
     """The training step as the tutorials write it, once per batch of ``batches``."""
+    from ddpkit.trainer import _autocast
+
     model.train()
-    device = next(model.parameters()).device
     for x, y in batches:
         with model.no_sync() if no_sync else contextlib.nullcontext():
             optimizer.zero_grad(set_to_none=True)
-            with _autocast(device, precision):
+            with _autocast(runtime, amp):
                 loss = F.cross_entropy(model(x), y)
             scaler.scale(loss).backward()
         scaler.step(optimizer)
@@ -297,10 +280,10 @@ def _timed_rounds(rounds: dict, options: BenchOptions, runtime) -> dict[str, lis
         order = list(rounds.items())
         # In reverse every other round: drift, and going first, hit every variant alike.
         for name, run_round in order if repeat % 2 == 0 else reversed(order):
-            _sync(device)
+            synchronize(device)
             started = time.perf_counter()
             run_round()
-            _sync(device)
+            synchronize(device)
             times[name].append(_slowest(time.perf_counter() - started, runtime))
     return times
 
@@ -345,7 +328,7 @@ def sweep(options: BenchOptions, runtime) -> list[dict]:
         try:
             if hook != "none":
                 _comm_hook(ddp, hook)
-            hand = functools.partial(_hand_steps, ddp, optimizer, scaler, batches, options.precision)
+            hand = functools.partial(_hand_steps, ddp, optimizer, scaler, batches, runtime, _amp(options.precision))
             times = _timed_rounds({"hand": hand}, options, runtime)["hand"]
         except RuntimeError as error:  # a hook the backend cannot run (gloo has no bf16 all-reduce, say)
             from ddpkit.errors import first_line
@@ -365,12 +348,12 @@ def _allreduce_bandwidth(grad_bytes: int, runtime, repeats: int = 5) -> float:
 
     tensor = torch.zeros(max(1, grad_bytes // 4), dtype=torch.float32, device=runtime.device)
     dist.all_reduce(tensor)
-    _sync(runtime.device)
+    synchronize(runtime.device)
     seconds = []
     for _ in range(repeats):
         started = time.perf_counter()
         dist.all_reduce(tensor)
-        _sync(runtime.device)
+        synchronize(runtime.device)
         seconds.append(_slowest(time.perf_counter() - started, runtime))
     return projection.ring_allreduce_bytes(runtime.world_size, grad_bytes) / statistics.median(seconds)
 
@@ -382,9 +365,7 @@ def worker_main(argv: Sequence[str]) -> int:
     try:
         return _worker(options, strategy, out_path)
     except UsageError as error:
-        if not error.said_elsewhere:
-            print(f"ddpkit: error: {error}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        return report_usage_error(error)
 
 
 def _worker(options: BenchOptions, strategy: str, out_path: str) -> int:
@@ -393,16 +374,11 @@ def _worker(options: BenchOptions, strategy: str, out_path: str) -> int:
     with process_group.distributed(device=options.device, force_group=strategy != "single") as runtime:
         if strategy == "sweep":
             result = {"sweep": sweep(options, runtime)}
-            if runtime.is_main:
-                with open(out_path, "w") as handle:
-                    json.dump(result, handle)
-            return 0
-        result = measure(options, strategy, runtime)
-        memory = result["peak_memory_bytes"]
-        if strategy != "dp":
-            memory = _gather_memory(memory, runtime)
+        else:
+            result = measure(options, strategy, runtime)
+            if strategy != "dp":  # DataParallel's one process measured every GPU itself
+                result["peak_memory_bytes"] = _gather_memory(result["peak_memory_bytes"], runtime)
         if runtime.is_main:
-            result["peak_memory_bytes"] = memory
             with open(out_path, "w") as handle:
                 json.dump(result, handle)
     return 0
@@ -414,7 +390,7 @@ def _gather_memory(mine: int, runtime) -> list[int]:
     import torch.distributed as dist
 
     everyone: list = [None] * runtime.world_size
-    dist.all_gather_object(everyone, mine, group=_cpu_group(runtime))
+    dist.all_gather_object(everyone, mine, group=control_group(runtime))
     return everyone
 
 

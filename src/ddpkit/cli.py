@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit import env as env_mod
-from ddpkit.errors import EXIT_USAGE, UsageError
+from ddpkit.errors import UsageError, report_usage_error
 from ddpkit.launch import LAUNCHERS, LaunchOptions, elastic, resolve_nproc, spawn
 from ddpkit.process_group import read_environment
 
@@ -278,9 +278,7 @@ def _spawn_train_worker(rank: int, world_size: int, port: int, cfg) -> None:
     try:
         trainer.run(cfg, environment=environment)
     except UsageError as error:
-        if not error.said_elsewhere:
-            print(f"ddpkit: error: {error}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_USAGE)
+        sys.exit(report_usage_error(error))
 
 
 def cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -376,9 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_doctor(ns, argv)
         return cmd_run(ns)
     except UsageError as error:
-        if not error.said_elsewhere:
-            print(f"ddpkit: error: {error}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        return report_usage_error(error)
     except KeyboardInterrupt:
         print("ddpkit: interrupted", file=sys.stderr, flush=True)
         return 130

@@ -181,6 +181,8 @@ def connectivity(runtime, *, small_repeats: int = 20, big_bytes: int = 8 << 20, 
     """On every rank: a known all-reduce, its latency and bandwidth, and the interface to the master."""
     import torch.distributed as dist
 
+    from ddpkit.process_group import synchronize
+
     device = runtime.device
     world = runtime.world_size
     known = torch.full((4,), float(runtime.rank + 1), device=device)
@@ -193,8 +195,7 @@ def connectivity(runtime, *, small_repeats: int = 20, big_bytes: int = 8 << 20, 
     for _ in range(small_repeats):
         started = time.perf_counter()
         dist.all_reduce(small)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         latencies.append(time.perf_counter() - started)
     big = torch.ones(big_bytes // 4, device=device)
     durations = []
@@ -202,8 +203,7 @@ def connectivity(runtime, *, small_repeats: int = 20, big_bytes: int = 8 << 20, 
         dist.barrier()
         started = time.perf_counter()
         dist.all_reduce(big)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         durations.append(time.perf_counter() - started)
     from ddpkit.projection import ring_allreduce_bytes
 

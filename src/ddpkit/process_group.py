@@ -168,7 +168,6 @@ def setup(
     if environment.world_size == 1 and environment.master_port is None and init_method is None:
         init_method = f"tcp://127.0.0.1:{free_port()}"
     init_method = init_method or default_init_method(environment)
-    _free_cycles_at_exit()
     try:
         dist.init_process_group(
             backend=chosen_backend,
@@ -187,20 +186,11 @@ def setup(
     return Runtime(env=environment, backend=chosen_backend, device=bound)
 
 
-_cycles_hook_registered = False
-
-
-def _free_cycles_at_exit() -> None:
-    """Collect cyclic garbage (DDP models, their reducers and process groups) before the interpreter shuts down.
-
-    A DDP model that is only reachable through reference cycles is otherwise freed during interpreter
-    finalization, and tearing gloo's C++ objects down then aborts the process now and then ("terminate
-    called without an active exception", signal 6) after the work is done; see docs/examples.md.
-    """
-    global _cycles_hook_registered
-    if not _cycles_hook_registered:
-        atexit.register(gc.collect)
-        _cycles_hook_registered = True
+# Collect cyclic garbage (DDP models, their reducers and process groups) before the interpreter shuts
+# down. A DDP model only reachable through reference cycles is otherwise freed during interpreter
+# finalization, and tearing gloo's C++ objects down then aborts the process now and then ("terminate
+# called without an active exception", signal 6) after the work is done; see docs/examples.md.
+atexit.register(gc.collect)
 
 
 def teardown() -> None:
@@ -296,6 +286,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU): before reading a clock, say."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def barrier(runtime: Runtime) -> None:

@@ -154,9 +154,10 @@ def _factor_at(cfg: TrainConfig, steps_per_epoch: int, step: int) -> float:
 
 
 def place_scheduler(scheduler, step: int) -> None:
-    """Put a LambdaLR at ``step`` (after a resume whose steps per epoch differ), as if stepped there."""
+    """Put a LambdaLR at ``step`` from its own base rates, as if stepped there (a resume, whatever wrote it)."""
     scheduler.last_epoch = step
     for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base  # a loaded optimizer state brings the checkpoint's
         group["lr"] = base * factor(step)
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
@@ -271,8 +272,7 @@ def train(cfg: TrainConfig, runtime: Runtime) -> dict:
             if loop.stop.requested(now=True):
                 # Signalled late in the epoch: stop before a long evaluation eats the grace period.
                 loop.stop_now(epoch, loop.last_samples, loop.last_partial, None)
-            if runtime.device.type == "cuda":
-                torch.cuda.synchronize(runtime.device)
+            process_group.synchronize(runtime.device)
             elapsed = time.perf_counter() - started
             if cfg.strategy == "ddp":
                 # DDP copies rank 0's buffers (BatchNorm running stats) to the others at the *start* of each
@@ -325,12 +325,9 @@ class _Position:
 def _restore(cfg, runtime, resumed, optimizer, scheduler, scaler, steps_per_epoch) -> tuple[_Position, list[float]]:
     """Load the optimizer, schedule, scaler and RNG; say what changed; return where to continue."""
     contents = resumed.contents
-    resumed.restore(optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-    # This run's --lr is the schedule's base (the checkpoint's, unless --lr changed it).
-    base_lr = DEFAULT_LR[cfg.optimizer] if cfg.lr is None else cfg.lr
-    scheduler.base_lrs = [base_lr for _ in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["initial_lr"] = base_lr
+    # The schedule is not loaded: it is a function of the step, placed there below, from this run's
+    # --lr (the checkpoint's, unless --lr changed it), which the scheduler took when it was built.
+    resumed.restore(optimizer=optimizer, scaler=scaler)
     global_batch = _global_batch(cfg, runtime)
     samples = resumed.samples
     step_in_epoch = samples // global_batch
