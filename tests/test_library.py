@@ -35,8 +35,10 @@ def test_prepare_model_single_and_sync_bn():
         reference = nn.BatchNorm2d(2)
         reference.load_state_dict(model[1].state_dict())
         torch.testing.assert_close(model[1](x), reference(x))
-    with pytest.raises(ddpkit.UsageError, match="strategy must be one of"):
-        ddpkit.prepare_model(nn.Linear(1, 1), rt, "fsdp")
+    with pytest.raises(ddpkit.UsageError, match="strategy must be one of single, dp, ddp, fsdp"):
+        ddpkit.prepare_model(nn.Linear(1, 1), rt, "zero3")
+    with pytest.raises(ddpkit.UsageError, match="use ddpkit.strategies.apply_pipeline"):
+        ddpkit.prepare_model(nn.Linear(1, 1), rt, "pipeline")
 
 
 def test_atomic_save_leaves_no_temporary_file_and_the_usual_permissions(tmp_path):

@@ -53,7 +53,8 @@ def test_checkpointing_does_not_change_the_run(reference):
     assert {"optimizer", "scheduler", "scaler"} <= saved.keys()
 
 
-@pytest.mark.parametrize("step", [5, 15, 22, 25])  # 22: an epoch boundary
+# 22: an epoch boundary; 15 and 25: mid-epoch in the first and second epoch (25 in the slow target only).
+@pytest.mark.parametrize("step", [pytest.param(5, marks=pytest.mark.slow), 15, 22, pytest.param(25, marks=pytest.mark.slow)])
 def test_resume_is_bit_identical(tmp_path, reference, step):
     folder, state, rows, _ = reference
     result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN,

@@ -20,14 +20,21 @@ from ddpkit.env import DistEnv, detect
 from ddpkit.errors import UsageError
 from ddpkit import zoo
 from ddpkit.process_group import Runtime, barrier, broadcast_buffers, distributed, free_port, main_process_first, setup, teardown
-from ddpkit.strategies import STRATEGIES, DDPOptions, unwrap
+from ddpkit.strategies import STRATEGIES, DDPOptions, model_parallel, unwrap
+from ddpkit.strategies.state import full_model_state, full_optimizer_state
 from ddpkit.strategies.sync_bn import convert_sync_batchnorm
 
 __version__ = "0.1.0"
 
 
 def prepare_model(model, runtime: Runtime, strategy: str = "ddp", *, ddp: DDPOptions = DDPOptions(), sync_bn: bool = False):
-    """Wrap ``model`` for ``strategy`` ("single", "dp" or "ddp") on this runtime's device."""
+    """Wrap ``model`` for ``strategy`` ("single", "dp", "ddp" or "fsdp") on this runtime's device.
+
+    Pipelines need more than a model: ``ddpkit.strategies.apply_pipeline`` (see docs/parallelism.md).
+    Under fsdp, save with ``full_model_state`` (a collective), not ``model_state_dict``.
+    """
+    if strategy == "pipeline":
+        raise UsageError("prepare_model does not build pipelines; use ddpkit.strategies.apply_pipeline (docs/parallelism.md)")
     if strategy not in STRATEGIES:
         raise UsageError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if sync_bn:
@@ -44,6 +51,7 @@ def print0(runtime: Runtime, *args, **kwargs) -> None:
 __all__ = [
     "CheckpointError", "Checkpointer", "DDPOptions", "DistEnv", "Resumed", "StopSignal", "load_model_state", "read_contents",
     "stop_on_signal", "Runtime", "STRATEGIES", "UsageError", "atomic_save", "barrier", "broadcast_buffers", "convert_sync_batchnorm",
-    "detect", "distributed", "eval_loader", "free_port", "main_process_first", "model_state_dict", "prepare_model", "print0",
+    "detect", "distributed", "eval_loader", "free_port", "full_model_state", "full_optimizer_state", "main_process_first",
+    "model_parallel", "model_state_dict", "prepare_model", "print0",
     "reduce_sums", "setup", "teardown", "to_device", "train_loader", "unwrap", "zoo",
 ]

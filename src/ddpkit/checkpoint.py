@@ -398,22 +398,27 @@ class Resumed:
     world_size: int | None  # the world size that wrote it (None: not recorded)
     global_batch: int | None
     rank_state: dict  # this rank's own entry (``rank_state`` given to save), {} when none
+    parameter_names: list[str] = dataclasses.field(default_factory=list)  # the bare model's, in order
 
     @property
     def same_world_size(self) -> bool:
         return self.world_size == self.runtime.world_size
 
-    def restore(self, *, optimizer=None, scheduler=None, scaler=None, loader=None) -> None:
+    def restore(self, *, optimizer=None, scheduler=None, scaler=None, loader=None, model=None) -> None:
         """Load the rest once the model is wrapped and the optimizer exists, then this rank's RNG states.
 
         Call it right before the training loop: anything that draws random numbers after it (and
         before the first step) would shift the run off its uninterrupted course. The RNG states are
-        restored only for the world size that saved them.
+        restored only for the world size that saved them. ``model``: the wrapped model the optimizer
+        drives; needed for FSDP and pipeline, whose optimizer states name their parameters.
         """
         contents = self.contents
         if optimizer is not None and contents.optimizer is not None:
-            check_optimizer_state(optimizer, contents.optimizer, self.path)
-            optimizer.load_state_dict(contents.optimizer)  # moves the state to the parameters' device
+            from ddpkit.strategies import state
+
+            state.load_optimizer_state(model if model is not None else nn.Identity(), optimizer, contents.optimizer,
+                                       self.parameter_names,
+                                       lambda opt, saved: check_optimizer_state(opt, saved, self.path))
         if scheduler is not None and contents.scheduler is not None:
             scheduler.load_state_dict(contents.scheduler)
         if scaler is not None and contents.scaler:
@@ -480,12 +485,17 @@ class Checkpointer:
                 self.log(f"ddpkit: skipped the checkpoint at step {global_step}: the previous one is still being written")
             return None
         self.wait()
+        from ddpkit.strategies import state
+
+        # Collectives for the strategies that spread the model or the optimizer over the ranks.
+        model_state = state.full_model_state(model, self.runtime)
+        optimizer_state = state.full_optimizer_state(model, optimizer, self.runtime) if optimizer is not None else None
         if not self.runtime.is_main:
             return None
         obj = snapshot({
             KEY_FORMAT: FORMAT,
-            KEY_MODEL: unwrap(model).state_dict(),
-            KEY_OPTIMIZER: optimizer.state_dict() if optimizer is not None else None,
+            KEY_MODEL: model_state,
+            KEY_OPTIMIZER: optimizer_state,
             KEY_SCHEDULER: scheduler.state_dict() if scheduler is not None else None,
             KEY_SCALER: scaler.state_dict() if scaler is not None else None,
             KEY_PROGRESS: {"epoch": epoch, "samples": samples, "global_step": global_step,
@@ -571,6 +581,7 @@ class Checkpointer:
             samples=int(progress.get("samples", 0)), global_step=int(progress.get("global_step", 0)),
             world_size=progress.get("world_size"), global_batch=progress.get("global_batch"),
             rank_state=ranks[self.runtime.rank] if self.runtime.rank < len(ranks) else {},
+            parameter_names=[name for name, _ in unwrap(model).named_parameters()],
         )
 
     def _choose(self, source: str | os.PathLike, model: nn.Module) -> tuple[Path | None, Any]:

@@ -61,9 +61,10 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
                        help="per process; the global batch is B x world size x accumulate (default: 32)")
     group.add_argument("--lr", type=float, default=None, help="default: 0.01 sgd, 0.001 adam, 1.0 adadelta")
     group.add_argument("--optimizer", default="adam", choices=["sgd", "adam", "adadelta"], help="default: adam")
-    group.add_argument("--strategy", default="ddp", choices=["single", "dp", "ddp"],
-                       help="ddp: one process per device; dp: one process drives all GPUs; single: one device "
-                            "(default: ddp)")
+    group.add_argument("--strategy", default="ddp", choices=["single", "dp", "ddp", "fsdp", "pipeline"],
+                       help="ddp: one process per device; dp: one process drives all GPUs; single: one device; "
+                            "fsdp: weights, gradients and optimizer state sharded over the processes; pipeline: "
+                            "the model cut into stages, one per process (default: ddp; see docs/parallelism.md)")
     group.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
                        help="auto = nccl when each process has its own GPU, else gloo (default: auto)")
     group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: auto")
@@ -93,6 +94,20 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
                        help="every rank prints its PID and the device of its data and model")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
     group.add_argument("--list-models", action="store_true", help="print the model names and exit")
+    par = parser.add_argument_group("sharding and pipelines (docs/parallelism.md)")
+    par.add_argument("--zero", action="store_true",
+                     help="with ddp: ZeroRedundancyOptimizer, each process keeps 1/world of the optimizer state")
+    par.add_argument("--stages", type=int, default=None, metavar="S",
+                     help="pipeline: stages per pipeline; world size / S pipelines run as data-parallel replicas "
+                          "(default: the world size)")
+    par.add_argument("--microbatches", type=int, default=None, metavar="M",
+                     help="pipeline: micro-batches per step, dividing --batch-size (default: 2 x stages)")
+    par.add_argument("--pipeline-schedule", default="1f1b", choices=["gpipe", "1f1b"],
+                     help="pipeline: gpipe (all forwards, then all backwards) or 1f1b (less activation memory) "
+                          "(default: 1f1b)")
+    par.add_argument("--split-at", default=None, metavar="NAMES",
+                     help="pipeline: comma-separated names of the pieces where stages 2, 3, ... begin, e.g. "
+                          "layer3 (default: balanced by parameter count)")
     ckpt = parser.add_argument_group("checkpoints (DIR/checkpoints)")
     ckpt.add_argument("--resume", default=None, metavar="auto|PATH",
                       help="auto: continue from the newest complete checkpoint in --output-dir (a fresh start if "
@@ -238,7 +253,8 @@ def _train_config(ns: argparse.Namespace):
         gradient_as_bucket_view=ns.gradient_as_bucket_view, bucket_cap_mb=ns.bucket_cap_mb, debug=ns.debug,
         progress=not ns.no_progress, schedule=ns.schedule, warmup_steps=ns.warmup_steps,
         lr_step_epochs=ns.lr_step_epochs, lr_gamma=ns.lr_gamma, resume=ns.resume,
-        checkpoint_every=ns.checkpoint_every, keep_checkpoints=ns.keep_checkpoints,
+        checkpoint_every=ns.checkpoint_every, keep_checkpoints=ns.keep_checkpoints, zero=ns.zero, stages=ns.stages,
+        microbatches=ns.microbatches, pipeline_schedule=ns.pipeline_schedule, split_at=ns.split_at,
     )
 
 
@@ -271,6 +287,20 @@ def _check_devices(cfg, nproc: int) -> None:
         raise UsageError(f"--strategy single trains on one device; use --nproc-per-node 1 (not {nproc}) or --strategy ddp")
 
 
+def _check_pipeline(cfg, world_size: int) -> None:
+    """The stages fit the world, the batch the micro-batches, and the model can be cut: before any process starts."""
+    from ddpkit import zoo
+    from ddpkit.strategies import split
+    from ddpkit.strategies.pipeline import PipelineLayout
+
+    stages = cfg.stages or world_size
+    PipelineLayout(world_size=world_size, stages=stages, microbatches=cfg.microbatches or 2 * stages,
+                   batch_size=cfg.batch_size)
+    channels, image_size = zoo.model_input(cfg.model, zoo.parse_data_spec(cfg.data).kind, cfg.image_size)
+    model = zoo.build_model(cfg.model, in_channels=channels, num_classes=10, image_size=image_size)
+    split.cut(model, stages, cfg.split_at.split(",") if cfg.split_at else None)
+
+
 def _spawn_train_worker(rank: int, world_size: int, port: int, cfg) -> None:
     from ddpkit import trainer
 
@@ -295,6 +325,8 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         return 0
     options = _launch_options(ns, ns.launcher, one_process=cfg.strategy in ("single", "dp"))
     _check_devices(cfg, options.nproc_per_node)
+    if cfg.strategy == "pipeline":
+        _check_pipeline(cfg, options.world_size)
     if options.world_size == 1:
         trainer.run(cfg)
         return 0

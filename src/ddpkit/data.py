@@ -206,25 +206,29 @@ def train_loader(
     workers: int | None = None,
     in_memory: bool | None = None,
     drop_last: bool = True,
+    replica: tuple[int, int] | None = None,
 ) -> DeviceLoader:
     """Per-process batches of ``batch_size``; the global batch is ``batch_size * world_size``.
 
     ``drop_last=False`` keeps every sample, at a price: DistributedSampler pads the epoch with up to
     world_size - 1 repeated samples, and the last batch is smaller, so the run no longer matches one
     process with the global batch exactly.
+    ``replica=(index, count)``: split the data ``count`` ways and take part ``index`` instead of this
+    rank's part of world_size (the stages of one pipeline all take the same part).
     """
     if batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {batch_size}")
-    global_batch = batch_size * runtime.world_size
+    index, count = replica or (runtime.rank, runtime.world_size)
+    global_batch = batch_size * count
     if drop_last and len(dataset) < global_batch:
         raise UsageError(
             f"the training set has {len(dataset)} samples, fewer than one global batch of {global_batch} "
-            f"({batch_size} per process x {runtime.world_size} processes); lower --batch-size"
+            f"({batch_size} per process x {count} data-parallel processes); lower --batch-size"
         )
     sampler = ResumableSampler(
         dataset,
-        num_replicas=runtime.world_size,
-        rank=runtime.rank,
+        num_replicas=count,
+        rank=index,
         shuffle=shuffle,
         seed=seed,
         drop_last=drop_last,
@@ -241,7 +245,7 @@ def train_loader(
         worker_init_fn=_ignore_stop_signals if workers > 0 else None,
         generator=torch.Generator(),
     )
-    return DeviceLoader(loader, runtime.device, sampler, seed=seed, rank=runtime.rank)
+    return DeviceLoader(loader, runtime.device, sampler, seed=seed, rank=index)
 
 
 def eval_indices(length: int, rank: int, world_size: int) -> range:
@@ -256,9 +260,13 @@ def eval_loader(
     runtime: Runtime,
     workers: int | None = None,
     in_memory: bool | None = None,
+    replica: tuple[int, int] | None = None,
 ) -> DeviceLoader:
-    """Each validation sample goes to exactly one rank (some ranks may get one sample fewer)."""
-    shard = Subset(dataset, eval_indices(len(dataset), runtime.rank, runtime.world_size))
+    """Each validation sample goes to exactly one rank (some ranks may get one sample fewer).
+
+    ``replica=(index, count)``: as in ``train_loader``, a part of ``count`` rather than of world_size.
+    """
+    shard = Subset(dataset, eval_indices(len(dataset), *(replica or (runtime.rank, runtime.world_size))))
     workers = default_workers(runtime, in_memory, dataset) if workers is None else workers
     loader = DataLoader(
         shard, batch_size=batch_size, shuffle=False, num_workers=workers, pin_memory=runtime.device.type == "cuda",

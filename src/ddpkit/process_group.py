@@ -299,12 +299,13 @@ def barrier(runtime: Runtime) -> None:
         dist.barrier()
 
 
-def broadcast_buffers(model: torch.nn.Module, runtime: Runtime) -> None:
-    """Give every rank global rank 0's buffers (BatchNorm running statistics)."""
+def broadcast_buffers(model: torch.nn.Module, runtime: Runtime, group=None) -> None:
+    """Give every rank global rank 0's buffers (BatchNorm running statistics); with ``group``, its first rank's."""
     if runtime.backend is None:
         return
+    source = 0 if group is None else dist.get_global_rank(group, 0)
     for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
+        dist.broadcast(buffer, src=source, group=group)
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -28,7 +29,9 @@ from ddpkit import checkpoint, data, preempt, process_group, zoo
 from ddpkit.env import DistEnv
 from ddpkit.errors import UsageError
 from ddpkit.process_group import Runtime
-from ddpkit.strategies import STRATEGIES, DDPOptions, check_dp_batch, unwrap
+from ddpkit.strategies import NEEDS_GROUP, STRATEGIES, DDPOptions, Pipeline, PipelineLayout, check_dp_batch, unwrap
+from ddpkit.strategies import state as strategy_state
+from ddpkit.strategies.pipeline import PIPELINE_SCHEDULES
 from ddpkit.strategies.sync_bn import convert_sync_batchnorm
 
 OPTIMIZERS = ("sgd", "adam", "adadelta")
@@ -70,8 +73,34 @@ class TrainConfig:
     resume: str | None = None  # None: fresh start; "auto": newest complete checkpoint in output_dir; or a path
     checkpoint_every: int = 0  # also checkpoint every N optimizer steps (0: at each epoch's end only)
     keep_checkpoints: int = 3
+    zero: bool = False  # DDP with ZeroRedundancyOptimizer: each rank keeps 1/world of the optimizer state
+    stages: int | None = None  # pipeline: stages per pipeline (None: the world size); world = stages x replicas
+    microbatches: int | None = None  # pipeline: micro-batches per step (None: 2 x stages); must divide --batch-size
+    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b
+    split_at: str | None = None  # pipeline: comma-separated piece names where stages begin (None: balanced)
     debug: bool = False  # every rank prints its PID and where its data and model live
     progress: bool = True  # a progress bar on global rank 0 (only when writing to a terminal)
+
+    def _validate_parallelism(self) -> None:
+        if self.zero and self.strategy != "ddp":
+            raise UsageError(f"--zero shards the optimizer state across DDP processes; it needs --strategy ddp, not "
+                             f"{self.strategy}" + (" (fsdp shards the optimizer state already)" if self.strategy == "fsdp" else ""))
+        pipeline_only = [flag for flag, value in (("--stages", self.stages), ("--microbatches", self.microbatches),
+                                                  ("--split-at", self.split_at)) if value is not None]
+        if self.strategy != "pipeline":
+            if pipeline_only:
+                raise UsageError(f"{pipeline_only[0]} is for --strategy pipeline, not {self.strategy}")
+            return
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise UsageError(f"--pipeline-schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.pipeline_schedule!r}")
+        if self.accumulate > 1:
+            raise UsageError("--accumulate with --strategy pipeline: the pipeline accumulates over its micro-batches "
+                             "already; raise --microbatches and --batch-size instead")
+        if self.amp != "off":
+            raise UsageError(f"--amp {self.amp} is not supported with --strategy pipeline yet; use --amp off")
+        for flag, value in (("--stages", self.stages), ("--microbatches", self.microbatches)):
+            if value is not None and value < 1:
+                raise UsageError(f"{flag} must be at least 1, got {value}")
 
     def validate(self) -> None:
         """Raise UsageError for values no run could use (each message names the flag and the value)."""
@@ -113,18 +142,34 @@ class TrainConfig:
             raise UsageError("--resume needs a value: auto, a checkpoint file, or a checkpoint folder")
         if self.resume not in (None, "auto") and not os.path.exists(self.resume):
             raise UsageError(f"--resume {self.resume}: no such file or folder (give a checkpoint file or folder, or auto)")
+        self._validate_parallelism()
         DDPOptions(bucket_cap_mb=self.bucket_cap_mb)
         zoo.parse_data_spec(self.data)
         zoo.check_model_name(self.model)
 
 
-def make_optimizer(name: str, params, lr: float | None) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params, lr: float | None, *, zero: bool = False) -> torch.optim.Optimizer:
+    """``zero``: PyTorch's ZeroRedundancyOptimizer around it (each rank steps and stores its share only)."""
     lr = DEFAULT_LR[name] if lr is None else lr
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    return torch.optim.Adadelta(params, lr=lr)
+    kind, settings = {
+        "sgd": (torch.optim.SGD, {"lr": lr, "momentum": 0.9}),
+        "adam": (torch.optim.Adam, {"lr": lr}),
+        "adadelta": (torch.optim.Adadelta, {"lr": lr}),
+    }[name]
+    if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=kind, **settings)
+    return kind(params, **settings)
+
+
+def pipeline_layout(cfg: TrainConfig, runtime: Runtime) -> PipelineLayout | None:
+    """Stages and replicas of ``--strategy pipeline`` (None for the other strategies)."""
+    if cfg.strategy != "pipeline":
+        return None
+    stages = cfg.stages or runtime.world_size
+    return PipelineLayout(world_size=runtime.world_size, stages=stages, microbatches=cfg.microbatches or 2 * stages,
+                          batch_size=cfg.batch_size)
 
 
 def lr_factor(cfg: TrainConfig, step: int, steps_per_epoch: int) -> float:
@@ -175,7 +220,7 @@ def run(cfg: TrainConfig, environment: DistEnv | None = None) -> dict:
     """
     cfg.validate()
     with process_group.distributed(
-        backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout, force_group=cfg.strategy == "ddp",
+        backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout, force_group=cfg.strategy in NEEDS_GROUP,
         environment=environment,
     ) as runtime:
         return train(cfg, runtime)
@@ -229,12 +274,21 @@ def train(cfg: TrainConfig, runtime: Runtime) -> dict:
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         bucket_cap_mb=cfg.bucket_cap_mb,
     )
-    wrapped = STRATEGIES[cfg.strategy](model, runtime, ddp=ddp_options)
-    optimizer = make_optimizer(cfg.optimizer, wrapped.parameters(), cfg.lr)
+    layout = pipeline_layout(cfg, runtime)
+    wrapped = STRATEGIES[cfg.strategy](
+        model, runtime, ddp=ddp_options, layout=layout, schedule=cfg.pipeline_schedule,
+        split_at=cfg.split_at.split(",") if cfg.split_at else None,
+        sample_input=torch.zeros(cfg.batch_size // layout.microbatches, channels, image_size, image_size) if layout else None,
+    )
+    optimizer = make_optimizer(cfg.optimizer, wrapped.parameters(), cfg.lr, zero=cfg.zero)
     scaler = torch.amp.GradScaler(runtime.device.type, enabled=cfg.amp == "fp16")
 
-    loader = data.train_loader(sets.train, batch_size=cfg.batch_size, runtime=runtime, seed=cfg.seed, workers=cfg.workers)
-    val_loader = data.eval_loader(sets.val, batch_size=cfg.batch_size, runtime=runtime, workers=cfg.workers)
+    # Pipeline stages of one pipeline share their data; only the replicas split it.
+    replica = (layout.replica_of(runtime.rank), layout.replicas) if layout else None
+    loader = data.train_loader(sets.train, batch_size=cfg.batch_size, runtime=runtime, seed=cfg.seed,
+                               workers=cfg.workers, replica=replica)
+    val_loader = data.eval_loader(sets.val, batch_size=cfg.batch_size, runtime=runtime, workers=cfg.workers,
+                                  replica=replica)
     steps_per_epoch = len(loader) // cfg.accumulate
     if steps_per_epoch == 0 and cfg.epochs > 0:
         raise UsageError(
@@ -249,14 +303,16 @@ def train(cfg: TrainConfig, runtime: Runtime) -> dict:
         f"ddpkit: {runtime.world_size} process(es) via {runtime.env.launcher}, backend "
         f"{runtime.backend or 'none'}, device {runtime.device.type}, strategy {cfg.strategy}; "
         f"model {cfg.model} ({n_params:,} parameters); data {cfg.data}: {len(sets.train)} train / "
-        f"{len(sets.val)} val; batch {cfg.batch_size} per process x {runtime.world_size} processes"
+        f"{len(sets.val)} val; batch {cfg.batch_size} per "
+        + (f"pipeline x {layout.replicas} pipeline(s) of {layout.stages} stages ({layout.microbatches} micro-batches, "
+           f"{cfg.pipeline_schedule})" if layout else f"process x {runtime.world_size} processes")
         + (f" x {cfg.accumulate} micro-steps" if cfg.accumulate > 1 else "")
         + f" = global batch {global_batch}; {steps_per_epoch} steps per epoch",
     )
     position = _Position(epoch=0, samples=0, global_step=0)
     partial = [0.0, 0.0]
     if resumed is not None:
-        position, partial = _restore(cfg, runtime, resumed, optimizer, scheduler, scaler, steps_per_epoch)
+        position, partial = _restore(cfg, runtime, resumed, wrapped, optimizer, scheduler, scaler, steps_per_epoch)
     metrics_path = os.path.join(cfg.output_dir, METRICS_FILE)
     if runtime.is_main:
         _keep_metrics_before(metrics_path, position.epoch)
@@ -274,14 +330,14 @@ def train(cfg: TrainConfig, runtime: Runtime) -> dict:
                 loop.stop_now(epoch, loop.last_samples, loop.last_partial, None)
             process_group.synchronize(runtime.device)
             elapsed = time.perf_counter() - started
-            if cfg.strategy == "ddp":
+            if cfg.strategy in ("ddp", "fsdp") or (layout and layout.replicas > 1):
                 # DDP copies rank 0's buffers (BatchNorm running stats) to the others at the *start* of each
-                # forward, so after the last step each rank holds its own. Evaluate, everywhere, the model
-                # that model.pt will hold: rank 0's.
-                process_group.broadcast_buffers(unwrap(wrapped), runtime)
-            # DataParallel is one process: evaluate through it; DDP ranks evaluate their own bare replica,
-            # because ranks may hold different numbers of validation batches (no collective may run inside).
-            val_loss, val_acc, val_count = evaluate(wrapped if cfg.strategy == "dp" else unwrap(wrapped), val_loader, runtime, cfg.amp)
+                # forward, so after the last step each rank holds its own (FSDP never syncs them). Evaluate,
+                # everywhere, the model that model.pt will hold: rank 0's (pipeline 0's, for each stage).
+                process_group.broadcast_buffers(unwrap(wrapped), runtime,
+                                                group=wrapped.replica_group if layout else None)
+            val_loss, val_acc, val_count = evaluate(_evaluated(wrapped, cfg), val_loader, runtime, cfg.amp,
+                                                    lockstep=cfg.strategy == "fsdp")
             record = {
                 "epoch": epoch,
                 "train_loss": train_loss,
@@ -294,6 +350,7 @@ def train(cfg: TrainConfig, runtime: Runtime) -> dict:
                 "global_batch": global_batch,
                 "steps": steps_per_epoch,
                 "lr": optimizer.param_groups[0]["lr"],
+                **_memory(runtime, wrapped, optimizer),
             }
             if start:
                 record["resumed_at_step"] = steps_per_epoch - steps_run
@@ -307,8 +364,9 @@ def train(cfg: TrainConfig, runtime: Runtime) -> dict:
             )
             loop.save(epoch + 1, 0, [0.0, 0.0], if_idle=False)
     ckpt.wait()
+    final = checkpoint.snapshot(strategy_state.full_model_state(wrapped, runtime))  # a collective under fsdp, pipeline
     if runtime.is_main:
-        checkpoint.atomic_save(checkpoint.model_state_dict(wrapped), os.path.join(cfg.output_dir, checkpoint.MODEL_FILE))
+        checkpoint.atomic_save(final, os.path.join(cfg.output_dir, checkpoint.MODEL_FILE))
         log(runtime, f"saved {os.path.join(cfg.output_dir, checkpoint.MODEL_FILE)} and {metrics_path}")
     # Nobody leaves (and tears the group down) before rank 0 has written the model.
     ckpt.wait()
@@ -322,12 +380,12 @@ class _Position:
     global_step: int  # optimizer steps since the run began (names the checkpoints)
 
 
-def _restore(cfg, runtime, resumed, optimizer, scheduler, scaler, steps_per_epoch) -> tuple[_Position, list[float]]:
+def _restore(cfg, runtime, resumed, model, optimizer, scheduler, scaler, steps_per_epoch) -> tuple[_Position, list[float]]:
     """Load the optimizer, schedule, scaler and RNG; say what changed; return where to continue."""
     contents = resumed.contents
     # The schedule is not loaded: it is a function of the step, placed there below, from this run's
     # --lr (the checkpoint's, unless --lr changed it), which the scheduler took when it was built.
-    resumed.restore(optimizer=optimizer, scaler=scaler)
+    resumed.restore(optimizer=optimizer, scaler=scaler, model=model)
     global_batch = _global_batch(cfg, runtime)
     samples = resumed.samples
     step_in_epoch = samples // global_batch
@@ -349,7 +407,7 @@ def _restore(cfg, runtime, resumed, optimizer, scheduler, scaler, steps_per_epoc
         if changed:
             log(runtime, f"ddpkit: settings differ from the checkpoint's run: {', '.join(changed)}")
     if resumed.global_batch is not None and resumed.global_batch != global_batch:
-        per_process = runtime.world_size * cfg.accumulate
+        per_process = _data_replicas(cfg, runtime) * cfg.accumulate
         keep = (f"; to keep global batch {resumed.global_batch}, pass --batch-size {resumed.global_batch // per_process}"
                 if resumed.global_batch % per_process == 0 else "")
         log(runtime, f"ddpkit: the checkpoint was written with global batch {resumed.global_batch} "
@@ -421,7 +479,6 @@ class _Loop:
         loss_sum = torch.tensor(partial[0], dtype=torch.float64, device=runtime.device)
         seen = partial[1]
         batches = iter(self.loader)
-        is_ddp = hasattr(model, "no_sync") and cfg.strategy == "ddp"
         for step in range(steps):
             self.optimizer.zero_grad(set_to_none=True)
             for micro in range(cfg.accumulate):
@@ -432,19 +489,10 @@ class _Loop:
                         f"data: {images.device}, model: {next(model.parameters()).device}",
                         flush=True,
                     )
-                last = micro == cfg.accumulate - 1
-                # Skip the all-reduce on all but the last micro-step; gradients accumulate locally. With
-                # static_graph DDP records the graph on its first backward (in this process, resumed or
-                # not), which must be synchronised.
-                first_backward = cfg.static_graph and not self.backward_done
-                sync = contextlib.nullcontext() if (last or not is_ddp or first_backward) else model.no_sync()
-                with sync:
-                    with _autocast(runtime, cfg.amp):
-                        loss = F.cross_entropy(model(images), labels)
-                    self.scaler.scale(loss / cfg.accumulate).backward()
-                self.backward_done = True
-                loss_sum += loss.detach().double() * labels.shape[0]
-                seen += labels.shape[0]
+                loss = self.forward_backward(images, labels, last=micro == cfg.accumulate - 1)
+                if loss is not None:  # None: a pipeline stage other than the last has no loss
+                    loss_sum += loss.detach().double() * labels.shape[0]
+                    seen += labels.shape[0]
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.scheduler.step()
@@ -463,6 +511,27 @@ class _Loop:
         # The loss in any single rank's batches is a sample; the epoch's loss is the sum over all ranks.
         total, count = data.reduce_sums([loss_sum.item(), float(seen)], runtime)
         return total / max(count, 1.0), steps
+
+    def forward_backward(self, images: torch.Tensor, labels: torch.Tensor, *, last: bool) -> torch.Tensor | None:
+        """One micro-step's loss and gradients; gradients are synchronised on the ``last`` only."""
+        cfg, model = self.cfg, self.model
+        if isinstance(model, Pipeline):
+            return model.train_step(images, labels)  # its micro-batches go through every stage
+        # Skip the all-reduce on all but the last micro-step; gradients accumulate locally. With
+        # static_graph DDP records the graph on its first backward (in this process, resumed or
+        # not), which must be synchronised.
+        first_backward = cfg.static_graph and not self.backward_done
+        sync = contextlib.nullcontext()
+        if cfg.strategy == "ddp" and not (last or first_backward):
+            sync = model.no_sync()
+        elif cfg.strategy == "fsdp":
+            model.set_requires_gradient_sync(last)  # FSDP's no_sync: reduce-scatter on the last micro-step only
+        with sync:
+            with _autocast(self.runtime, cfg.amp):
+                loss = F.cross_entropy(model(images), labels)
+            self.scaler.scale(loss / cfg.accumulate).backward()
+        self.backward_done = True
+        return loss
 
     def stop_now(self, epoch: int, samples: int, partial: list[float], progress) -> None:
         """Every rank got here at the same step: write one checkpoint, wait for it, leave."""
@@ -495,20 +564,75 @@ def _progress_bar(runtime: Runtime, cfg: TrainConfig, steps: int, epoch: int):
     )
 
 
+def _data_replicas(cfg: TrainConfig, runtime: Runtime) -> int:
+    """How many ways the data is split: every process, except that the stages of a pipeline share theirs."""
+    if cfg.strategy == "pipeline":
+        return runtime.world_size // (cfg.stages or runtime.world_size)
+    return runtime.world_size
+
+
 def _global_batch(cfg: TrainConfig, runtime: Runtime) -> int:
-    return cfg.batch_size * runtime.world_size * cfg.accumulate
+    return cfg.batch_size * _data_replicas(cfg, runtime) * cfg.accumulate
+
+
+def _evaluated(wrapped: nn.Module, cfg: TrainConfig) -> nn.Module:
+    """What runs the validation forwards: DDP ranks their own bare replica (ranks may hold different numbers
+    of validation batches, so no collective may run inside); DataParallel, FSDP (which gathers each block's
+    weights) and pipelines (whose stages pass activations on) through the wrapper."""
+    return unwrap(wrapped) if cfg.strategy in ("ddp", "single") else wrapped
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, runtime: Runtime, amp: str = "off") -> tuple[float, float, int]:
-    """Mean loss, accuracy and sample count over the whole validation set, each sample counted once."""
+def evaluate(model: nn.Module, loader, runtime: Runtime, amp: str = "off", *,
+             lockstep: bool = False) -> tuple[float, float, int]:
+    """Mean loss, accuracy and sample count over the whole validation set, each sample counted once.
+
+    ``lockstep``: every rank runs as many forwards as the rank with the most batches (a rank out of
+    batches runs empty ones), for models whose forward is a collective (FSDP's all-gathers).
+    """
     model.eval()
     loss_sum, correct, count = 0.0, 0.0, 0.0
-    for images, labels in loader:
+    for images, labels in _lockstep(loader, runtime) if lockstep else loader:
         with _autocast(runtime, amp):
             output = model(images)
+        if output is None:  # a pipeline stage other than the last
+            continue
+        labels = labels.to(output.device)
         loss_sum += F.cross_entropy(output.float(), labels, reduction="sum").item()
         correct += (output.argmax(dim=1) == labels).sum().item()
         count += labels.shape[0]
     loss_sum, correct, count = data.reduce_sums([loss_sum, correct, count], runtime)
     return loss_sum / max(count, 1.0), correct / max(count, 1.0), int(count)
+
+
+def _lockstep(loader, runtime: Runtime):
+    """The loader's batches, then empty batches shaped like them until every rank has run as many."""
+    batches = torch.tensor([len(loader)], device=runtime.device if runtime.backend == "nccl" else "cpu")
+    dist.all_reduce(batches, op=dist.ReduceOp.MAX)
+    last = None
+    for last in loader:
+        yield last
+    for _ in range(int(batches.item()) - len(loader)):
+        if last is None:  # this rank holds no validation sample (fewer than ranks): shape one like the set's first
+            image, label = loader.loader.dataset.dataset[0]
+            last = [torch.as_tensor(image)[None].to(runtime.device), torch.as_tensor(label)[None].to(runtime.device)]
+        yield [item[:0] for item in last]
+
+
+def _memory(runtime: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[float]]:
+    """Per rank, in MiB: the peak memory (the GPU's allocated peak; on CPU the process's peak resident set)
+    and what the training state takes (parameters, gradients, optimizer state: FSDP and ZeRO shrink it)."""
+    if runtime.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(runtime.device)
+    else:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    mine = torch.tensor([peak, strategy_state.held_bytes(model, optimizer)], dtype=torch.float64) / 2**20
+    every = [mine]
+    group = process_group.control_group(runtime)
+    if group is not None:
+        every = [torch.empty_like(mine) for _ in range(runtime.world_size)]
+        dist.all_gather(every, mine, group=group)
+    return {"peak_memory_mb": [round(float(rank[0]), 1) for rank in every],
+            "train_state_mb": [round(float(rank[1]), 3) for rank in every]}

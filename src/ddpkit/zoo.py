@@ -56,6 +56,15 @@ class Net(nn.Module):
         x = F.relu(self.fc1(torch.flatten(x, 1)))
         return F.log_softmax(self.fc2(x), dim=-1)
 
+    def pipeline_pieces(self) -> list[tuple[str, nn.Module]]:
+        """``forward`` as steps, for cutting the model into pipeline stages (ddpkit.strategies.split)."""
+        return [
+            ("conv1", self.conv1), ("n1", self.n1), ("_relu1", nn.ReLU()), ("_pool1", nn.MaxPool2d(2)),
+            ("conv2", self.conv2), ("n2", self.n2), ("_relu2", nn.ReLU()), ("_pool2", nn.MaxPool2d(2)),
+            ("_flatten", nn.Flatten(1)), ("fc1", self.fc1), ("_relu3", nn.ReLU()), ("fc2", self.fc2),
+            ("_log_softmax", nn.LogSoftmax(dim=-1)),
+        ]
+
 
 class ConvNet(nn.Module):
     """The tutorials' random-data model: one conv, one linear layer, no BatchNorm.
@@ -73,6 +82,10 @@ class ConvNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.conv2d(x).reshape(x.shape[0], -1))
+
+    def pipeline_pieces(self) -> list[tuple[str, nn.Module]]:
+        """``forward`` as steps, for cutting the model into pipeline stages (ddpkit.strategies.split)."""
+        return [("conv2d", self.conv2d), ("_flatten", nn.Flatten(1)), ("fc", self.fc)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,164 @@
+"""Pipeline parallel across processes: the model cut into stages, one per rank, micro-batches flowing through.
+
+    ddpkit train --strategy pipeline --nproc-per-node 4 --microbatches 8                # 4 stages
+    ddpkit train --strategy pipeline --nproc-per-node 4 --stages 2 --pipeline-schedule gpipe  # 2 stages x 2 replicas
+
+The batch of each step is split into ``microbatches`` pieces; while stage 2 works on micro-batch 1, stage 1
+already works on micro-batch 2, so the stages overlap (the tutorials' pipeline moved one whole batch
+through its devices in turn, and never overlapped). The stages idle at the start and end of each step
+(the "bubble"): (stages - 1) / (microbatches + stages - 1) of the step, so more micro-batches waste less.
+GPipe runs all forwards, then all backwards (activations of every micro-batch are kept); 1F1B starts
+each micro-batch's backward as soon as the last stage has its loss (at most ``stages`` micro-batches of
+activations held). The schedules are PyTorch's (torch.distributed.pipelining); ddpkit cuts the model
+(``split``), lays out the ranks, and feeds the schedule.
+
+With ``stages`` < world size, ``world_size / stages`` pipelines run side by side as data-parallel replicas:
+ranks ``r*stages ... r*stages + stages - 1`` form pipeline ``r``, and each stage is wrapped in DDP over the
+ranks holding the same stage in the other pipelines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpkit.errors import UsageError
+from ddpkit.process_group import Runtime
+from ddpkit.strategies import split
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLayout:
+    """Which stage and which replica each rank is; checks that the numbers fit together."""
+
+    world_size: int
+    stages: int
+    microbatches: int
+    batch_size: int  # per pipeline, split into microbatches
+
+    def __post_init__(self) -> None:
+        if self.stages < 1:
+            raise UsageError(f"--stages must be at least 1, got {self.stages}")
+        if self.world_size % self.stages:
+            raise UsageError(
+                f"--stages {self.stages} does not divide the world size {self.world_size}: the world is "
+                f"stages x data-parallel replicas; use a --stages that divides {self.world_size}"
+            )
+        if self.microbatches < 1:
+            raise UsageError(f"--microbatches must be at least 1, got {self.microbatches}")
+        if self.batch_size % self.microbatches:
+            raise UsageError(
+                f"--batch-size {self.batch_size} does not split into {self.microbatches} equal micro-batches; "
+                f"use a --batch-size that is a multiple of --microbatches {self.microbatches}"
+            )
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.stages
+
+    def stage_of(self, rank: int) -> int:
+        return rank % self.stages
+
+    def replica_of(self, rank: int) -> int:
+        return rank // self.stages
+
+
+class Pipeline(nn.Module):
+    """This rank's stage and the schedule that runs every stage of its pipeline in step.
+
+    ``module`` is the stage (``split.Pieces``, in DDP when there are replicas). ``train_step(images, labels)``
+    runs one optimizer step's forwards and backwards and returns the batch's mean loss on the last stage
+    (None on the others). Calling the module evaluates: the last stage returns the outputs, the others None.
+    """
+
+    def __init__(self, module: nn.Module, stage, schedule, layout: PipelineLayout, rank: int, replica_group=None):
+        super().__init__()
+        self.module = module
+        self.stage, self.schedule, self.layout = stage, schedule, layout
+        self.replica_group = replica_group  # this stage's ranks in every pipeline (None with one pipeline)
+        self.is_first = stage.is_first
+        self.is_last = stage.is_last
+        self.replica = layout.replica_of(rank)
+
+    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        losses: list[torch.Tensor] = []
+        inputs = (images,) if self.is_first else ()
+        self.schedule.step(*inputs, target=labels if self.is_last else None, losses=losses if self.is_last else None)
+        if not self.is_last:
+            return None
+        # Equal micro-batches: the mean of their mean losses is the batch's mean loss.
+        return torch.stack([loss.detach() for loss in losses]).mean()
+
+    @torch.no_grad()
+    def forward(self, images: torch.Tensor) -> torch.Tensor | None:
+        # The schedule's buffers have the shapes of the first step: a short last batch is padded to the
+        # full batch with copies of its first image, and the copies' outputs are dropped.
+        count = images.shape[0]
+        full = self.layout.batch_size
+        if count < full:
+            images = torch.cat([images, images[:1].expand(full - count, *images.shape[1:])])
+        if not self.is_last:
+            self.schedule.eval(*((images,) if self.is_first else ()))
+            return None
+        # The schedule computes its loss on the last stage, so it wants targets; the caller scores the outputs.
+        placeholder = torch.zeros(full, dtype=torch.long, device=self.stage.device)
+        output = self.schedule.eval(*((images,) if self.is_first else ()), target=placeholder)
+        return output[:count]
+
+
+def stage_shapes(parts: list[list[tuple[str, nn.Module]]], sample: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input, output) of each stage for one micro-batch like ``sample``: one forward in eval mode, no grad.
+
+    Handed to PipelineStage up front, so it does not infer them with a probe forward at the first step
+    (which, through DDP, breaks the DDP reducer under GPipe at the second step).
+    """
+    modules = [module for part in parts for _, module in part]
+    modes = [module.training for module in modules]
+    for module in modules:
+        module.eval()  # no BatchNorm statistics from the blank sample
+    shapes, x = [], sample
+    with torch.no_grad():
+        for index, part in enumerate(parts):
+            y = split.Pieces(part)(x)
+            # Activations that arrive from another stage carry gradients; the model's images do not.
+            shapes.append((x.detach().requires_grad_(index > 0), y.detach().requires_grad_(index < len(parts) - 1)))
+            x = y
+    for module, mode in zip(modules, modes):
+        module.train(mode)
+    return shapes
+
+
+def apply_pipeline(model: nn.Module, runtime: Runtime, *, layout: PipelineLayout, sample_input: torch.Tensor,
+                   schedule: str = "1f1b", split_at: list[str] | None = None, **_options) -> Pipeline:
+    """Cut ``model`` into ``layout.stages`` stages and build this rank's stage and schedule.
+
+    ``sample_input``: one micro-batch of inputs (values unused), on the CPU, for the activations' shapes.
+    """
+    if runtime.backend is None:
+        raise UsageError("--strategy pipeline needs a process group; start it with a launcher (ddpkit run / torchrun)")
+    if schedule not in PIPELINE_SCHEDULES:
+        raise UsageError(f"--pipeline-schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}")
+    # Imported here: torch.distributed.pipelining takes a second to import, which every ddpkit command would pay.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    parts = split.cut(model, layout.stages, split_at)
+    index = layout.stage_of(runtime.rank)
+    inputs, outputs = (tensor.to(runtime.device) for tensor in stage_shapes(parts, sample_input)[index])
+    module: nn.Module = split.Pieces(parts[index]).to(runtime.device)
+    mesh = init_device_mesh(runtime.device.type, (layout.replicas, layout.stages), mesh_dim_names=("dp", "pp"))
+    replica_group = mesh.get_group("dp") if layout.replicas > 1 else None
+    if replica_group is not None:
+        on_gpu = runtime.device.type == "cuda"
+        module = DistributedDataParallel(module, process_group=replica_group,
+                                         device_ids=[runtime.device.index] if on_gpu else None)
+    stage = PipelineStage(module, index, layout.stages, runtime.device, input_args=inputs, output_args=outputs,
+                          group=mesh.get_group("pp"))
+    runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stage, n_microbatches=layout.microbatches, loss_fn=F.cross_entropy)
+    return Pipeline(module, stage, runner, layout, runtime.rank, replica_group)

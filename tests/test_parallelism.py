@@ -1,0 +1,275 @@
+"""Beyond data parallel: cutting models (model and pipeline parallel), FSDP and ZeRO, against plain DDP.
+
+Unit tests here cut models in one process; the multi-process ones run `ddpkit train` and `ddpkit run`
+on real processes (torchrun's agent, gloo) and compare the trained weights with DDP's.
+"""
+
+import copy
+import json
+import shutil
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+
+from conftest import max_relative_difference, run_ddpkit, train
+from ddpkit.errors import UsageError
+from ddpkit.strategies import PipelineLayout, split, state
+from ddpkit.zoo import build_model
+
+# ---------------------------------------------------------------------------------------- cutting models
+
+
+def _sequential_mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Flatten(), nn.Linear(48, 32), nn.ReLU(), nn.Sequential(nn.Linear(32, 16), nn.Tanh()),
+                         nn.Linear(16, 10))
+
+
+@pytest.mark.parametrize("name", ["net", "convnet", "resnet18", "mobilenet_v3_small", "regnet_x_400mf", "sequential"])
+def test_the_pieces_in_order_are_the_models_forward(name):
+    torch.manual_seed(0)
+    if name == "sequential":
+        model, x = _sequential_mlp(), torch.randn(4, 3, 4, 4)
+    else:
+        channels = 1 if name == "net" else 3
+        model = build_model(name, in_channels=channels, num_classes=10, image_size=32)
+        x = torch.randn(4, channels, 32, 32)
+    model.eval()
+    steps = split.pieces(model)
+    whole = split.Pieces(steps)
+    with torch.no_grad():
+        assert torch.equal(whole(x), model(x))
+    # The pieces sit under the model's own names: its state_dict keys, no more, no fewer.
+    assert list(whole.state_dict()) == list(model.state_dict())
+    # Cut in two, the parts hold the model's keys between them, each key once.
+    first, second = (split.Pieces(part).state_dict().keys() for part in split.balanced(steps, 2))
+    assert not set(first) & set(second) and set(first) | set(second) == set(model.state_dict())
+
+
+def test_a_nested_sequential_is_opened_so_a_resnet_can_be_cut_between_blocks():
+    model = build_model("resnet18", in_channels=3, num_classes=10, image_size=32)
+    names = [name for name, _ in split.pieces(model)]
+    assert names[:6] == ["conv1", "bn1", "relu", "maxpool", "layer1.0", "layer1.1"] and names[-2:] == ["_flatten", "fc"]
+    parts = split.at_names(split.pieces(model), ["layer3"])
+    assert [name for name, _ in parts[1]][0] == "layer3.0"
+
+
+def test_balanced_cut_follows_parameter_counts():
+    # Parameters 198, 100, 2, 198 (total 498): the first cut lands after 298, the closest to half.
+    model = nn.Sequential(nn.Linear(1, 99), nn.Linear(99, 1), nn.Linear(1, 1), nn.Linear(1, 99))
+    parts = split.balanced(split.pieces(model), 2)
+    assert [[name for name, _ in part] for part in parts] == [["0", "1"], ["2", "3"]]
+    # Four parts of four pieces: one each, even where the counts are lopsided.
+    assert [len(part) for part in split.balanced(split.pieces(model), 4)] == [1, 1, 1, 1]
+    resnet = build_model("resnet50", in_channels=3, num_classes=1000, image_size=224)
+    counts = [split.parameter_count(part) for part in split.balanced(split.pieces(resnet), 4)]
+    assert sum(counts) == sum(p.numel() for p in resnet.parameters())
+    assert max(counts) < 1.6 * sum(counts) / 4  # no stage holds much more than its share
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda m: split.balanced(split.pieces(m), 20), "has 13 pieces (conv1, n1, _relu1"),
+        (lambda m: split.cut(m, 2, ["fc9"]), "--split-at fc9: no such piece; the model's pieces are conv1, n1"),
+        (lambda m: split.cut(m, 2, ["conv1"]), "that is the model's first piece"),
+        (lambda m: split.cut(m, 3, ["fc1", "conv2"]), "distinct and in forward order"),
+        (lambda m: split.cut(m, 3, ["fc1"]), "names 1 cut(s), which makes 2 stages, but there are 3"),
+        (lambda m: split.pieces(torchvision.models.densenet121()), "cannot cut model DenseNet into stages"),
+        (lambda m: PipelineLayout(world_size=4, stages=3, microbatches=2, batch_size=8), "--stages 3 does not divide the world size 4"),
+        (lambda m: PipelineLayout(world_size=2, stages=2, microbatches=3, batch_size=8), "--batch-size 8 does not split into 3"),
+    ],
+)
+def test_bad_cuts_and_layouts_are_clear_errors(call, message):
+    model = build_model("net", in_channels=1, num_classes=10, image_size=28)
+    with pytest.raises(UsageError) as error:
+        call(model)
+    assert message in str(error.value)
+
+
+def test_model_parallel_on_cpu_devices_gives_the_unsplit_outputs_and_gradients():
+    torch.manual_seed(0)
+    model = build_model("net", in_channels=1, num_classes=10, image_size=28)  # with BatchNorm, in train mode
+    reference = copy.deepcopy(model)
+    parallel = split.model_parallel(model, ["cpu", "cpu"])
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    out, out_ref = parallel(x), reference(x)
+    assert torch.equal(out, out_ref)
+    nn.functional.nll_loss(out, y).backward()
+    nn.functional.nll_loss(out_ref, y).backward()
+    grads = {name: p.grad for name, p in parallel.named_parameters()}
+    assert grads.keys() == {name for name, _ in reference.named_parameters()}
+    for name, p in reference.named_parameters():
+        assert torch.equal(grads[name], p.grad), name
+    # BatchNorm's running statistics moved the same way, and the keys are the model's own.
+    assert max_relative_difference(parallel.state_dict(), reference.state_dict()) == 0
+
+
+def test_optimizer_states_convert_between_numbered_and_named():
+    model = _sequential_mlp()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 3, 4, 4)).sum().backward()
+    optimizer.step()
+    names = [name for name, _ in model.named_parameters()]
+    numbered = optimizer.state_dict()
+    named = state.numbered_to_named(numbered, names)
+    assert state.is_named(named) and not state.is_named(numbered)
+    assert set(named["state"]) == set(names) and named["param_groups"][0]["params"] == names
+    back = state.named_to_numbered(named, names)
+    assert back["param_groups"] == numbered["param_groups"]
+    assert all(torch.equal(back["state"][i]["exp_avg"], numbered["state"][i]["exp_avg"]) for i in numbered["state"])
+
+
+# ------------------------------------------------------------------------------------ multi-process runs
+
+# convnet (no BatchNorm) on the real digits, SGD: one epoch of 22 steps, still learning at the end, with a
+# checkpoint every 5 steps.
+DIGITS = ["--data", "digits", "--model", "convnet", "--optimizer", "sgd", "--lr", "0.01", "--batch-size", "32",
+          "--nproc-per-node", "2", "--epochs", "1"]
+EVERY_5 = ["--checkpoint-every", "5", "--keep-checkpoints", "10"]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ddp")
+    state_ddp, rows = train(folder, *DIGITS, *EVERY_5)
+    return folder, state_ddp, rows
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fsdp")
+    state_fsdp, rows = train(folder, *DIGITS, "--strategy", "fsdp", *EVERY_5)
+    return folder, state_fsdp, rows
+
+
+def test_fsdp_trains_the_same_weights_as_ddp_with_less_state_per_rank(ddp_run, fsdp_run):
+    _, state_ddp, rows_ddp = ddp_run
+    _, state_fsdp, rows_fsdp = fsdp_run
+    assert rows_fsdp[-1]["steps"] == 22 and 0.5 < rows_fsdp[-1]["val_acc"] < 0.99  # learning, not learnt
+    assert max_relative_difference(state_fsdp, state_ddp) <= 1e-5
+    assert rows_fsdp[-1]["val_acc"] == rows_ddp[-1]["val_acc"]
+    # Each rank holds about half of the parameters, gradients and optimizer state.
+    for sharded, whole in zip(rows_fsdp[-1]["train_state_mb"], rows_ddp[-1]["train_state_mb"]):
+        assert sharded < 0.6 * whole
+    assert len(rows_fsdp[-1]["peak_memory_mb"]) == 2 and min(rows_fsdp[-1]["peak_memory_mb"]) > 0
+
+
+def test_fsdp_resumes_its_own_checkpoint_exactly_and_ddp_resumes_it_too(tmp_path, ddp_run, fsdp_run):
+    folder, state_fsdp, _ = fsdp_run
+    saved = torch.load(folder / "checkpoints" / "step-00000015.pt", weights_only=True)
+    assert set(saved["model"]) == set(state_fsdp)  # the whole model, the bare model's keys
+    assert state.is_named(saved["optimizer"])  # FSDP's optimizer state names the parameters
+    start = tmp_path / "start.pt"
+    shutil.copy(folder / "checkpoints" / "step-00000010.pt", start)
+    resumed, _ = train(tmp_path / "fsdp", *DIGITS, "--strategy", "fsdp", "--resume", str(start))
+    assert max_relative_difference(resumed, state_fsdp) == 0
+    # Across strategies: the named optimizer state goes into DDP's numbered one.
+    _, state_ddp, _ = ddp_run
+    shutil.copy(folder / "checkpoints" / "step-00000015.pt", start)
+    across, _ = train(tmp_path / "ddp", *DIGITS, "--resume", str(start))
+    assert max_relative_difference(across, state_ddp) <= 1e-5
+
+
+def test_zero_trains_the_same_weights_as_ddp_with_less_optimizer_state(tmp_path, ddp_run):
+    folder, state_ddp, rows_ddp = ddp_run
+    # Resumed from DDP's checkpoint at step 10: ZeRO takes a plain optimizer state, and writes its own.
+    state_zero, rows = train(tmp_path, *DIGITS, "--zero", "--resume", str(folder / "checkpoints" / "step-00000010.pt"))
+    assert max_relative_difference(state_zero, state_ddp) <= 1e-5
+    # SGD's momentum buffers are split between the ranks (by whole parameters, so not evenly).
+    for zero, whole in zip(rows[-1]["train_state_mb"], rows_ddp[-1]["train_state_mb"]):
+        assert zero < whole
+    saved = torch.load(tmp_path / "checkpoints" / "step-00000022.pt", weights_only=True)
+    assert not state.is_named(saved["optimizer"]) and len(saved["optimizer"]["state"]) == 4  # consolidated
+
+
+@pytest.mark.slow  # 4 processes on 2 cores, twice: about 35 s
+def test_pipeline_with_replicas_trains_like_ddp_and_resumes(tmp_path, ddp_run):
+    _, state_ddp, rows_ddp = ddp_run
+    # 2 stages x 2 replicas, each pipeline batch 32 in 4 micro-batches: global batch 64, as DDP's.
+    args = [*DIGITS, "--strategy", "pipeline", "--nproc-per-node", "4", "--stages", "2"]
+    state_pipe, rows = train(tmp_path / "a", *args, "--pipeline-schedule", "gpipe", *EVERY_5)
+    assert rows[-1]["global_batch"] == 64 and rows[-1]["world_size"] == 4
+    assert max_relative_difference(state_pipe, state_ddp) <= 1e-5
+    assert rows[-1]["val_count"] == 359 and rows[-1]["val_acc"] == rows_ddp[-1]["val_acc"]
+    # The checkpoint holds the whole model, merged from the stages; 1F1B continues it to the same weights.
+    resumed, _ = train(tmp_path / "b", *args, "--pipeline-schedule", "1f1b", "--resume",
+                       str(tmp_path / "a" / "checkpoints" / "step-00000010.pt"))
+    assert max_relative_difference(resumed, state_ddp) <= 1e-5
+
+
+PIPELINE_SCRIPT = textwrap.dedent("""
+    import copy, json, sys
+    import torch, torch.nn as nn, torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+    import ddpkit
+    from ddpkit.strategies import PipelineLayout, apply_pipeline, model_parallel, unwrap
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                             nn.Linear(8 * 4 * 4, 32), nn.Tanh(), nn.Linear(32, 10))
+
+    def close(a, b):
+        return (a - b).abs().max().item() <= 1e-5 * max(b.abs().max().item(), 1.0)
+
+    torch.manual_seed(1)
+    x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,))
+    report = {}
+    with ddpkit.distributed(force_group=True) as rt:
+        for schedule in ("gpipe", "1f1b"):
+            reference = build()
+            layout = PipelineLayout(world_size=2, stages=2, microbatches=4, batch_size=16)
+            pipe = apply_pipeline(build(), rt, layout=layout, schedule=schedule, sample_input=torch.zeros(4, 3, 8, 8))
+            stage = unwrap(pipe)
+            optimizer = torch.optim.Adam(stage.parameters(), lr=0.01)
+            reference_optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
+            mine = dict(reference.named_parameters())
+            checks = []
+            for step in range(4):
+                optimizer.zero_grad()
+                reference_optimizer.zero_grad()
+                loss = pipe.train_step(x, y)
+                reference_loss = F.cross_entropy(reference(x), y)
+                reference_loss.backward()
+                if loss is not None:
+                    checks.append(("loss", close(loss, reference_loss.detach())))
+                checks += [("grad " + n, close(p.grad, mine[n].grad)) for n, p in stage.named_parameters()]
+                optimizer.step()
+                reference_optimizer.step()
+            checks += [("weight " + n, close(p.detach(), mine[n].detach())) for n, p in stage.named_parameters()]
+            pipe.eval()
+            out = pipe(x[:12])  # a short batch, padded inside
+            if out is not None:
+                checks.append(("eval", close(out, reference.eval()(x[:12]).detach())))
+            report[schedule] = {"checks": len(checks), "failed": [n for n, ok in checks if not ok],
+                                "has_loss": any(n == "loss" for n, _ in checks)}
+        # Model parallel inside each DDP process (device_ids=None), against plain DDP.
+        split_ddp = DistributedDataParallel(model_parallel(build(), ["cpu", "cpu"]))
+        plain_ddp = DistributedDataParallel(build())
+        for model in (split_ddp, plain_ddp):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(3):
+                opt.zero_grad()
+                F.cross_entropy(model(x[rt.rank::2]), y[rt.rank::2]).backward()
+                opt.step()
+        report["mp_ddp_failed"] = [n for (n, a), (_, b) in zip(unwrap(split_ddp).state_dict().items(),
+                                   unwrap(plain_ddp).state_dict().items()) if not close(a, b)]
+    json.dump(report, open(sys.argv[1] + f".{rt.rank}", "w"))
+""")
+
+
+def test_pipeline_stages_match_the_unsplit_model_for_both_schedules(tmp_path):
+    script = tmp_path / "pipe.py"
+    script.write_text(PIPELINE_SCRIPT)
+    result = run_ddpkit("run", "--nproc-per-node", "2", str(script), str(tmp_path / "report"), timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    reports = [json.loads((tmp_path / f"report.{rank}").read_text()) for rank in (0, 1)]
+    for schedule in ("gpipe", "1f1b"):
+        assert [r[schedule]["failed"] for r in reports] == [[], []], schedule
+        # Only the last stage has the loss; each rank checked its gradients at 4 steps, its weights, the eval.
+        assert [r[schedule]["has_loss"] for r in reports] == [False, True]
+        assert all(r[schedule]["checks"] >= 10 for r in reports)
+    assert [r["mp_ddp_failed"] for r in reports] == [[], []]
