@@ -98,3 +98,11 @@ def test_mp_spawn_demo(tmp_path):
     assert count_lines(
         out, r"2 processes via spawn, backend gloo, device cpu: parameters identical on every rank: True"
     ) == 1, out
+
+
+def test_model_parallel_inside_ddp(tmp_path):
+    out = ddpkit_run("model_parallel_ddp.py", "--steps", "3", cwd=tmp_path)
+    for step in range(3):
+        assert count_lines(out, rf"step {step}: loss \d+\.\d+ \(rank 0's batch\)") == 1, out
+    # Each rank trained on its own batches; DDP's averaged gradients kept the split replicas identical.
+    assert count_lines(out, r"fc1 on cpu, fc2 on cpu; replicas identical: True") == 1, out
