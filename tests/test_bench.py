@@ -76,11 +76,12 @@ def test_a_tiny_cpu_bench_writes_json_csv_and_png_from_its_own_rows(tmp_path):
     out = tmp_path / "bench"
     result = run_ddpkit("bench", "--model", "convnet", "--nproc", "1,2", "--batch-size", "8", "--steps", "3",
                         "--warmup", "1", "--repeats", "2", "--json", f"{out}.json", "--csv", f"{out}.csv",
-                        "--plot", f"{out}.png", "--sweep", timeout=240)
+                        "--plot", f"{out}.png", "--nccl", "NCCL_ALGO=Ring", timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "single img/s (eff)" in result.stdout and "PROJECTION (not measured)" in result.stdout
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["environment"]["torch"] == str(torch.__version__)
+    assert report["environment"]["variables"]["NCCL_ALGO"] == "Ring"  # --nccl, recorded
     rows = {(r["strategy"], r["devices"]): r for r in report["results"]}
     assert set(rows) == {("single", 1), ("ddp", 1), ("ddp", 2)}  # dp is skipped without GPUs
     base = rows["single", 1]["images_per_sec"]
@@ -95,7 +96,17 @@ def test_a_tiny_cpu_bench_writes_json_csv_and_png_from_its_own_rows(tmp_path):
     assert [(r["strategy"], r["devices"]) for r in table] == [("single", "1"), ("ddp", "1"), ("ddp", "2")]
     assert float(table[2]["efficiency"]) == pytest.approx(rows["ddp", 2]["efficiency"])
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # The sweep: every bucket size and every hook, each timed or said why not.
+    assert "sweep" not in report
+
+
+@pytest.mark.slow  # seven more 2-process timings: about 30 s
+def test_the_sweep_times_every_bucket_size_and_hook(tmp_path):
+    result = run_ddpkit("bench", "--model", "convnet", "--nproc", "2", "--strategies", "ddp", "--batch-size", "8",
+                        "--steps", "3", "--warmup", "1", "--repeats", "1", "--json", str(tmp_path / "b.json"),
+                        "--sweep", timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "b.json").read_text())
+    # Every bucket size and every hook, each timed or said why not.
     sweep = report["sweep"]
     assert [(r["bucket_cap_mb"], r["hook"]) for r in sweep] == [
         (1.0, "none"), (5.0, "none"), (25.0, "none"), (100.0, "none"), (None, "fp16"), (None, "bf16"), (None, "powersgd")]

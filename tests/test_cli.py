@@ -1,5 +1,6 @@
 """The command line: bad input is one line and exit status 2; `ddpkit run` starts real scripts."""
 
+import os
 import socket
 import textwrap
 
@@ -45,6 +46,13 @@ NO_GPU = torch.cuda.device_count() == 0
         (["train", "--strategy", "dp", "--zero"], "it needs --strategy ddp, not dp"),
         (["train", "--strategy", "fsdp", "--sync-bn"], "--sync-bn synchronises BatchNorm across DDP processes"),
         (["train", "--stages", "2"], "--stages is for --strategy pipeline, not ddp"),
+        (["train", "--nccl", "NCCL_ALGO"], "--nccl takes NCCL_NAME=VALUE or a preset (debug, no-p2p, no-ib), got 'NCCL_ALGO'"),
+        (["bench", "--nccl", "GLOO_SOCKET_IFNAME=lo"], "--nccl takes NCCL_NAME=VALUE or a preset"),
+        (["train", "--nnodes", "1:3"], "--nnodes 1:3 lets the job grow and shrink, which needs a rendezvous"),
+        (["train", "--nnodes", "two"], "--nnodes takes a whole number or MIN:MAX, got 'two'"),
+        (["train", "--rdzv-endpoint", "node0"], "--rdzv-endpoint takes HOST:PORT with a port in 1..65535"),
+        (["train", "--rdzv-endpoint", "node0:29400", "--node-rank", "1", "--nnodes", "2"],
+         "--rdzv-endpoint numbers the nodes itself; drop --master-addr, --master-port and --node-rank"),
         (["run", "--nproc-per-node", "2", "/no/such/script.py"], "script '/no/such/script.py' does not exist"),
         (["run"], "the following arguments are required: SCRIPT"),
         (["run", "--timeout", "0", "x.py"], "--timeout must be a positive number of seconds, got 0.0"),
@@ -202,6 +210,9 @@ def test_a_busy_master_port_is_a_clear_error(tmp_path):
         assert outcome.returncode == 2, outcome.stderr
         assert "Traceback" not in outcome.stderr
         assert f":{port}" in outcome.stderr and "in use" in outcome.stderr
+    # Before starting anything, the launcher named who holds the port (here: this test's own process).
+    assert f"ddpkit: warning: port {port} is held by pid {os.getpid()} (" in result.stderr
+    assert f"a leftover of an earlier run? `kill {os.getpid()}` ends it" in result.stderr
 
 
 def test_single_strategy_runs_one_process_with_the_default_nproc(tmp_path, capsys):
@@ -217,6 +228,7 @@ def test_spawn_reports_a_worker_usage_error_as_status_2(tmp_path):
     assert "fewer than --accumulate 100" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # the surviving rank waits out gloo's connection timeout: about 20 s
 def test_spawn_shows_a_worker_exception_and_fails(tmp_path):
     # A model that cannot run is caught before training (exit 2); a crash needs a data folder that vanishes.
     from PIL import Image
@@ -248,6 +260,7 @@ SLURM_TASK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # tests/test_slurm.py runs the same under a real Slurm where one is installed
 def test_run_under_srun_makes_each_task_one_rank(tmp_path):
     # What `srun -n 2 ddpkit run script.py` gives each task: Slurm's variables, no torchrun ones.
     import subprocess

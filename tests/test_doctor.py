@@ -80,9 +80,82 @@ def test_a_rank_that_never_reaches_a_collective_is_named(tmp_path):
     assert "rank 1 (pid" in result.stderr  # the launcher ended it too; the suite's fixture checks nothing is left
 
 
-def test_without_find_hangs_a_timeout_says_how_to_find_the_rank(tmp_path):
+def test_without_find_hangs_the_ranks_check_in_after_the_timeout_and_the_missing_one_is_named(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text(HANG)
     result = run_ddpkit("run", "--timeout", "5", "--nproc-per-node", "2", str(script), timeout=90)
     assert result.returncode == 1
-    assert "a collective timed out waiting for another rank; rerun with --find-hangs" in result.stderr
+    assert ("ddpkit: error: rank 0: a collective timed out: rank(s) 1 never reached it (the others checked in at "
+            "the job's store after the timeout;") in result.stderr
+    assert result.stderr.count("a collective timed out") == 1  # one line for the job
+
+
+def test_a_timeout_explained_with_and_without_the_missing_ranks():
+    from ddpkit.process_group import explain_hang
+
+    timeout = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 5000ms for recv operation")
+    assert "rank(s) 1, 3 never reached it" in explain_hang(timeout, [1, 3])
+    assert "rerun with --find-hangs" in explain_hang(timeout, None)  # the store was gone: say how to find out
+    assert "rerun with --find-hangs" in explain_hang(timeout, [])
+    detail = RuntimeError("Rank 2 failed to pass monitoredBarrier in 20000 ms")
+    assert "timed out after 20 s: rank(s) 2 never reached it" in explain_hang(detail, None)
+    assert explain_hang(RuntimeError("CUDA out of memory"), [1]) is None
+
+
+UNEVEN = """
+import torch, torch.nn as nn
+from torch.distributed.algorithms import Join
+from torch.utils.data import DataLoader, TensorDataset
+import ddpkit
+
+with ddpkit.distributed(device="cpu") as rt:
+    torch.manual_seed(0)
+    samples = 40 if rt.rank == 0 else 32  # a sharding of the user's own: 5 batches of 8 on rank 0, 4 on rank 1
+    loader = DataLoader(TensorDataset(torch.randn(samples, 4), torch.randn(samples, 1)), batch_size=8)
+    model = ddpkit.prepare_model(nn.Linear(4, 1), rt)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Join([model]):  # PyTorch's answer: the rank that ran out shadows the other's all-reduces
+        steps = 0
+        for x, y in loader:
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            steps += 1
+    print(f"rank {rt.rank} ran {steps} steps with Join", flush=True)
+    ddpkit.check_equal_batches(loader, rt)  # ddpkit's: a clear error before the first step
+    print("not reached", flush=True)
+"""
+
+
+def test_unequal_batch_counts_neither_hang_nor_pass_silently(tmp_path):
+    script = tmp_path / "uneven.py"
+    script.write_text(UNEVEN)
+    result = run_ddpkit("run", "--nproc-per-node", "2", "--timeout", "60", str(script), timeout=120)
+    assert "rank 0 ran 5 steps with Join" in result.stdout and "rank 1 ran 4 steps with Join" in result.stdout
+    assert result.returncode == 2 and "not reached" not in result.stdout, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ddpkit: error: the ranks")]
+    assert errors == ["ddpkit: error: the ranks have unequal numbers of batches per epoch (rank 0: 5, rank 1: 4); "
+                      "the ranks with more would wait forever in their extra steps' all-reduce. Shard with "
+                      "ddpkit.train_loader or DistributedSampler (equal shares), or wrap the loop in "
+                      "torch.distributed.algorithms.Join([model])"]
+
+
+def test_find_hangs_turns_the_nccl_flight_recorder_on_where_there_is_cuda(monkeypatch, tmp_path):
+    import torch
+
+    from ddpkit import cli
+
+    for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_ON_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli._flight_recorder() is None and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ  # gloo: nothing to record
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    folder = cli._flight_recorder()
+    assert os.path.isdir(folder) and folder.startswith(str(tmp_path))
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == os.path.join(folder, "rank_")
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000" and os.environ["TORCH_FR_DUMP_ON_TIMEOUT"] == "1"
+    assert cli._flight_recorder() == folder  # a worker (same environment) reuses the launcher's folder

@@ -56,23 +56,32 @@ def test_a_nested_sequential_is_opened_so_a_resnet_can_be_cut_between_blocks():
     assert [name for name, _ in parts[1]][0] == "layer3.0"
 
 
-def test_balanced_cut_follows_parameter_counts():
-    # Parameters 198, 100, 2, 198 (total 498): the first cut lands after 298, the closest to half.
+def test_balanced_cut_makes_the_heaviest_stage_as_light_as_possible():
+    # Parameters 198, 100, 2, 198: [198 + 100 | 2 + 198] has the lightest heaviest stage (298; 300 otherwise).
     model = nn.Sequential(nn.Linear(1, 99), nn.Linear(99, 1), nn.Linear(1, 1), nn.Linear(1, 99))
     parts = split.balanced(split.pieces(model), 2)
     assert [[name for name, _ in part] for part in parts] == [["0", "1"], ["2", "3"]]
     # Four parts of four pieces: one each, even where the counts are lopsided.
     assert [len(part) for part in split.balanced(split.pieces(model), 4)] == [1, 1, 1, 1]
+    # net in 4: every stage has weights, and the parameterless steps stay behind the layer before them.
+    net = build_model("net", in_channels=1, num_classes=10, image_size=28)
+    parts = split.balanced(split.pieces(net), 4)
+    assert [[name for name, _ in part] for part in parts] == [
+        ["conv1", "n1", "_relu1", "_pool1"], ["conv2", "n2", "_relu2", "_pool2", "_flatten"],
+        ["fc1", "_relu3"], ["fc2", "_log_softmax"]]
     resnet = build_model("resnet50", in_channels=3, num_classes=1000, image_size=224)
-    counts = [split.parameter_count(part) for part in split.balanced(split.pieces(resnet), 4)]
-    assert sum(counts) == sum(p.numel() for p in resnet.parameters())
-    assert max(counts) < 1.6 * sum(counts) / 4  # no stage holds much more than its share
+    for stages in (2, 4, 8):
+        counts = [split.parameter_count(part) for part in split.balanced(split.pieces(resnet), stages)]
+        assert sum(counts) == sum(p.numel() for p in resnet.parameters()) and min(counts) > 0
+        # No stage much heavier than its share (the largest block, layer4's first, is 6.0 M of 25.6 M).
+        assert max(counts) <= max(1.3 * sum(counts) / stages, 6_100_000), (stages, counts)
 
 
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda m: split.balanced(split.pieces(m), 20), "has 13 pieces (conv1, n1, _relu1"),
+        (lambda m: split.balanced(split.pieces(m), 7), "the model has 6 pieces with weights, too few for 7 stages"),
+        (lambda m: split.cut(m, 3, ["_relu1", "_pool1"]), "stage 2 (_relu1) holds no weights"),
         (lambda m: split.cut(m, 2, ["fc9"]), "--split-at fc9: no such piece; the model's pieces are conv1, n1"),
         (lambda m: split.cut(m, 2, ["conv1"]), "that is the model's first piece"),
         (lambda m: split.cut(m, 3, ["fc1", "conv2"]), "distinct and in forward order"),
@@ -107,19 +116,37 @@ def test_model_parallel_on_cpu_devices_gives_the_unsplit_outputs_and_gradients()
     assert max_relative_difference(parallel.state_dict(), reference.state_dict()) == 0
 
 
+class _HeadFirst(nn.Module):
+    """Defines its head before its body: parameter order and forward order differ."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 3)
+        self.body = nn.Linear(5, 8)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
 def test_optimizer_states_convert_between_numbered_and_named():
-    model = _sequential_mlp()
+    model = _HeadFirst()
     optimizer = torch.optim.Adam(model.parameters())
-    model(torch.randn(2, 3, 4, 4)).sum().backward()
+    model(torch.randn(2, 5)).sum().backward()
     optimizer.step()
     names = [name for name, _ in model.named_parameters()]
     numbered = optimizer.state_dict()
     named = state.numbered_to_named(numbered, names)
     assert state.is_named(named) and not state.is_named(numbered)
     assert set(named["state"]) == set(names) and named["param_groups"][0]["params"] == names
+    # A pipeline lists the names in forward order (body before head); numbering follows the model's order.
+    named["param_groups"][0]["params"] = ["body.weight", "body.bias", "head.weight", "head.bias"]
     back = state.named_to_numbered(named, names)
     assert back["param_groups"] == numbered["param_groups"]
-    assert all(torch.equal(back["state"][i]["exp_avg"], numbered["state"][i]["exp_avg"]) for i in numbered["state"])
+    for number, saved in numbered["state"].items():
+        assert torch.equal(back["state"][number]["exp_avg"], saved["exp_avg"]), names[number]
+    fresh = torch.optim.Adam(model.parameters())
+    fresh.load_state_dict(back)  # and it drives the model: each state has its parameter's shape
+    assert all(fresh.state[p]["exp_avg"].shape == p.shape for p in model.parameters())
 
 
 # ------------------------------------------------------------------------------------ multi-process runs
@@ -183,6 +210,25 @@ def test_zero_trains_the_same_weights_as_ddp_with_less_optimizer_state(tmp_path,
         assert zero < whole
     saved = torch.load(tmp_path / "checkpoints" / "step-00000022.pt", weights_only=True)
     assert not state.is_named(saved["optimizer"]) and len(saved["optimizer"]["state"]) == 4  # consolidated
+    # That consolidated state is PyTorch's plain layout, the one this run resumed from DDP's checkpoint.
+    plain = torch.load(folder / "checkpoints" / "step-00000022.pt", weights_only=True)["optimizer"]
+    assert saved["optimizer"]["param_groups"] == plain["param_groups"]
+
+
+def test_pipeline_trains_like_ddp_and_checkpoints_the_whole_model(tmp_path, ddp_run):
+    _, state_ddp, rows_ddp = ddp_run
+    # 2 stages, one pipeline with batch 64 in 4 micro-batches: global batch 64, as DDP's.
+    args = [*DIGITS, "--strategy", "pipeline", "--batch-size", "64"]
+    state_pipe, rows = train(tmp_path / "a", *args, "--pipeline-schedule", "gpipe", *EVERY_5)
+    assert rows[-1]["global_batch"] == 64 and rows[-1]["steps"] == 22
+    assert max_relative_difference(state_pipe, state_ddp) <= 1e-5
+    assert rows[-1]["val_count"] == 359 and rows[-1]["val_acc"] == rows_ddp[-1]["val_acc"]
+    # Each stage holds its part: together the whole model's state, as one DDP rank holds it.
+    assert sum(rows[-1]["train_state_mb"]) == pytest.approx(rows_ddp[-1]["train_state_mb"][0], abs=0.01)
+    saved = torch.load(tmp_path / "a" / "checkpoints" / "step-00000010.pt", weights_only=True)
+    assert set(saved["model"]) == set(state_ddp) and state.is_named(saved["optimizer"])
+    assert set(saved["optimizer"]["state"]) == {name for name, value in state_ddp.items() if value.is_floating_point()}
+    # (Resuming a pipeline checkpoint, under the other schedule: the slow test with replicas below.)
 
 
 @pytest.mark.slow  # 4 processes on 2 cores, twice: about 35 s
@@ -203,9 +249,11 @@ def test_pipeline_with_replicas_trains_like_ddp_and_resumes(tmp_path, ddp_run):
 PIPELINE_SCRIPT = textwrap.dedent("""
     import copy, json, sys
     import torch, torch.nn as nn, torch.nn.functional as F
+    from torch.utils.data import TensorDataset
     from torch.nn.parallel import DistributedDataParallel
     import ddpkit
-    from ddpkit.strategies import PipelineLayout, apply_pipeline, model_parallel, unwrap
+    from ddpkit.strategies import PipelineLayout, apply_fsdp, apply_pipeline, model_parallel, unwrap
+    from ddpkit.trainer import evaluate
 
     def build():
         torch.manual_seed(0)
@@ -255,8 +303,19 @@ PIPELINE_SCRIPT = textwrap.dedent("""
                 opt.zero_grad()
                 F.cross_entropy(model(x[rt.rank::2]), y[rt.rank::2]).backward()
                 opt.step()
-        report["mp_ddp_failed"] = [n for (n, a), (_, b) in zip(unwrap(split_ddp).state_dict().items(),
-                                   unwrap(plain_ddp).state_dict().items()) if not close(a, b)]
+        split_state, plain_state = unwrap(split_ddp).state_dict(), unwrap(plain_ddp).state_dict()
+        assert list(split_state) == list(plain_state) and split_state
+        report["mp_ddp_failed"] = [n for n in plain_state if not close(split_state[n], plain_state[n])]
+        # FSDP's evaluation: ranks with fewer batches (or none) run empty ones until the others are done.
+        fsdp = apply_fsdp(build(), rt)
+        counts = []
+        for size in (5, 1):  # 5 samples, batch 2: 2 batches on rank 0, 1 on rank 1; 1 sample: none on rank 1
+            images = torch.randn(size, 3, 8, 8)
+            dataset = TensorDataset(images, torch.arange(size) % 10)
+            loss, accuracy, count = evaluate(fsdp, ddpkit.eval_loader(dataset, batch_size=2, runtime=rt), rt,
+                                             lockstep=True)
+            counts.append(count)
+        report["fsdp_eval_counts"] = counts
     json.dump(report, open(sys.argv[1] + f".{rt.rank}", "w"))
 """)
 
@@ -273,3 +332,4 @@ def test_pipeline_stages_match_the_unsplit_model_for_both_schedules(tmp_path):
         assert [r[schedule]["has_loss"] for r in reports] == [False, True]
         assert all(r[schedule]["checks"] >= 10 for r in reports)
     assert [r["mp_ddp_failed"] for r in reports] == [[], []]
+    assert [r["fsdp_eval_counts"] for r in reports] == [[5, 1], [5, 1]]  # every sample once, no hang

@@ -15,7 +15,7 @@ Start it with ``ddpkit run --nproc-per-node N script.py`` (or torchrun, or ``sru
 
 from ddpkit.checkpoint import CheckpointError, Checkpointer, Resumed, atomic_save, load_model_state, model_state_dict, read_contents
 from ddpkit.preempt import StopSignal, stop_on_signal
-from ddpkit.data import eval_loader, reduce_sums, to_device, train_loader
+from ddpkit.data import check_equal_batches, eval_loader, reduce_sums, to_device, train_loader
 from ddpkit.env import DistEnv, detect
 from ddpkit.errors import UsageError
 from ddpkit import zoo
@@ -49,7 +49,8 @@ def print0(runtime: Runtime, *args, **kwargs) -> None:
 
 
 __all__ = [
-    "CheckpointError", "Checkpointer", "DDPOptions", "DistEnv", "Resumed", "StopSignal", "load_model_state", "read_contents",
+    "CheckpointError", "Checkpointer", "DDPOptions", "DistEnv", "Resumed", "StopSignal", "check_equal_batches",
+    "load_model_state", "read_contents",
     "stop_on_signal", "Runtime", "STRATEGIES", "UsageError", "atomic_save", "barrier", "broadcast_buffers", "convert_sync_batchnorm",
     "detect", "distributed", "eval_loader", "free_port", "full_model_state", "full_optimizer_state", "main_process_first",
     "model_parallel", "model_state_dict", "prepare_model", "print0",

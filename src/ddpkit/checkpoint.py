@@ -276,7 +276,17 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], source: s
 
 
 def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The bare model's weights on the CPU: no ``module.`` prefix, loadable with ``weights_only=True``."""
+    """The bare model's weights on the CPU: no ``module.`` prefix, loadable with ``weights_only=True``.
+
+    One process's own copy: under FSDP or a pipeline no process has the whole model, and
+    ``ddpkit.full_model_state`` (a collective every rank calls) gathers it instead.
+    """
+    from ddpkit.strategies import Pipeline
+    from ddpkit.strategies.fsdp import is_sharded
+
+    if isinstance(model, Pipeline) or is_sharded(model):
+        raise UsageError("model_state_dict holds one process's copy, and under FSDP or a pipeline no process holds "
+                         "the whole model; call ddpkit.full_model_state(model, runtime) on every rank instead")
     return {key: value.detach().cpu() for key, value in unwrap(model).state_dict().items()}
 
 
@@ -416,8 +426,7 @@ class Resumed:
         if optimizer is not None and contents.optimizer is not None:
             from ddpkit.strategies import state
 
-            state.load_optimizer_state(model if model is not None else nn.Identity(), optimizer, contents.optimizer,
-                                       self.parameter_names,
+            state.load_optimizer_state(model, optimizer, contents.optimizer, self.parameter_names,
                                        lambda opt, saved: check_optimizer_state(opt, saved, self.path))
         if scheduler is not None and contents.scheduler is not None:
             scheduler.load_state_dict(contents.scheduler)

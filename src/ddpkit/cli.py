@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from ddpkit import env as env_mod
 from ddpkit.errors import UsageError, report_usage_error
-from ddpkit.launch import LAUNCHERS, LaunchOptions, elastic, resolve_nproc, spawn
+from ddpkit.launch import LAUNCHERS, LaunchOptions, elastic, parse_nnodes, resolve_nproc, spawn
 from ddpkit.process_group import read_environment
 
 
@@ -28,6 +28,12 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
+def _add_nccl_flag(group) -> None:
+    group.add_argument("--nccl", action="append", default=[], metavar="KEY=VALUE|PRESET",
+                       help="an NCCL setting for every rank, e.g. NCCL_ALGO=Ring (repeatable), or a preset: "
+                            "debug, no-p2p, no-ib; echoed at start and recorded (docs/nccl.md)")
+
+
 def _add_launch_flags(parser: argparse.ArgumentParser, *, with_launcher: bool = False) -> None:
     group = parser.add_argument_group("launching (as torchrun)")
     if with_launcher:
@@ -35,12 +41,20 @@ def _add_launch_flags(parser: argparse.ArgumentParser, *, with_launcher: bool = 
                            help="torchrun (its elastic agent) or spawn (torch.multiprocessing.spawn) (default: torchrun)")
     group.add_argument("--nproc-per-node", default="auto", metavar="N|auto",
                        help="processes on this node; auto = one per GPU, or 2 without GPUs (default: auto)")
-    group.add_argument("--nnodes", type=int, default=1, help="number of machines (default: 1)")
+    group.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                       help="number of machines; MIN:MAX (with --rdzv-endpoint) starts once MIN joined and lets "
+                            "up to MAX take part (default: 1)")
     group.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1 (default: 0)")
     group.add_argument("--master-addr", default=None, metavar="A",
                        help="address of node 0, reachable from every node (default: 127.0.0.1)")
     group.add_argument("--master-port", type=int, default=None, metavar="P",
                        help="free TCP port on node 0 (default: a free port on one node, 29500 on several)")
+    group.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="torchrun's c10d rendezvous instead of --master-addr/--node-rank: the same command on "
+                            "every node, HOST one of them; the nodes are numbered as they join")
+    group.add_argument("--rdzv-id", default="ddpkit", metavar="ID",
+                       help="the job's name at the rendezvous; jobs sharing an endpoint need their own (default: ddpkit)")
+    _add_nccl_flag(group)
     group.add_argument("--find-hangs", action="store_true",
                        help="TORCH_DISTRIBUTED_DEBUG=DETAIL for the workers: before each collective the ranks check "
                             "in, so a timeout names the rank(s) that never arrived (slower; for debugging)")
@@ -58,7 +72,8 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
                        help="digits (built in), synthetic[:N], mnist[:DIR] or folder:PATH (default: digits)")
     group.add_argument("--epochs", type=int, default=8, help="default: 8")
     group.add_argument("--batch-size", type=int, default=32, metavar="B",
-                       help="per process; the global batch is B x world size x accumulate (default: 32)")
+                       help="per process (with --strategy pipeline: per pipeline); the global batch is B x "
+                            "world size (pipelines) x accumulate (default: 32)")
     group.add_argument("--lr", type=float, default=None, help="default: 0.01 sgd, 0.001 adam, 1.0 adadelta")
     group.add_argument("--optimizer", default="adam", choices=["sgd", "adam", "adadelta"], help="default: adam")
     group.add_argument("--strategy", default="ddp", choices=["single", "dp", "ddp", "fsdp", "pipeline"],
@@ -181,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported (default: 3)")
     bench.add_argument("--link-gbps", default="100,400", metavar="LIST",
                        help="link bandwidths (Gb/s) to project DDP efficiency for (default: 100,400)")
+    _add_nccl_flag(bench)
     bench.add_argument("--sweep", action="store_true",
                        help="also time DDP on the most devices for bucket sizes 1/5/25/100 MB and the fp16, bf16 "
                             "and PowerSGD gradient-compression hooks, and name the best")
@@ -204,7 +220,7 @@ def cmd_doctor(ns: argparse.Namespace, argv: Sequence[str]) -> int:
                 return 0 if check["ok"] else 1
     else:
         check = None
-        if ns.nproc_per_node != "auto" or ns.nnodes > 1:
+        if ns.nproc_per_node != "auto" or ns.nnodes != "1" or ns.rdzv_endpoint:
             options = _launch_options(ns)
             if options.world_size > 1:
                 # Every process runs this command again as one rank; rank 0 prints the report.
@@ -261,9 +277,11 @@ def _train_config(ns: argparse.Namespace):
 def _launch_options(ns: argparse.Namespace, launcher: str = "torchrun", one_process: bool = False) -> LaunchOptions:
     # single and dp are one process per node by nature: there `auto` means 1.
     nproc = 1 if one_process and ns.nproc_per_node == "auto" else resolve_nproc(ns.nproc_per_node)
+    min_nodes, nnodes = parse_nnodes(ns.nnodes)
     return LaunchOptions(
-        nproc_per_node=nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
-        master_addr=ns.master_addr, master_port=ns.master_port, max_restarts=ns.max_restarts, launcher=launcher,
+        nproc_per_node=nproc, nnodes=nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
+        master_port=ns.master_port, max_restarts=ns.max_restarts, launcher=launcher, rdzv_endpoint=ns.rdzv_endpoint,
+        rdzv_id=ns.rdzv_id, min_nodes=min_nodes,
     )
 
 
@@ -291,14 +309,12 @@ def _check_pipeline(cfg, world_size: int) -> None:
     """The stages fit the world, the batch the micro-batches, and the model can be cut: before any process starts."""
     from ddpkit import zoo
     from ddpkit.strategies import split
-    from ddpkit.strategies.pipeline import PipelineLayout
+    from ddpkit.trainer import pipeline_layout
 
-    stages = cfg.stages or world_size
-    PipelineLayout(world_size=world_size, stages=stages, microbatches=cfg.microbatches or 2 * stages,
-                   batch_size=cfg.batch_size)
+    layout = pipeline_layout(cfg, world_size)
     channels, image_size = zoo.model_input(cfg.model, zoo.parse_data_spec(cfg.data).kind, cfg.image_size)
     model = zoo.build_model(cfg.model, in_channels=channels, num_classes=10, image_size=image_size)
-    split.cut(model, stages, cfg.split_at.split(",") if cfg.split_at else None)
+    split.cut(model, layout.stages, cfg.split_at.split(",") if cfg.split_at else None)
 
 
 def _spawn_train_worker(rank: int, world_size: int, port: int, cfg) -> None:
@@ -380,10 +396,36 @@ def cmd_run(ns: argparse.Namespace) -> int:
     return elastic(_launch_options(ns), [*script, *ns.script_args], local_rank_arg=ns.local_rank_arg)
 
 
+def _flight_recorder() -> str | None:
+    """On GPUs, PyTorch's NCCL flight recorder: every rank keeps its last collectives and writes them out
+    when one times out, for ``torchfrtrace DIR -p rank_``. Returns the folder (None without CUDA)."""
+    import tempfile
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None  # it records NCCL's collectives only
+    if "TORCH_FR_DUMP_TEMP_FILE" not in os.environ:  # the workers inherit the launcher's folder
+        folder = tempfile.mkdtemp(prefix="ddpkit-flight-recorder-")
+        os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(folder, "rank_")
+        print(f"ddpkit: flight recorder on: a timed-out collective leaves each rank's record in {folder} "
+              f"(read it with `torchfrtrace {folder} -p rank_`)", file=sys.stderr, flush=True)
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_FR_DUMP_ON_TIMEOUT", "1")
+    return os.path.dirname(os.environ["TORCH_FR_DUMP_TEMP_FILE"])
+
+
 def _export_debug_settings(ns: argparse.Namespace) -> None:
     """Settings the workers read from their environment (they inherit the launcher's)."""
+    from ddpkit import nccl
+
+    # Said once: by ddpkit's launcher (not again by the workers torchrun starts, which get the same flags),
+    # or under srun, where every task is a rank, by task 0.
+    echo = "TORCHELASTIC_RUN_ID" not in os.environ and os.environ.get("SLURM_PROCID", "0") == "0"
+    nccl.apply(nccl.settings(getattr(ns, "nccl", [])), echo=echo)
     if getattr(ns, "find_hangs", False):
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        _flight_recorder()
     timeout = getattr(ns, "timeout", None)
     if ns.command == "run" and timeout is not None:
         if timeout <= 0:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
 from ddpkit.errors import UsageError
-from ddpkit.process_group import Runtime, usable_cores
+from ddpkit.process_group import Runtime, control_group, usable_cores
 
 
 def default_workers(runtime: Runtime, in_memory: bool | None, dataset: Dataset) -> int:
@@ -283,3 +283,31 @@ def reduce_sums(values: list[float], runtime: Runtime) -> list[float]:
             tensor = tensor.to(runtime.device)
         dist.all_reduce(tensor)
     return tensor.cpu().tolist()
+
+
+def check_equal_batches(loader, runtime: Runtime) -> int:
+    """Every rank's number of batches, compared before the first step; UsageError when they differ.
+
+        loader = DataLoader(my_shard, batch_size=32)        # a sharding of your own
+        steps = ddpkit.check_equal_batches(loader, rt)      # every rank calls it
+
+    With unequal counts the ranks with more batches reach an all-reduce the others never join, and wait
+    for it until the collective timeout: a hang, not an error. ``train_loader`` always gives equal
+    counts; loaders of your own should be checked, or the loop wrapped in PyTorch's
+    ``torch.distributed.algorithms.Join([model])``, which lets finished ranks shadow the others.
+    """
+    count = len(loader)
+    if runtime.backend is None or runtime.world_size == 1:
+        return count
+    counts: list = [None] * runtime.world_size
+    dist.all_gather_object(counts, count, group=control_group(runtime))
+    if len(set(counts)) > 1:
+        shown = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(counts[:8]))
+        more = f" (and {len(counts) - 8} more ranks)" if len(counts) > 8 else ""
+        raise UsageError(
+            f"the ranks have unequal numbers of batches per epoch ({shown}{more}); the ranks with more would wait "
+            "forever in their extra steps' all-reduce. Shard with ddpkit.train_loader or DistributedSampler "
+            "(equal shares), or wrap the loop in torch.distributed.algorithms.Join([model])",
+            said_elsewhere=not runtime.is_main,
+        )
+    return count

@@ -22,20 +22,34 @@ import torch
 from ddpkit.errors import EXIT_USAGE, UsageError, first_line
 
 DEFAULT_MULTINODE_PORT = 29500
+DEFAULT_RDZV_ID = "ddpkit"  # jobs that share a rendezvous endpoint need different --rdzv-id values
 LAUNCHERS = ("torchrun", "spawn")
 
 
 @dataclasses.dataclass(frozen=True)
 class LaunchOptions:
     nproc_per_node: int = 1
-    nnodes: int = 1
+    nnodes: int = 1  # with a rendezvous endpoint: the most nodes (--nnodes MIN:MAX)
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
     max_restarts: int = 0
     launcher: str = "torchrun"
+    rdzv_endpoint: str | None = None  # HOST:PORT of torchrun's c10d rendezvous; the nodes number themselves
+    rdzv_id: str = DEFAULT_RDZV_ID
+    min_nodes: int | None = None  # elastic: start once this many nodes joined (None: nnodes)
 
     def __post_init__(self) -> None:
+        if self.rdzv_endpoint is not None:
+            _check_endpoint(self.rdzv_endpoint)
+            if self.master_addr or self.master_port is not None or self.node_rank:
+                raise UsageError("--rdzv-endpoint numbers the nodes itself; drop --master-addr, --master-port and "
+                                 "--node-rank (they are for a static launch)")
+        elif self.min_nodes is not None and self.min_nodes != self.nnodes:
+            raise UsageError(f"--nnodes {self.min_nodes}:{self.nnodes} lets the job grow and shrink, which needs a "
+                             "rendezvous every node can reach: add --rdzv-endpoint HOST:PORT")
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nnodes:
+            raise UsageError(f"--nnodes MIN:MAX needs 1 <= MIN <= MAX, got {self.min_nodes}:{self.nnodes}")
         if self.nproc_per_node < 1:
             raise UsageError(f"--nproc-per-node must be at least 1 (or auto), got {self.nproc_per_node}")
         if self.nnodes < 1:
@@ -48,18 +62,34 @@ class LaunchOptions:
             raise UsageError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         if self.launcher not in LAUNCHERS:
             raise UsageError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
-        if self.launcher == "spawn" and self.nnodes > 1:
-            raise UsageError("--launcher spawn starts processes on this machine only; use torchrun for --nnodes > 1")
+        if self.launcher == "spawn" and (self.nnodes > 1 or self.rdzv_endpoint):
+            raise UsageError("--launcher spawn starts processes on this machine only; use torchrun for several nodes")
         if self.launcher == "spawn" and self.max_restarts > 0:
             raise UsageError("--max-restarts needs torchrun's elastic agent; drop --launcher spawn")
-        if self.nnodes > 1 and not self.master_addr:
+        if self.nnodes > 1 and not self.master_addr and not self.rdzv_endpoint:
             raise UsageError(
                 f"--nnodes {self.nnodes} needs --master-addr: the address of node 0 that every node can reach"
             )
 
     @property
     def world_size(self) -> int:
+        """The processes of the whole job (elastic: at most)."""
         return self.nproc_per_node * self.nnodes
+
+
+def parse_nnodes(value: str) -> tuple[int | None, int]:
+    """``--nnodes N`` -> (None, N); ``--nnodes MIN:MAX`` -> (MIN, MAX)."""
+    low, colon, high = value.partition(":")
+    try:
+        return (int(low), int(high)) if colon else (None, int(value))
+    except ValueError:
+        raise UsageError(f"--nnodes takes a whole number or MIN:MAX, got {value!r}") from None
+
+
+def _check_endpoint(endpoint: str) -> None:
+    host, colon, port = endpoint.rpartition(":")
+    if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
+        raise UsageError(f"--rdzv-endpoint takes HOST:PORT with a port in 1..65535, e.g. node0:29400, got {endpoint!r}")
 
 
 def resolve_nproc(value: str, cuda_count: int | None = None) -> int:
@@ -76,7 +106,14 @@ def resolve_nproc(value: str, cuda_count: int | None = None) -> int:
 def torchrun_argv(options: LaunchOptions, command: Sequence[str]) -> list[str]:
     """torchrun's own command line for these options, followed by ``command`` (script or -m module)."""
     argv = ["--nproc-per-node", str(options.nproc_per_node)]
-    if options.nnodes == 1 and options.master_port is None:
+    if options.rdzv_endpoint is not None:
+        # torchrun's c10d rendezvous: the node whose address is the endpoint's hosts the store, and the
+        # nodes that join (MIN to MAX of them) are numbered in the order they arrive.
+        argv += [
+            "--nnodes", f"{options.min_nodes or options.nnodes}:{options.nnodes}",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", options.rdzv_endpoint, "--rdzv-id", options.rdzv_id,
+        ]
+    elif options.nnodes == 1 and options.master_port is None:
         argv.append("--standalone")
     else:
         argv += [
@@ -109,6 +146,7 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
     # new workers can read the dead ones' addresses and hang in init_process_group (PyTorch issue
     # 135712, seen here with torch 2.15 and --max-restarts). A store of their own avoids it.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    warn_leftovers(options)
     args = torchrun.parse_args(torchrun_argv(options, command))
     # The legacy torch.distributed.launch behaviour: pass --local-rank=N instead of only LOCAL_RANK.
     args.use_env = not local_rank_arg
@@ -124,12 +162,39 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
         print(f"ddpkit: stopped by signal {stopped.sigval.name}{detail}", file=sys.stderr)
         return 128 + int(stopped.sigval)
     except (DistNetworkError, RendezvousError) as error:
+        if options.rdzv_endpoint is not None:
+            raise UsageError(
+                f"could not join the rendezvous at {options.rdzv_endpoint} ({first_line(error)}); check that the "
+                "endpoint's host is one of the nodes (it hosts the rendezvous), that every node reaches it, and that "
+                "the port is free there"
+            ) from None
         where = f"{options.master_addr or '127.0.0.1'}:{options.master_port or DEFAULT_MULTINODE_PORT}"
         raise UsageError(
             f"could not set up the rendezvous at {where} ({first_line(error)}); "
             "check --master-addr, and that --master-port is free on node 0 (or omit it on one node)"
         ) from None
     return 0
+
+
+def warn_leftovers(options: LaunchOptions) -> list[str]:
+    """Warn (stderr) about processes of an earlier run that hold the master port or GPU memory; return the lines.
+
+    A run killed with SIGKILL can leave workers behind that keep their GPU memory and the port; the
+    next run then fails with "address in use" or out of memory, far from the cause.
+    """
+    from ddpkit import doctor
+
+    found = []  # (pid, what it holds)
+    if options.master_port is not None and options.node_rank == 0:
+        found += [(holder["pid"], f"port {options.master_port} is held by pid {holder['pid']} ({holder['command'][:80]})")
+                  for holder in doctor.port_holders(options.master_port)]
+    if torch.cuda.is_available():
+        found += [(held["pid"], f"pid {held['pid']} ({held['name']}) holds {held['used_mib']} MiB of GPU memory")
+                  for held in doctor.gpu_processes()]
+    lines = [f"ddpkit: warning: {what}: a leftover of an earlier run? `kill {pid}` ends it" for pid, what in found]
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
+    return lines
 
 
 def _children(pid: int) -> list[int]:

@@ -22,13 +22,14 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ddpkit import env as env_mod
-from ddpkit.errors import UsageError, first_line
+from ddpkit.errors import UsageError, first_line, report_usage_error
 
 BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
@@ -238,19 +239,57 @@ def _timeout_from(environ: Mapping[str, str]) -> float:
 _MISSING_RANKS = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier in (\d+) ms")
 
 
-def explain_hang(error: BaseException) -> str | None:
-    """One line for a collective that timed out, naming the ranks that never arrived when PyTorch knows them."""
+_STUCK_HINT = ("they are stuck before it; `ddpkit train --debug` prints each rank's pid, `py-spy dump --pid PID` "
+               "shows where it is")
+
+
+def is_timeout(error: BaseException) -> bool:
+    return "timed out" in str(error).lower()
+
+
+def explain_hang(error: BaseException, missing_ranks: list[int] | None = None) -> str | None:
+    """One line for a collective that timed out, naming the ranks that never arrived when they are known.
+
+    PyTorch names them with TORCH_DISTRIBUTED_DEBUG=DETAIL (``--find-hangs``); otherwise ``missing_ranks``
+    (from ``ranks_missing_at_store``) does.
+    """
     text = str(error)
     missing = _MISSING_RANKS.search(text)
     if missing:
         ranks = missing.group(1).strip().rstrip(",")
         return (f"a collective timed out after {int(missing.group(2)) / 1000:g} s: rank(s) {ranks} never reached it "
-                f"(they are stuck before it; `ddpkit train --debug` prints each rank's pid, `py-spy dump --pid PID` "
-                f"shows where it is)")
-    if "Timed out" in text or "timed out" in text:
-        return ("a collective timed out waiting for another rank; rerun with --find-hangs to learn which rank "
-                "never reached it")
-    return None
+                f"({_STUCK_HINT})")
+    if not is_timeout(error):
+        return None
+    if missing_ranks:
+        return (f"a collective timed out: rank(s) {', '.join(map(str, missing_ranks))} never reached it (the others "
+                f"checked in at the job's store after the timeout; {_STUCK_HINT})")
+    return ("a collective timed out waiting for another rank; rerun with --find-hangs to learn which rank "
+            "never reached it")
+
+
+CHECK_IN_WAIT_S = 5.0  # how long a timed-out rank waits for the others' check-ins
+
+
+def ranks_missing_at_store(runtime: Runtime, wait_s: float = CHECK_IN_WAIT_S) -> list[int] | None:
+    """After a collective timed out on this rank: check in at the job's key-value store and wait for the
+    other ranks' check-ins. Every rank that waited in the collective times out too and checks in; the
+    ranks that do not are the ones that never reached it. None when the store cannot be reached.
+
+    Costs nothing while training (it runs only after a timeout), unlike ``--find-hangs``.
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"ddpkit/timed-out/{runtime.rank}", "1")
+        keys = [f"ddpkit/timed-out/{rank}" for rank in range(runtime.world_size)]
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.2)
+    except (RuntimeError, AttributeError):  # the store went with a dead rank 0, or this torch lacks the call
+        return None
 
 
 @contextlib.contextmanager
@@ -261,10 +300,18 @@ def distributed(**kwargs) -> Iterator[Runtime]:
     try:
         yield runtime
     except RuntimeError as error:
-        explanation = explain_hang(error)
-        if explanation:
+        missing = None
+        if is_timeout(error) and not _MISSING_RANKS.search(str(error)) and runtime.backend is not None:
+            missing = ranks_missing_at_store(runtime)
+        explanation = explain_hang(error, missing)
+        # One line for the job: from the first rank that timed out (each would say the same).
+        first = min(set(range(runtime.world_size)) - set(missing or []), default=runtime.rank)
+        if explanation and (not missing or runtime.rank == first):
             print(f"ddpkit: error: rank {runtime.rank}: {explanation}", file=sys.stderr, flush=True)
         raise
+    except UsageError as error:
+        # A user mistake ddpkit found inside the job (bad data, a checkpoint of another model): one line, exit 2.
+        raise SystemExit(report_usage_error(error)) from None
     finally:
         teardown()
         if previous is not None:

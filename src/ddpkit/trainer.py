@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddpkit import checkpoint, data, preempt, process_group, zoo
+from ddpkit import checkpoint, data, nccl, preempt, process_group, zoo
 from ddpkit.env import DistEnv
 from ddpkit.errors import UsageError
 from ddpkit.process_group import Runtime
@@ -48,7 +48,7 @@ class TrainConfig:
     model: str = "net"  # net, convnet, or a torchvision classifier name
     data: str = "digits"  # digits | synthetic[:N] | mnist[:DIR] | folder:PATH
     epochs: int = 8
-    batch_size: int = 32  # per process; the global batch is batch_size * world_size * accumulate
+    batch_size: int = 32  # per process (per pipeline); the global batch is batch_size * data replicas * accumulate
     lr: float | None = None  # None: the optimizer's default in DEFAULT_LR
     optimizer: str = "adam"
     strategy: str = "ddp"
@@ -163,12 +163,12 @@ def make_optimizer(name: str, params, lr: float | None, *, zero: bool = False) -
     return kind(params, **settings)
 
 
-def pipeline_layout(cfg: TrainConfig, runtime: Runtime) -> PipelineLayout | None:
-    """Stages and replicas of ``--strategy pipeline`` (None for the other strategies)."""
+def pipeline_layout(cfg: TrainConfig, world_size: int) -> PipelineLayout | None:
+    """Stages and replicas of ``--strategy pipeline`` in a world of this size (None for the other strategies)."""
     if cfg.strategy != "pipeline":
         return None
-    stages = cfg.stages or runtime.world_size
-    return PipelineLayout(world_size=runtime.world_size, stages=stages, microbatches=cfg.microbatches or 2 * stages,
+    stages = cfg.stages or world_size
+    return PipelineLayout(world_size=world_size, stages=stages, microbatches=cfg.microbatches or 2 * stages,
                           batch_size=cfg.batch_size)
 
 
@@ -274,7 +274,7 @@ def train(cfg: TrainConfig, runtime: Runtime) -> dict:
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         bucket_cap_mb=cfg.bucket_cap_mb,
     )
-    layout = pipeline_layout(cfg, runtime)
+    layout = pipeline_layout(cfg, runtime.world_size)
     wrapped = STRATEGIES[cfg.strategy](
         model, runtime, ddp=ddp_options, layout=layout, schedule=cfg.pipeline_schedule,
         split_at=cfg.split_at.split(",") if cfg.split_at else None,
@@ -351,6 +351,7 @@ def train(cfg: TrainConfig, runtime: Runtime) -> dict:
                 "steps": steps_per_epoch,
                 "lr": optimizer.param_groups[0]["lr"],
                 **_memory(runtime, wrapped, optimizer),
+                "nccl": nccl.in_effect(),
             }
             if start:
                 record["resumed_at_step"] = steps_per_epoch - steps_run
@@ -566,9 +567,8 @@ def _progress_bar(runtime: Runtime, cfg: TrainConfig, steps: int, epoch: int):
 
 def _data_replicas(cfg: TrainConfig, runtime: Runtime) -> int:
     """How many ways the data is split: every process, except that the stages of a pipeline share theirs."""
-    if cfg.strategy == "pipeline":
-        return runtime.world_size // (cfg.stages or runtime.world_size)
-    return runtime.world_size
+    layout = pipeline_layout(cfg, runtime.world_size)
+    return layout.replicas if layout else runtime.world_size
 
 
 def _global_batch(cfg: TrainConfig, runtime: Runtime) -> int:

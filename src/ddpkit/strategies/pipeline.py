@@ -156,7 +156,9 @@ def apply_pipeline(model: nn.Module, runtime: Runtime, *, layout: PipelineLayout
     replica_group = mesh.get_group("dp") if layout.replicas > 1 else None
     if replica_group is not None:
         on_gpu = runtime.device.type == "cuda"
-        module = DistributedDataParallel(module, process_group=replica_group,
+        # broadcast_buffers=False: no collective in the evaluation forwards (a replica may have no validation
+        # batch); the trainer gives every replica pipeline 0's BatchNorm statistics at each epoch's end.
+        module = DistributedDataParallel(module, process_group=replica_group, broadcast_buffers=False,
                                          device_ids=[runtime.device.index] if on_gpu else None)
     stage = PipelineStage(module, index, layout.stages, runtime.device, input_args=inputs, output_args=outputs,
                           group=mesh.get_group("pp"))

@@ -72,26 +72,53 @@ def parameter_count(part: list[tuple[str, nn.Module]]) -> int:
 
 
 def balanced(steps: list[tuple[str, nn.Module]], parts: int) -> list[list[tuple[str, nn.Module]]]:
-    """``parts`` consecutive runs of ``steps`` with parameter counts as equal as the cut points allow."""
+    """``parts`` consecutive runs of ``steps``, each with weights, the largest run as small as possible.
+
+    Cuts fall only just before a piece with weights: a parameterless step (ReLU, pooling, flatten) stays
+    with the piece before it, which also sends the smaller, pooled activation to the next stage.
+    """
     if parts < 1:
         raise UsageError(f"a model is cut into at least 1 part, got {parts}")
-    if len(steps) < parts:
-        raise UsageError(f"the model has {len(steps)} pieces ({', '.join(n for n, _ in steps)}), too few for {parts} stages")
-    weights = [parameter_count([step]) for step in steps]
-    total = sum(weights)
-    cuts, running, index = [], 0, 0
-    for part in range(1, parts):
-        target = total * part / parts
-        # Advance while the next step brings the running count closer to this part's share, leaving
-        # at least one step for each part still to come.
-        while index < len(steps) - (parts - part) and (
-            index < part or abs(running + weights[index] - target) <= abs(running - target)
-        ):
-            running += weights[index]
-            index += 1
-        cuts.append(index)
-    bounds = [0, *cuts, len(steps)]
-    return [steps[a:b] for a, b in zip(bounds, bounds[1:])]
+    # Units: a piece with weights and the parameterless steps after it (leading ones join the first).
+    starts = [i for i, step in enumerate(steps) if parameter_count([step]) > 0][1:]
+    if len(starts) + 1 < parts:
+        raise UsageError(f"the model has {len(starts) + 1} pieces with weights, too few for {parts} stages "
+                         f"(its pieces: {_listing([name for name, _ in steps])})")
+    bounds = [0, *starts, len(steps)]
+    weights = [parameter_count(steps[a:b]) for a, b in zip(bounds, bounds[1:])]
+    groups = _linear_partition(weights, parts)
+    cuts = [bounds[sum(groups[:k])] for k in range(1, parts)]
+    edges = [0, *cuts, len(steps)]
+    return [steps[a:b] for a, b in zip(edges, edges[1:])]
+
+
+def _linear_partition(weights: list[int], parts: int) -> list[int]:
+    """How many consecutive weights go into each of ``parts`` groups (each at least one) so that the
+    heaviest group is as light as possible: the textbook dynamic programme, O(parts x n^2)."""
+    n = len(weights)
+    prefix = [0]
+    for weight in weights:
+        prefix.append(prefix[-1] + weight)
+    inf = float("inf")
+    # best[k][i]: the lightest possible heaviest group for the first i weights in k groups.
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    choice = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], choice[k][i] = cost, j
+    sizes, i = [], n
+    for k in range(parts, 0, -1):
+        sizes.append(i - choice[k][i])
+        i = choice[k][i]
+    return sizes[::-1]
+
+
+def _listing(names: list[str], limit: int = 12) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
 def at_names(steps: list[tuple[str, nn.Module]], names: list[str]) -> list[list[tuple[str, nn.Module]]]:
@@ -101,8 +128,7 @@ def at_names(steps: list[tuple[str, nn.Module]], names: list[str]) -> list[list[
     for name in names:
         found = [i for i, step in enumerate(order) if step == name or step.startswith(name + ".")]
         if not found:
-            shown = ", ".join(order[:12]) + (f", ... ({len(order)} in all)" if len(order) > 12 else "")
-            raise UsageError(f"--split-at {name}: no such piece; the model's pieces are {shown}")
+            raise UsageError(f"--split-at {name}: no such piece; the model's pieces are {_listing(order)}")
         if found[0] == 0:
             raise UsageError(f"--split-at {name}: that is the model's first piece; a cut there leaves an empty stage")
         cuts.append(found[0])
@@ -119,7 +145,12 @@ def cut(model: nn.Module, parts: int, split_at: list[str] | None = None) -> list
         if len(split_at) != parts - 1:
             raise UsageError(f"--split-at names {len(split_at)} cut(s), which makes {len(split_at) + 1} stages, "
                              f"but there are {parts}; name {parts - 1}")
-        return at_names(steps, split_at)
+        runs = at_names(steps, split_at)
+        for index, run in enumerate(runs):
+            if parameter_count(run) == 0:  # nothing to train there: its optimizer would have no parameters
+                raise UsageError(f"--split-at {','.join(split_at)}: stage {index + 1} ({_listing([n for n, _ in run], 4)}) "
+                                 "holds no weights; move the cut to a layer with weights")
+        return runs
     return balanced(steps, parts)
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit.checkpoint import snapshot
+from ddpkit.errors import UsageError
 from ddpkit.process_group import Runtime, control_group
 from ddpkit.strategies import unwrap
 from ddpkit.strategies.fsdp import is_sharded
@@ -107,10 +108,20 @@ def is_named(saved: dict) -> bool:
 
 
 def named_to_numbered(saved: dict, names: list[str]) -> dict:
+    """PyTorch's own layout, numbered in the bare model's parameter order.
+
+    Each group's numbers are sorted: ``load_state_dict`` pairs them with the optimizer's parameters by
+    position, and those are in the model's order, whatever order the named state listed them in (a
+    pipeline's lists them stage by stage, in forward order).
+    """
     index = {name: number for number, name in enumerate(names)}
+    unknown = [name for group in saved["param_groups"] for name in group["params"] if name not in index]
+    if unknown:
+        raise UsageError(f"the checkpoint's optimizer state has parameters this model does not: {', '.join(unknown[:4])}")
     return {
-        "state": {index[name]: value for name, value in saved["state"].items() if name in index},
-        "param_groups": [{**group, "params": [index[name] for name in group["params"]]} for group in saved["param_groups"]],
+        "state": {index[name]: value for name, value in saved["state"].items()},
+        "param_groups": [{**group, "params": sorted(index[name] for name in group["params"])}
+                         for group in saved["param_groups"]],
     }
 
 
@@ -128,13 +139,18 @@ def _only(saved: dict, names: set[str]) -> dict:
     return {"state": {name: value for name, value in saved["state"].items() if name in names}, "param_groups": groups}
 
 
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict, bare_names: list[str],
+def load_optimizer_state(model: nn.Module | None, optimizer: torch.optim.Optimizer, saved: dict, bare_names: list[str],
                          check) -> None:
     """Load a saved optimizer state of either layout into this strategy's optimizer.
 
-    ``bare_names``: the un-wrapped model's parameter names in order (what numbered states count in).
+    ``model``: the wrapped model the optimizer drives (None: a plain or DDP one). ``bare_names``: the
+    un-wrapped model's parameter names in order (what numbered states count in).
     ``check(optimizer, state)``: raises a clear error when the state cannot drive this optimizer.
     """
+    if model is None:
+        if any(hasattr(p, "to_local") for group in optimizer.param_groups for p in group["params"]):
+            raise UsageError("this optimizer drives sharded (FSDP) parameters: pass model= to Resumed.restore")
+        model = nn.Identity()
     if isinstance(model, Pipeline) or is_sharded(model):
         named = saved if is_named(saved) else numbered_to_named(saved, bare_names)
         target = unwrap(model)
