@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -77,9 +78,10 @@ def _run_on_nodes(commands: list[tuple[str, str, list[str]]], timeout: float) ->
                               env=child_env(DDPKIT_TEST_RUN=marker), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for name, host, argv in commands]
     results = []
+    deadline = time.monotonic() + timeout  # one deadline for all nodes
     try:
         for proc in procs:
-            stdout, stderr = proc.communicate(timeout=timeout)
+            stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
     except subprocess.TimeoutExpired:
         for pid in _pids_with("DDPKIT_TEST_RUN", marker):
@@ -104,12 +106,14 @@ def single_node(tmp_path_factory):
     return torch.load(folder / "model.pt", weights_only=True), rows, result
 
 
-def test_nccl_settings_reach_every_rank_once_said_and_recorded(single_node):
+def test_nccl_settings_are_said_once_and_recorded(single_node):
     _, rows, result = single_node
     # A later value wins; the preset adds its variable; said by the launcher, not again by the workers.
     assert result.stderr.count("ddpkit: NCCL settings:") == 1
     assert "ddpkit: NCCL settings: NCCL_ALGO=Tree NCCL_IB_DISABLE=1" in result.stderr
-    assert rows[-1]["nccl"] == {"NCCL_ALGO": "Tree", "NCCL_IB_DISABLE": "1"}  # what the ranks had in effect
+    # What rank 0 had in effect (the workers inherit the launcher's environment); the machine may set more.
+    recorded = rows[-1]["nccl"]
+    assert recorded["NCCL_ALGO"] == "Tree" and recorded["NCCL_IB_DISABLE"] == "1"
 
 
 def _check(results, tmp_path: Path, single_node) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import child_env
+from conftest import child_env, run_command
 from ddpkit.process_group import free_port
 
 pytestmark = pytest.mark.skipif(
@@ -109,7 +109,8 @@ def slurm():
 
 
 def _srun(env: dict, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(["srun", "-n", "2", *args], env=env, capture_output=True, text=True, timeout=timeout)
+    # run_command: on a timeout it also kills the tasks (srun passes them its environment, marker included).
+    return run_command(["srun", "-n", "2", *args], timeout=timeout, SLURM_CONF=env["SLURM_CONF"])
 
 
 def test_srun_ddpkit_train_makes_each_task_one_rank(slurm, tmp_path):

@@ -52,7 +52,7 @@ def _add_launch_flags(parser: argparse.ArgumentParser, *, with_launcher: bool = 
     group.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                        help="torchrun's c10d rendezvous instead of --master-addr/--node-rank: the same command on "
                             "every node, HOST one of them; the nodes are numbered as they join")
-    group.add_argument("--rdzv-id", default="ddpkit", metavar="ID",
+    group.add_argument("--rdzv-id", default=None, metavar="ID",
                        help="the job's name at the rendezvous; jobs sharing an endpoint need their own (default: ddpkit)")
     _add_nccl_flag(group)
     group.add_argument("--find-hangs", action="store_true",
@@ -342,8 +342,10 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     options = _launch_options(ns, ns.launcher, one_process=cfg.strategy in ("single", "dp"))
     _check_devices(cfg, options.nproc_per_node)
     if cfg.strategy == "pipeline":
-        _check_pipeline(cfg, options.world_size)
-    if options.world_size == 1:
+        # An elastic job may run at any size from its least to its most nodes.
+        for nodes in sorted({options.min_nodes or options.nnodes, options.nnodes}):
+            _check_pipeline(cfg, nodes * options.nproc_per_node)
+    if options.world_size == 1 and options.rdzv_endpoint is None:
         trainer.run(cfg)
         return 0
     if options.launcher == "spawn":
@@ -396,33 +398,44 @@ def cmd_run(ns: argparse.Namespace) -> int:
     return elastic(_launch_options(ns), [*script, *ns.script_args], local_rank_arg=ns.local_rank_arg)
 
 
+FLIGHT_RECORDER_FOLDER = "ddpkit-flight-recorder"  # in the temporary folder of each machine
+
+
+def _says_it_once() -> bool:
+    """Whether this process speaks for the job: ddpkit's launcher (not the workers torchrun starts with the
+    same flags), or under srun, where every task is a rank, task 0."""
+    return "TORCHELASTIC_RUN_ID" not in os.environ and os.environ.get("SLURM_PROCID", "0") == "0"
+
+
 def _flight_recorder() -> str | None:
     """On GPUs, PyTorch's NCCL flight recorder: every rank keeps its last collectives and writes them out
-    when one times out, for ``torchfrtrace DIR -p rank_``. Returns the folder (None without CUDA)."""
+    when one times out, for ``torchfrtrace FOLDER -p rank_``. Returns the folder (None without CUDA).
+
+    One fixed folder per machine, so that the launcher, its workers and srun's tasks agree on it without
+    talking; the newest hang's records replace the last one's.
+    """
     import tempfile
 
     import torch
 
     if not torch.cuda.is_available():
         return None  # it records NCCL's collectives only
-    if "TORCH_FR_DUMP_TEMP_FILE" not in os.environ:  # the workers inherit the launcher's folder
-        folder = tempfile.mkdtemp(prefix="ddpkit-flight-recorder-")
-        os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(folder, "rank_")
-        print(f"ddpkit: flight recorder on: a timed-out collective leaves each rank's record in {folder} "
-              f"(read it with `torchfrtrace {folder} -p rank_`)", file=sys.stderr, flush=True)
+    folder = os.path.join(tempfile.gettempdir(), FLIGHT_RECORDER_FOLDER)
+    os.makedirs(folder, exist_ok=True)
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(folder, "rank_"))
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_FR_DUMP_ON_TIMEOUT", "1")
-    return os.path.dirname(os.environ["TORCH_FR_DUMP_TEMP_FILE"])
+    if _says_it_once():
+        print(f"ddpkit: flight recorder on: a timed-out collective leaves each rank's record in {folder} "
+              f"(read it with `torchfrtrace {folder} -p rank_`)", file=sys.stderr, flush=True)
+    return folder
 
 
 def _export_debug_settings(ns: argparse.Namespace) -> None:
     """Settings the workers read from their environment (they inherit the launcher's)."""
     from ddpkit import nccl
 
-    # Said once: by ddpkit's launcher (not again by the workers torchrun starts, which get the same flags),
-    # or under srun, where every task is a rank, by task 0.
-    echo = "TORCHELASTIC_RUN_ID" not in os.environ and os.environ.get("SLURM_PROCID", "0") == "0"
-    nccl.apply(nccl.settings(getattr(ns, "nccl", [])), echo=echo)
+    nccl.apply(nccl.settings(getattr(ns, "nccl", [])), echo=_says_it_once())
     if getattr(ns, "find_hangs", False):
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         _flight_recorder()

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
 from ddpkit.errors import UsageError
-from ddpkit.process_group import Runtime, control_group, usable_cores
+from ddpkit.process_group import Runtime, usable_cores
 
 
 def default_workers(runtime: Runtime, in_memory: bool | None, dataset: Dataset) -> int:
@@ -300,7 +300,7 @@ def check_equal_batches(loader, runtime: Runtime) -> int:
     if runtime.backend is None or runtime.world_size == 1:
         return count
     counts: list = [None] * runtime.world_size
-    dist.all_gather_object(counts, count, group=control_group(runtime))
+    dist.all_gather_object(counts, count)  # the training group: a rank stuck before it fails within --timeout
     if len(set(counts)) > 1:
         shown = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(counts[:8]))
         more = f" (and {len(counts) - 8} more ranks)" if len(counts) > 8 else ""

@@ -36,7 +36,7 @@ class LaunchOptions:
     max_restarts: int = 0
     launcher: str = "torchrun"
     rdzv_endpoint: str | None = None  # HOST:PORT of torchrun's c10d rendezvous; the nodes number themselves
-    rdzv_id: str = DEFAULT_RDZV_ID
+    rdzv_id: str | None = None  # None: DEFAULT_RDZV_ID, with an endpoint
     min_nodes: int | None = None  # elastic: start once this many nodes joined (None: nnodes)
 
     def __post_init__(self) -> None:
@@ -45,6 +45,8 @@ class LaunchOptions:
             if self.master_addr or self.master_port is not None or self.node_rank:
                 raise UsageError("--rdzv-endpoint numbers the nodes itself; drop --master-addr, --master-port and "
                                  "--node-rank (they are for a static launch)")
+        elif self.rdzv_id is not None:
+            raise UsageError("--rdzv-id names the job at a rendezvous: it needs --rdzv-endpoint HOST:PORT")
         elif self.min_nodes is not None and self.min_nodes != self.nnodes:
             raise UsageError(f"--nnodes {self.min_nodes}:{self.nnodes} lets the job grow and shrink, which needs a "
                              "rendezvous every node can reach: add --rdzv-endpoint HOST:PORT")
@@ -111,7 +113,8 @@ def torchrun_argv(options: LaunchOptions, command: Sequence[str]) -> list[str]:
         # nodes that join (MIN to MAX of them) are numbered in the order they arrive.
         argv += [
             "--nnodes", f"{options.min_nodes or options.nnodes}:{options.nnodes}",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", options.rdzv_endpoint, "--rdzv-id", options.rdzv_id,
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", options.rdzv_endpoint,
+            "--rdzv-id", options.rdzv_id or DEFAULT_RDZV_ID,
         ]
     elif options.nnodes == 1 and options.master_port is None:
         argv.append("--standalone")
@@ -146,6 +149,7 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
     # new workers can read the dead ones' addresses and hang in init_process_group (PyTorch issue
     # 135712, seen here with torch 2.15 and --max-restarts). A store of their own avoids it.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    check_names(options)
     warn_leftovers(options)
     args = torchrun.parse_args(torchrun_argv(options, command))
     # The legacy torch.distributed.launch behaviour: pass --local-rank=N instead of only LOCAL_RANK.
@@ -176,6 +180,20 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
     return 0
 
 
+def check_names(options: LaunchOptions) -> None:
+    """The master's or the rendezvous' host name resolves: torchrun would retry a name that never will."""
+    import socket
+
+    for flag, host in (("--master-addr", options.master_addr),
+                       ("--rdzv-endpoint", options.rdzv_endpoint.rpartition(":")[0] if options.rdzv_endpoint else None)):
+        if host:
+            try:
+                socket.getaddrinfo(host, None)
+            except (socket.gaierror, UnicodeError):
+                raise UsageError(f"{flag}: cannot resolve host {host!r} on this machine; give a name or address "
+                                 "of a machine of the job that every machine can resolve") from None
+
+
 def warn_leftovers(options: LaunchOptions) -> list[str]:
     """Warn (stderr) about processes of an earlier run that hold the master port or GPU memory; return the lines.
 
@@ -185,16 +203,27 @@ def warn_leftovers(options: LaunchOptions) -> list[str]:
     from ddpkit import doctor
 
     found = []  # (pid, what it holds)
-    if options.master_port is not None and options.node_rank == 0:
-        found += [(holder["pid"], f"port {options.master_port} is held by pid {holder['pid']} ({holder['command'][:80]})")
-                  for holder in doctor.port_holders(options.master_port)]
+    port = options.master_port
+    if port is None and options.nnodes > 1 and options.rdzv_endpoint is None:
+        port = DEFAULT_MULTINODE_PORT  # what a static multi-machine launch binds on machine 0
+    if port is not None and options.node_rank == 0:
+        found += [(holder["pid"], f"port {port} is held by pid {holder['pid']} ({holder['command'][:80]})")
+                  for holder in doctor.port_holders(port)]
     if torch.cuda.is_available():
+        # Only this user's processes that this machine's /proc shows: others' jobs are not ours to kill.
         found += [(held["pid"], f"pid {held['pid']} ({held['name']}) holds {held['used_mib']} MiB of GPU memory")
-                  for held in doctor.gpu_processes()]
+                  for held in doctor.gpu_processes() if _owned_here(held["pid"])]
     lines = [f"ddpkit: warning: {what}: a leftover of an earlier run? `kill {pid}` ends it" for pid, what in found]
     for line in lines:
         print(line, file=sys.stderr, flush=True)
     return lines
+
+
+def _owned_here(pid: int) -> bool:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    except OSError:  # not in this PID namespace (a container), or gone
+        return False
 
 
 def _children(pid: int) -> list[int]:

@@ -244,27 +244,37 @@ _STUCK_HINT = ("they are stuck before it; `ddpkit train --debug` prints each ran
 
 
 def is_timeout(error: BaseException) -> bool:
-    return "timed out" in str(error).lower()
+    """Whether ``error`` is a collective's timeout (gloo's or NCCL's words), not, say, a DataLoader's."""
+    text = str(error)
+    lowered = text.lower()
+    timed_out = "timed out" in lowered or "timing out" in lowered
+    return timed_out and ("gloo" in lowered or "WorkNCCL" in text or "monitoredBarrier" in text or "ProcessGroup" in text)
+
+
+# NCCL's watchdog names the operation: "WorkNCCL(SeqNum=12, OpType=ALLREDUCE, ...) ran for ... ms".
+_NCCL_WORK = re.compile(r"SeqNum=(\d+), OpType=(\w+)")
 
 
 def explain_hang(error: BaseException, missing_ranks: list[int] | None = None) -> str | None:
     """One line for a collective that timed out, naming the ranks that never arrived when they are known.
 
     PyTorch names them with TORCH_DISTRIBUTED_DEBUG=DETAIL (``--find-hangs``); otherwise ``missing_ranks``
-    (from ``ranks_missing_at_store``) does.
+    (from ``ranks_missing_at_store``) does. NCCL's errors also name the collective and its number.
     """
     text = str(error)
+    work = _NCCL_WORK.search(text)
+    what = f"a collective ({work.group(2)}, the group's #{work.group(1)})" if work else "a collective"
     missing = _MISSING_RANKS.search(text)
     if missing:
         ranks = missing.group(1).strip().rstrip(",")
-        return (f"a collective timed out after {int(missing.group(2)) / 1000:g} s: rank(s) {ranks} never reached it "
+        return (f"{what} timed out after {int(missing.group(2)) / 1000:g} s: rank(s) {ranks} never reached it "
                 f"({_STUCK_HINT})")
     if not is_timeout(error):
         return None
     if missing_ranks:
-        return (f"a collective timed out: rank(s) {', '.join(map(str, missing_ranks))} never reached it (the others "
+        return (f"{what} timed out: rank(s) {', '.join(map(str, missing_ranks))} never reached it (the others "
                 f"checked in at the job's store after the timeout; {_STUCK_HINT})")
-    return ("a collective timed out waiting for another rank; rerun with --find-hangs to learn which rank "
+    return (f"{what} timed out waiting for another rank; rerun with --find-hangs to learn which rank "
             "never reached it")
 
 
@@ -280,6 +290,8 @@ def ranks_missing_at_store(runtime: Runtime, wait_s: float = CHECK_IN_WAIT_S) ->
     """
     try:
         store = dist.distributed_c10d._get_default_store()
+        # The store's own timeout is the group's (--timeout): a store that went away must not double the wait.
+        store.set_timeout(datetime.timedelta(seconds=wait_s))
         store.set(f"ddpkit/timed-out/{runtime.rank}", "1")
         keys = [f"ddpkit/timed-out/{rank}" for rank in range(runtime.world_size)]
         deadline = time.monotonic() + wait_s
@@ -304,7 +316,8 @@ def distributed(**kwargs) -> Iterator[Runtime]:
         if is_timeout(error) and not _MISSING_RANKS.search(str(error)) and runtime.backend is not None:
             missing = ranks_missing_at_store(runtime)
         explanation = explain_hang(error, missing)
-        # One line for the job: from the first rank that timed out (each would say the same).
+        # With the missing ranks known, one line for the job: from the first rank that checked in (each would
+        # say the same). Without (the store is gone too), each rank says what it saw.
         first = min(set(range(runtime.world_size)) - set(missing or []), default=runtime.rank)
         if explanation and (not missing or runtime.rank == first):
             print(f"ddpkit: error: rank {runtime.rank}: {explanation}", file=sys.stderr, flush=True)
