@@ -462,6 +462,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_run(ns)
     except UsageError as error:
         return report_usage_error(error)
+    except SystemExit as stop:
+        # ddpkit.distributed() reports a UsageError found inside the job and exits 2 (or a stop signal's
+        # status): main() returns it, as it does every status.
+        if isinstance(stop.code, int):
+            return stop.code
+        raise
     except KeyboardInterrupt:
         print("ddpkit: interrupted", file=sys.stderr, flush=True)
         return 130
