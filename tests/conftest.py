@@ -85,6 +85,27 @@ def train(tmp: Path, *args: str, timeout: float = 240) -> tuple[dict, list[dict]
     return state, rows
 
 
+# convnet (no BatchNorm) on the real digits, SGD: one epoch of 22 steps, still learning at the end.
+DIGITS_CONVNET = ["--data", "digits", "--model", "convnet", "--optimizer", "sgd", "--lr", "0.01", "--batch-size", "32",
+                  "--epochs", "1"]
+
+
+@pytest.fixture(scope="session")
+def ddp_digits(tmp_path_factory):
+    """One 2-process DDP run of DIGITS_CONVNET that several modules compare against: (folder, state, rows, result).
+
+    It checkpoints every 5 steps, and sets NCCL variables (which gloo ignores) to show they are said once
+    and recorded.
+    """
+    folder = tmp_path_factory.mktemp("ddp_digits")
+    result = run_ddpkit("train", *DIGITS_CONVNET, "--nproc-per-node", "2", "--no-progress", "--output-dir", str(folder),
+                        "--checkpoint-every", "5", "--keep-checkpoints", "10",
+                        "--nccl", "NCCL_ALGO=Ring", "--nccl", "no-ib", "--nccl", "NCCL_ALGO=Tree")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return folder, torch.load(folder / "model.pt", weights_only=True), rows, result
+
+
 def max_relative_difference(a: dict, b: dict) -> float:
     """max over tensors of max|a - b| / max|b| (float tensors only; integer buffers must be equal)."""
     assert a.keys() == b.keys()

@@ -215,7 +215,7 @@ def test_a_busy_master_port_is_a_clear_error(tmp_path):
         assert f":{port}" in outcome.stderr and "in use" in outcome.stderr
     # Before starting anything, the launcher named who holds the port (here: this test's own process).
     assert f"ddpkit: warning: port {port} is held by pid {os.getpid()} (" in result.stderr
-    assert f"a leftover of an earlier run? `kill {os.getpid()}` ends it" in result.stderr
+    assert f"if it is a leftover of an earlier run, end it: kill {os.getpid()}" in result.stderr
 
 
 def test_single_strategy_runs_one_process_with_the_default_nproc(tmp_path, capsys):

@@ -10,7 +10,6 @@ interface from the hostname's address. Needs root (to make namespaces); skipped,
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -23,12 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import _pids_with, child_env, max_relative_difference, run_ddpkit
+from conftest import DIGITS_CONVNET, _pids_with, child_env, max_relative_difference
 
 SUBNET = "10.231.0"
-# convnet on the real digits, SGD: one epoch of 22 steps, still learning at the end.
-RUN = ["--data", "digits", "--model", "convnet", "--optimizer", "sgd", "--lr", "0.01", "--batch-size", "32",
-       "--epochs", "1", "--no-progress"]
+RUN = [*DIGITS_CONVNET, "--no-progress"]  # the job of conftest's shared 2-process run
 
 
 def _ip(*args: str) -> None:
@@ -93,17 +90,10 @@ def _run_on_nodes(commands: list[tuple[str, str, list[str]]], timeout: float) ->
 
 
 @pytest.fixture(scope="module")
-def single_node(tmp_path_factory):
-    """The same job as 2 processes on one node: what the two nodes must reproduce.
-
-    With NCCL settings (which gloo ignores), to check they are echoed once and recorded.
-    """
-    folder = tmp_path_factory.mktemp("single")
-    result = run_ddpkit("train", *RUN, "--nproc-per-node", "2", "--output-dir", str(folder),
-                        "--nccl", "NCCL_ALGO=Ring", "--nccl", "no-ib", "--nccl", "NCCL_ALGO=Tree")
-    assert result.returncode == 0, result.stdout + result.stderr
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return torch.load(folder / "model.pt", weights_only=True), rows, result
+def single_node(ddp_digits):
+    """The same job as 2 processes on one node (conftest's shared run): what the two nodes must reproduce."""
+    _, state, rows, result = ddp_digits
+    return state, rows, result
 
 
 def test_nccl_settings_are_said_once_and_recorded(single_node):

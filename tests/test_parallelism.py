@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torchvision
 
-from conftest import max_relative_difference, run_ddpkit, train
+from conftest import DIGITS_CONVNET, max_relative_difference, run_ddpkit, train
 from ddpkit.errors import UsageError
 from ddpkit.strategies import PipelineLayout, split, state
 from ddpkit.zoo import build_model
@@ -152,16 +152,14 @@ def test_optimizer_states_convert_between_numbered_and_named():
 # ------------------------------------------------------------------------------------ multi-process runs
 
 # convnet (no BatchNorm) on the real digits, SGD: one epoch of 22 steps, still learning at the end, with a
-# checkpoint every 5 steps.
-DIGITS = ["--data", "digits", "--model", "convnet", "--optimizer", "sgd", "--lr", "0.01", "--batch-size", "32",
-          "--nproc-per-node", "2", "--epochs", "1"]
+# checkpoint every 5 steps (as the shared DDP run, conftest.ddp_digits).
+DIGITS = [*DIGITS_CONVNET, "--nproc-per-node", "2"]
 EVERY_5 = ["--checkpoint-every", "5", "--keep-checkpoints", "10"]
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("ddp")
-    state_ddp, rows = train(folder, *DIGITS, *EVERY_5)
+def ddp_run(ddp_digits):
+    folder, state_ddp, rows, _ = ddp_digits
     return folder, state_ddp, rows
 
 

@@ -102,6 +102,18 @@ def gpu_processes() -> list[dict]:
     return rows
 
 
+def port_holder_line(port: int, holder: dict) -> str:
+    """What ``doctor`` and the launcher say of a process listening on the master port."""
+    return (f"port {port} is held by pid {holder['pid']} ({holder['command'][:80]}); if it is a leftover of an "
+            f"earlier run, end it: kill {holder['pid']}")
+
+
+def gpu_holder_line(app: dict) -> str:
+    """What ``doctor`` and the launcher say of a process holding GPU memory."""
+    return (f"GPU memory held by pid {app['pid']} ({app['name']}, {app['used_mib']} MiB); if it is a leftover, "
+            f"end it: kill {app['pid']}")
+
+
 def port_holders(port: int) -> list[dict]:
     """Processes with a TCP socket listening on ``port`` (any address), read from /proc."""
     inodes = set()
@@ -240,14 +252,10 @@ def format_report(report: dict) -> str:
     if report["port"] is None:
         pass  # under a launcher: the job's own store holds the master port
     elif report["port_holders"]:
-        for holder in report["port_holders"]:
-            lines.append(f"port {report['port']} is held by pid {holder['pid']} ({holder['command'][:80]}); if it is a "
-                         f"leftover of an earlier run, end it: kill {holder['pid']}")
+        lines += [port_holder_line(report["port"], holder) for holder in report["port_holders"]]
     else:
         lines.append(f"port {report['port']}: free")
-    for app in report["gpu_processes"]:
-        lines.append(f"GPU memory held by pid {app['pid']} ({app['name']}, {app['used_mib']} MiB); if it is a leftover, "
-                     f"end it: kill {app['pid']}")
+    lines += [gpu_holder_line(app) for app in report["gpu_processes"]]
     check = report.get("connectivity")
     if check:
         lines.append(f"connectivity: {check['world_size']} ranks over {check['backend']}, master {check['master']}: "

@@ -202,18 +202,16 @@ def warn_leftovers(options: LaunchOptions) -> list[str]:
     """
     from ddpkit import doctor
 
-    found = []  # (pid, what it holds)
+    found = []
     port = options.master_port
     if port is None and options.nnodes > 1 and options.rdzv_endpoint is None:
         port = DEFAULT_MULTINODE_PORT  # what a static multi-machine launch binds on machine 0
     if port is not None and options.node_rank == 0:
-        found += [(holder["pid"], f"port {port} is held by pid {holder['pid']} ({holder['command'][:80]})")
-                  for holder in doctor.port_holders(port)]
+        found += [doctor.port_holder_line(port, holder) for holder in doctor.port_holders(port)]
     if torch.cuda.is_available():
         # Only this user's processes that this machine's /proc shows: others' jobs are not ours to kill.
-        found += [(held["pid"], f"pid {held['pid']} ({held['name']}) holds {held['used_mib']} MiB of GPU memory")
-                  for held in doctor.gpu_processes() if _owned_here(held["pid"])]
-    lines = [f"ddpkit: warning: {what}: a leftover of an earlier run? `kill {pid}` ends it" for pid, what in found]
+        found += [doctor.gpu_holder_line(app) for app in doctor.gpu_processes() if _owned_here(app["pid"])]
+    lines = [f"ddpkit: warning: {what}" for what in found]
     for line in lines:
         print(line, file=sys.stderr, flush=True)
     return lines
