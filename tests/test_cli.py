@@ -287,3 +287,17 @@ def test_run_under_srun_makes_each_task_one_rank(tmp_path):
     # Two processes in all (no extra launch), ranks from SLURM_PROCID, and a real all-reduce: 1 + 2.
     assert (tmp_path / "task0.txt").read_text() == "0 0 2 3.0"
     assert (tmp_path / "task1.txt").read_text() == "1 1 2 3.0"
+
+
+def test_ranks_stopped_after_another_ranks_usage_error_are_not_reported_as_failures(capsys):
+    from ddpkit.launch import report_failures
+
+    # Rank 1 rejected its input (it printed why); the agent then stopped rank 0 with SIGTERM.
+    assert report_failures({0: (-15, 100), 1: (2, 101)}) == 2
+    assert capsys.readouterr().err == ""
+    # Without a usage error, every failure is reported.
+    assert report_failures({0: (-15, 100), 1: (1, 101)}) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "ddpkit: error: rank 0 (pid 100) killed by signal 15; its output is above",
+        "ddpkit: error: rank 1 (pid 101) exited with status 1; its output is above",
+    ]

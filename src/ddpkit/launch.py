@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -164,7 +165,11 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
         killed = kill_children()
         detail = f"; {killed} worker(s) still running were killed" if killed else ""
         print(f"ddpkit: stopped by signal {stopped.sigval.name}{detail}", file=sys.stderr)
-        return 128 + int(stopped.sigval)
+        # Leave now. The interrupted agent can leave threads behind (its rendezvous' keep-alive) that hold
+        # the interpreter's exit: once in a CI run the launcher printed this line and never exited.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + int(stopped.sigval))
     except (DistNetworkError, RendezvousError) as error:
         if options.rdzv_endpoint is not None:
             raise UsageError(
@@ -246,7 +251,6 @@ def kill_children(grace_s: float = 5.0) -> int:
     torchrun starts each worker in a session of its own (so a terminal's Ctrl-C reaches only the agent);
     killing a worker's group also ends its data-loader processes.
     """
-    import signal
     import time
 
     if not os.path.isdir("/proc"):
@@ -271,10 +275,15 @@ def kill_children(grace_s: float = 5.0) -> int:
 
 
 def report_failures(failures: dict[int, tuple[int, int]]) -> int:
-    """One line per failed rank; exit 2 if a rank rejected its input (it printed why), else 1."""
-    codes = []
+    """One line per failed rank; exit 2 if a rank rejected its input (it printed why), else 1.
+
+    When a rank rejected its input, the ranks the agent then stopped with SIGTERM are not failures of
+    their own, and are not reported.
+    """
+    codes = [exitcode for exitcode, _ in failures.values()]
     for rank, (exitcode, pid) in sorted(failures.items()):
-        codes.append(exitcode)
+        if EXIT_USAGE in codes and exitcode == -signal.SIGTERM:
+            continue
         if exitcode != EXIT_USAGE:
             how = f"killed by signal {-exitcode}" if exitcode < 0 else f"exited with status {exitcode}"
             print(f"ddpkit: error: rank {rank} (pid {pid}) {how}; its output is above", file=sys.stderr)
