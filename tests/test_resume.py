@@ -221,6 +221,7 @@ def _signal_when(proc: subprocess.Popen, ready, signals: list[int]) -> tuple[str
 LONG = ["--model", "net", "--data", "digits", "--epochs", "6", "--nproc-per-node", "2"]
 
 
+@pytest.mark.slow  # a run stopped, then resumed to the end: about 35 s
 def test_sigterm_checkpoints_at_one_step_on_every_rank_and_the_run_resumes_exactly(tmp_path, tmp_path_factory):
     proc = _start(tmp_path, *LONG)
     first_epoch_done = lambda: (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text()
@@ -333,6 +334,7 @@ OWN_LOOP = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # three runs of a script: about 20 s
 def test_the_library_resumes_a_users_own_loop_exactly(tmp_path):
     script = tmp_path / "own_loop.py"
     script.write_text(OWN_LOOP)
