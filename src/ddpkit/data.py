@@ -208,7 +208,8 @@ def train_loader(
     drop_last: bool = True,
     replica: tuple[int, int] | None = None,
 ) -> DeviceLoader:
-    """Per-process batches of ``batch_size``; the global batch is ``batch_size * world_size``.
+    """Per-process batches of ``batch_size``; the global batch is ``batch_size`` x the ways the data is split
+    (``world_size``, or the count in ``replica``).
 
     ``drop_last=False`` keeps every sample, at a price: DistributedSampler pads the epoch with up to
     world_size - 1 repeated samples, and the last batch is smaller, so the run no longer matches one
