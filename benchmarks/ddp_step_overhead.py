@@ -10,11 +10,10 @@ per-process batch, in the same processes, over the same gloo process group:
 * hand: the tutorials' pattern, written out: ``DistributedSampler`` + ``DataLoader``,
   ``DistributedDataParallel(model)``, and per step ``zero_grad`` / forward / ``cross_entropy`` /
   ``backward`` / ``step``, with ``sampler.set_epoch(epoch)`` at every epoch.
-* ddpkit: what ``ddpkit train`` runs: the model from ``ddpkit.prepare_model(model, rt)``, the loader
-  from ``ddpkit.train_loader(...)`` (called with the arguments ``ddpkit.trainer.train`` passes), and
-  the step loop of the real ``ddpkit.trainer._Loop.epoch``, called directly on a loader that hands
-  it the next S batches (so its per-call epilogue - one ``all_reduce`` of the loss sums - is paid once
-  per S steps here, once per epoch in ``ddpkit train``).
+* ddpkit: what ``ddpkit train`` runs, on the public ``ddpkit.Job`` as the trainer is written: the model
+  and optimizer from ``job.setup``, the loader from ``job.train_loader``, and per step
+  ``job.forward_backward`` and ``job.step`` (with a constant LR schedule) and the stop-signal check,
+  on a loader that hands it the next S batches.
 
 Method: W warm-up steps of each side, then R rounds; each round times S steps of each side, the order
 alternating between rounds (AB, BA, AB, ...: hand first in even rounds, ddpkit first in odd ones), so
@@ -91,7 +90,8 @@ class HandLoop:
         # same call (gloo, env:// from torchrun's variables), and a process holds one default group, so
         # both sides use it. On CPU: no device_ids.
         self.model = DDP(copy.deepcopy(base_model))
-        self.optimizer = trainer.make_optimizer(args.optimizer, self.model.parameters(), None)
+        optimizer_class, settings = trainer.optimizer_settings(args.optimizer, None)
+        self.optimizer = optimizer_class(self.model.parameters(), **settings)
         # drop_last as in ddpkit (every step a full global batch), so both sides see the same batches.
         self.sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=True)
         self.loader = DataLoader(dataset, batch_size=args.batch_size, sampler=self.sampler, drop_last=True)
@@ -135,39 +135,28 @@ class NextBatches:
 
 
 class DdpkitLoop:
-    """``ddpkit train``'s pieces: prepare_model, train_loader, and the real trainer._Loop (its epoch loop)."""
+    """``ddpkit train``'s step on the public library: ``Job.setup``, ``Job.train_loader``, and per step
+    ``Job.forward_backward`` and ``Job.step`` with a (constant) LR schedule and the stop-signal check."""
 
-    def __init__(self, base_model, datasets, runtime, args):
-        # The config ddpkit train builds from these flags; --no-progress, so rank 0 does no tqdm work
-        # (the bar is off anyway whenever stderr is not a terminal).
-        self.cfg = trainer.TrainConfig(
-            model="net", data="digits", batch_size=args.batch_size, optimizer=args.optimizer, seed=args.seed,
-            backend="gloo", device="cpu", progress=False,
-        )
-        self.cfg.validate()
-        self.runtime = runtime
-        self.model = ddpkit.prepare_model(copy.deepcopy(base_model), runtime)
-        self.optimizer = trainer.make_optimizer(self.cfg.optimizer, self.model.parameters(), self.cfg.lr)
-        self.scaler = torch.amp.GradScaler(runtime.device.type, enabled=self.cfg.amp == "fp16")
-        # The call trainer.train makes (workers=None: ddpkit's default, 0 for an in-memory TensorDataset).
-        loader = ddpkit.train_loader(
-            datasets.train, batch_size=self.cfg.batch_size, runtime=runtime, seed=self.cfg.seed, workers=self.cfg.workers
-        )
+    def __init__(self, base_model, datasets, job, args):
+        self.job = job
+        optimizer_class, settings = trainer.optimizer_settings(args.optimizer, None)
+        self.model, self.optimizer = job.setup(copy.deepcopy(base_model), optimizer_class, **settings)
+        # The call ddpkit train makes (workers=None: ddpkit's default, 0 for an in-memory TensorDataset).
+        loader = job.train_loader(datasets.train, args.batch_size, seed=args.seed)
         self.batches = NextBatches(loader)
-        self.calls = 0
         self.last_loss = float("nan")
-        # ddpkit train also steps an LR schedule (constant here) and checks for a stop signal every step.
-        scheduler = trainer.make_scheduler(self.cfg, self.optimizer, len(loader))
-        self.loop = trainer._Loop(self.cfg, runtime, self.model, self.optimizer, scheduler, self.scaler, self.batches,
-                                  None, len(loader), trainer._Position(epoch=0, samples=0, global_step=0))
-        self.stop = ddpkit.stop_on_signal(runtime)
-        self.loop.stop = self.stop
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
+        self.stop = ddpkit.stop_on_signal(job.runtime)
 
     def run(self, steps: int) -> None:
-        # The real function ddpkit train calls once per epoch; "epoch" only numbers a progress bar.
         self.batches.steps = steps
-        self.last_loss, _ = self.loop.epoch(self.calls, 0, [0.0, 0.0])
-        self.calls += 1
+        self.model.train()
+        for images, labels in self.batches:
+            loss = self.job.forward_backward(self.model, images, labels)
+            self.job.step(self.optimizer, self.scheduler)
+            self.stop.requested()
+        self.last_loss = loss.item()
 
 
 # ------------------------------------------------------------------------------------------- timing
@@ -217,12 +206,13 @@ def spread(values: list[float]) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    with ddpkit.distributed(backend="gloo", device="cpu", force_group=True) as rt:
+    with ddpkit.Job("ddp", backend="gloo", device="cpu", seed=None) as job:
+        rt = job.runtime
         datasets = zoo.load_digits(channels=1, image_size=28)
         torch.manual_seed(args.seed)
         base = zoo.Net(in_channels=1, num_classes=datasets.num_classes, image_size=28)
         hand = HandLoop(base, datasets.train, args)
-        kit = HandLoop(base, datasets.train, args) if args.aa else DdpkitLoop(base, datasets, rt, args)
+        kit = HandLoop(base, datasets.train, args) if args.aa else DdpkitLoop(base, datasets, job, args)
         steps_per_epoch = len(hand.loader)
         assert steps_per_epoch == len(kit.loader if args.aa else kit.batches.loader), "the loaders disagree on the epoch length"
         ddpkit.print0(

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import ddpkit
@@ -35,10 +36,12 @@ def test_prepare_model_single_and_sync_bn():
         reference = nn.BatchNorm2d(2)
         reference.load_state_dict(model[1].state_dict())
         torch.testing.assert_close(model[1](x), reference(x))
-    with pytest.raises(ddpkit.UsageError, match="strategy must be one of single, dp, ddp, fsdp"):
+    with pytest.raises(ddpkit.UsageError, match="strategy must be one of single, dp, ddp, zero, fsdp, pipeline"):
         ddpkit.prepare_model(nn.Linear(1, 1), rt, "zero3")
-    with pytest.raises(ddpkit.UsageError, match="use ddpkit.strategies.apply_pipeline"):
+    with pytest.raises(ddpkit.UsageError, match="a pipeline needs an example batch"):
         ddpkit.prepare_model(nn.Linear(1, 1), rt, "pipeline")
+    with pytest.raises(ddpkit.UsageError, match="strategy ddp has no setting 'stages' \\(a setting of pipeline\\)"):
+        ddpkit.prepare_model(nn.Linear(1, 1), rt, "ddp", stages=2)
 
 
 def test_atomic_save_leaves_no_temporary_file_and_the_usual_permissions(tmp_path):
@@ -77,8 +80,6 @@ def test_accumulation_all_reduces_once_per_optimizer_step():
     # count the all-reduces themselves with a DDP communication hook.
     from torch.utils.data import TensorDataset
 
-    from ddpkit.trainer import TrainConfig, _Loop, _Position, make_scheduler
-
     calls = []
 
     def counting_hook(state, bucket):
@@ -87,18 +88,18 @@ def test_accumulation_all_reduces_once_per_optimizer_step():
         future.set_result(bucket.buffer())
         return future
 
-    cfg = TrainConfig(accumulate=4, progress=False)
-    with ddpkit.distributed(device="cpu") as rt:
-        model = ddpkit.prepare_model(nn.Sequential(nn.Flatten(), nn.Linear(4, 3)), rt)
+    with ddpkit.Job("ddp", accumulate=4, device="cpu") as job:
+        model, optimizer = job.setup(nn.Sequential(nn.Flatten(), nn.Linear(4, 3)), torch.optim.SGD, lr=0.1)
         model.register_comm_hook(None, counting_hook)
-        data = TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
-        loader = ddpkit.train_loader(data, batch_size=4, runtime=rt, seed=0)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler = torch.amp.GradScaler("cpu", enabled=False)
-        loop = _Loop(cfg, rt, model, optimizer, make_scheduler(cfg, optimizer, 4), scaler, loader, None, 4,
-                     _Position(epoch=1, samples=0, global_step=4))
-        _, steps = loop.epoch(1, 0, [0.0, 0.0])
-    assert steps == 4 and calls == [0, 0, 0, 0]  # 16 micro-steps, 4 optimizer steps, one bucket each
+        # 17 batches: the 17th would start a 5th step that never completes, so the loader leaves it out.
+        data = TensorDataset(torch.randn(68, 4), torch.randint(0, 3, (68,)))
+        loader = job.train_loader(data, batch_size=4)
+        assert (len(loader), loader.steps_per_epoch, loader.global_batch) == (16, 4, 16)
+        steps = 0
+        for images, labels in loader:
+            job.backward(F.cross_entropy(model(images), labels))
+            steps += job.step(optimizer)
+    assert steps == 4 and job.global_step == 4 and calls == [0, 0, 0, 0]  # 16 micro-steps, one bucket each
 
 
 def test_unwrap_removes_only_parallel_wrappers():

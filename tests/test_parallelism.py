@@ -250,8 +250,7 @@ PIPELINE_SCRIPT = textwrap.dedent("""
     from torch.utils.data import TensorDataset
     from torch.nn.parallel import DistributedDataParallel
     import ddpkit
-    from ddpkit.strategies import PipelineLayout, apply_fsdp, apply_pipeline, model_parallel, unwrap
-    from ddpkit.trainer import evaluate
+    from ddpkit.strategies import FSDP, PipelineParallel, model_parallel, unwrap
 
     def build():
         torch.manual_seed(0)
@@ -267,8 +266,8 @@ PIPELINE_SCRIPT = textwrap.dedent("""
     with ddpkit.distributed(force_group=True) as rt:
         for schedule in ("gpipe", "1f1b"):
             reference = build()
-            layout = PipelineLayout(world_size=2, stages=2, microbatches=4, batch_size=16)
-            pipe = apply_pipeline(build(), rt, layout=layout, schedule=schedule, sample_input=torch.zeros(4, 3, 8, 8))
+            strategy = PipelineParallel(stages=2, microbatches=4, pipeline_schedule=schedule)
+            pipe = strategy.wrap(build(), rt, example=torch.zeros(16, 3, 8, 8))
             stage = unwrap(pipe)
             optimizer = torch.optim.Adam(stage.parameters(), lr=0.01)
             reference_optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
@@ -305,12 +304,12 @@ PIPELINE_SCRIPT = textwrap.dedent("""
         assert list(split_state) == list(plain_state) and split_state
         report["mp_ddp_failed"] = [n for n in plain_state if not close(split_state[n], plain_state[n])]
         # FSDP's evaluation: ranks with fewer batches (or none) run empty ones until the others are done.
-        fsdp = apply_fsdp(build(), rt)
+        fsdp = FSDP().wrap(build(), rt)
         counts = []
         for size in (5, 1):  # 5 samples, batch 2: 2 batches on rank 0, 1 on rank 1; 1 sample: none on rank 1
             images = torch.randn(size, 3, 8, 8)
             dataset = TensorDataset(images, torch.arange(size) % 10)
-            loss, accuracy, count = evaluate(fsdp, ddpkit.eval_loader(dataset, batch_size=2, runtime=rt), rt,
+            loss, accuracy, count = ddpkit.evaluate(fsdp, ddpkit.eval_loader(dataset, batch_size=2, runtime=rt), rt,
                                              lockstep=True)
             counts.append(count)
         report["fsdp_eval_counts"] = counts

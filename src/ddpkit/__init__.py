@@ -2,15 +2,19 @@
 
     import ddpkit
 
-    with ddpkit.distributed() as rt:                      # rank, device, process group; torn down on exit
-        model = ddpkit.prepare_model(Net(), rt)            # DDP on this rank's device
-        loader = ddpkit.train_loader(dataset, batch_size=32, runtime=rt, seed=0)
+    with ddpkit.Job(strategy="ddp", amp="bf16", accumulate=2) as job:   # rank, device, process group
+        model, optimizer = job.setup(Net(), torch.optim.Adam, lr=1e-3)  # wrapped for the strategy
+        loader = job.train_loader(dataset, batch_size=32)                # this rank's share, on its device
         for epoch in range(epochs):
-            for images, labels in loader:                  # set_epoch and device transfer done for you
-                ...
-            ddpkit.print0(rt, f"epoch {epoch} done")       # only global rank 0 prints
+            for images, labels in loader:
+                with job.autocast():
+                    loss = F.cross_entropy(model(images), labels)
+                job.backward(loss)
+                job.step(optimizer)                                      # every 2nd micro-step
+            job.print(f"epoch {epoch} done")                             # only global rank 0 prints
 
-Start it with ``ddpkit run --nproc-per-node N script.py`` (or torchrun, or ``srun``).
+Start it with ``ddpkit run --nproc-per-node N script.py`` (or torchrun, or ``srun``). The functions
+below (``distributed``, ``prepare_model``, ``train_loader``, ...) are the same pieces one at a time.
 """
 
 from ddpkit.checkpoint import CheckpointError, Checkpointer, Resumed, atomic_save, load_model_state, model_state_dict, read_contents
@@ -20,26 +24,31 @@ from ddpkit.env import DistEnv, detect
 from ddpkit.errors import UsageError
 from ddpkit import zoo
 from ddpkit.process_group import Runtime, barrier, broadcast_buffers, distributed, free_port, main_process_first, setup, teardown
-from ddpkit.strategies import STRATEGIES, DDPOptions, model_parallel, unwrap
-from ddpkit.strategies.state import full_model_state, full_optimizer_state
+from ddpkit.job import Job, evaluate
+from ddpkit.strategies import STRATEGIES, Strategy, create, model_parallel, strategy_of, unwrap
 from ddpkit.strategies.sync_bn import convert_sync_batchnorm
 
 __version__ = "0.1.0"
 
 
-def prepare_model(model, runtime: Runtime, strategy: str = "ddp", *, ddp: DDPOptions = DDPOptions(), sync_bn: bool = False):
-    """Wrap ``model`` for ``strategy`` ("single", "dp", "ddp" or "fsdp") on this runtime's device.
-
-    Pipelines need more than a model: ``ddpkit.strategies.apply_pipeline`` (see docs/parallelism.md).
-    Under fsdp, save with ``full_model_state`` (a collective), not ``model_state_dict``.
+def prepare_model(model, runtime: Runtime, strategy: str | Strategy = "ddp", *, sync_bn: bool = False, **settings):
+    """Wrap ``model`` for ``strategy`` (a name from ``STRATEGIES`` with its settings as keywords, or a strategy
+    object) on this runtime's device. Under fsdp, save with ``full_model_state`` (a collective).
     """
-    if strategy == "pipeline":
-        raise UsageError("prepare_model does not build pipelines; use ddpkit.strategies.apply_pipeline (docs/parallelism.md)")
-    if strategy not in STRATEGIES:
-        raise UsageError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    chosen = create(strategy, **settings)
     if sync_bn:
         model = convert_sync_batchnorm(model, runtime)
-    return STRATEGIES[strategy](model, runtime, ddp=ddp)
+    return chosen.wrap(model, runtime)
+
+
+def full_model_state(model, runtime: Runtime, strategy: Strategy | None = None):
+    """The bare model's state_dict on rank 0 (None elsewhere), whatever the strategy; every rank calls it."""
+    return (strategy or strategy_of(model)).full_model_state(model, runtime)
+
+
+def full_optimizer_state(model, optimizer, runtime: Runtime, strategy: Strategy | None = None):
+    """The optimizer's whole state on rank 0 (None elsewhere), whatever the strategy; every rank calls it."""
+    return (strategy or strategy_of(model, optimizer)).full_optimizer_state(model, optimizer, runtime)
 
 
 def print0(runtime: Runtime, *args, **kwargs) -> None:
@@ -49,7 +58,7 @@ def print0(runtime: Runtime, *args, **kwargs) -> None:
 
 
 __all__ = [
-    "CheckpointError", "Checkpointer", "DDPOptions", "DistEnv", "Resumed", "StopSignal", "check_equal_batches",
+    "CheckpointError", "Checkpointer", "DistEnv", "Job", "Strategy", "create", "evaluate", "strategy_of", "Resumed", "StopSignal", "check_equal_batches",
     "load_model_state", "read_contents",
     "stop_on_signal", "Runtime", "STRATEGIES", "UsageError", "atomic_save", "barrier", "broadcast_buffers", "convert_sync_batchnorm",
     "detect", "distributed", "eval_loader", "free_port", "full_model_state", "full_optimizer_state", "main_process_first",

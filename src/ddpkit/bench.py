@@ -5,7 +5,7 @@
 
 Each (strategy, device count) runs in fresh processes started like ``ddpkit train`` (torchrun's agent).
 In every process: warm-up steps, then ``repeats`` rounds of ``steps`` timed steps; each round times, in
-turn, ddpkit's own training step (``trainer._Loop``: autocast, GradScaler, LR schedule, stop-signal check),
+turn, ddpkit's own training step (``Job.forward_backward`` and ``Job.step``: autocast, GradScaler, LR schedule),
 the same step written by hand in plain PyTorch, and, for DDP, the hand step under ``no_sync`` (no
 all-reduce). The device is synchronised before every clock read. A round's time is the slowest rank's. The order of
 the variants alternates between rounds.
@@ -34,8 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from ddpkit import projection
-from ddpkit.process_group import control_group, synchronize
 from ddpkit.errors import EXIT_USAGE, UsageError, report_usage_error
+from ddpkit.job import AMP_DTYPES, Job
+from ddpkit.process_group import control_group, synchronize
 
 STRATEGIES = ("single", "dp", "ddp")
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
@@ -136,7 +137,7 @@ def parse_list(text: str, kind: type, flag: str) -> tuple:
 
 
 class _Batches:
-    """``steps`` batches per ``iter()``, taken from an endless iterator: what ``_Loop`` runs an epoch over."""
+    """``steps`` batches per ``iter()``, taken from an endless iterator: one timed round's batches."""
 
     def __init__(self, source, steps: int):
         self.source, self.steps = source, steps
@@ -178,20 +179,11 @@ def _device_batches(loader, memory_format: torch.memory_format, steps: int) -> _
                      for x, y in itertools.chain.from_iterable(itertools.repeat(loader))), steps)
 
 
-def measure(options: BenchOptions, strategy: str, runtime) -> dict:
+def measure(options: BenchOptions, job: Job) -> dict:
     """Time ddpkit's step, the hand-written step and (DDP) the no_sync step in this process."""
     from ddpkit import zoo
-    from ddpkit.strategies import STRATEGIES as WRAPPERS
-    from ddpkit.strategies import DDPOptions
-    from ddpkit.trainer import (
-        TrainConfig,
-        _Loop,
-        _Position,
-        make_optimizer,
-        make_scheduler,
-    )
 
-    device = runtime.device
+    runtime, strategy, device = job.runtime, job.strategy.name, job.device
     if options.precision == "tf32":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -204,16 +196,13 @@ def measure(options: BenchOptions, strategy: str, runtime) -> dict:
     model = zoo.build_model(options.model, in_channels=channels, num_classes=num_classes, image_size=image_size)
     memory_format = torch.channels_last if options.channels_last else torch.contiguous_format
     model = model.to(memory_format=memory_format)
-    wrapped = WRAPPERS[strategy](model, runtime, ddp=DDPOptions())
+    wrapped, optimizer = job.setup(model, torch.optim.SGD, **SGD)
     if options.compile:
         wrapped = torch.compile(wrapped)
     per_step = options.batch_size * (torch.cuda.device_count() if strategy == "dp" else 1)
     images = torch.randn(per_step, channels, image_size, image_size).to(device, memory_format=memory_format)
     labels = torch.randint(0, 10, (per_step,)).to(device)
-    cfg = TrainConfig(model=options.model, batch_size=per_step, strategy=strategy, optimizer="sgd", progress=False,
-                      amp=_amp(options.precision))
-    optimizer = make_optimizer("sgd", wrapped.parameters(), None)
-    scaler = torch.amp.GradScaler(device.type, enabled=options.precision == "fp16")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # ddpkit train steps one each step
     if from_folder or options.data == "loader":
         from torch.utils.data import TensorDataset
 
@@ -226,14 +215,15 @@ def measure(options: BenchOptions, strategy: str, runtime) -> dict:
         batches = _device_batches(loader, memory_format, options.steps)
     else:
         batches = _Batches(itertools.repeat((images, labels)), options.steps)
-    loop = _Loop(cfg, runtime, wrapped, optimizer, make_scheduler(cfg, optimizer, options.steps), scaler, batches,
-                 None, options.steps, _Position(epoch=0, samples=0, global_step=0))
 
     def ddpkit_round() -> None:
-        loop.epoch(0, 0, [0.0, 0.0])
+        wrapped.train()
+        for images, labels in batches:
+            job.forward_backward(wrapped, images, labels)
+            job.step(optimizer, scheduler)
 
     def hand_round(no_sync: bool = False) -> None:
-        _hand_steps(wrapped, optimizer, scaler, batches, runtime, cfg.amp, no_sync)
+        _hand_steps(wrapped, optimizer, job.scaler, batches, device, job.amp, no_sync)
 
     rounds = {"ddpkit": ddpkit_round, "hand": hand_round}
     if strategy == "ddp" and runtime.world_size > 1:
@@ -251,15 +241,14 @@ def measure(options: BenchOptions, strategy: str, runtime) -> dict:
     }
 
 
-def _hand_steps(model, optimizer, scaler, batches, runtime, amp: str, no_sync: bool = False) -> None:
+def _hand_steps(model, optimizer, scaler, batches, device: torch.device, amp: str, no_sync: bool = False) -> None:
     """The training step as the tutorials write it, once per batch of ``batches``."""
-    from ddpkit.trainer import _autocast
-
+    dtype = AMP_DTYPES[amp]
     model.train()
     for x, y in batches:
         with model.no_sync() if no_sync else contextlib.nullcontext():
             optimizer.zero_grad(set_to_none=True)
-            with _autocast(runtime, amp):
+            with torch.autocast(device_type=device.type, dtype=dtype) if dtype else contextlib.nullcontext():
                 loss = F.cross_entropy(model(x), y)
             scaler.scale(loss).backward()
         scaler.step(optimizer)
@@ -288,6 +277,7 @@ def _timed_rounds(rounds: dict, options: BenchOptions, runtime) -> dict[str, lis
     return times
 
 
+SGD = {"lr": 0.01, "momentum": 0.9}  # ddpkit train's SGD
 SWEEP_BUCKETS_MB = (1.0, 5.0, 25.0, 100.0)
 SWEEP_HOOKS = ("fp16", "bf16", "powersgd")
 
@@ -308,9 +298,7 @@ def _comm_hook(model, name: str):
 
 def sweep(options: BenchOptions, runtime) -> list[dict]:
     """The hand-written DDP step for each bucket size (no hook) and each hook (PyTorch's default buckets)."""
-    from ddpkit import zoo
-    from ddpkit.strategies import DDPOptions, apply_ddp
-    from ddpkit.trainer import make_optimizer
+    from ddpkit import zoo, strategies
 
     channels, image_size = zoo.model_input(options.model, "synthetic", options.image_size)
     images = torch.randn(options.batch_size, channels, image_size, image_size).to(runtime.device)
@@ -321,14 +309,14 @@ def sweep(options: BenchOptions, runtime) -> list[dict]:
     for bucket_mb, hook in configs:
         torch.manual_seed(0)
         model = zoo.build_model(options.model, in_channels=channels, num_classes=10, image_size=image_size)
-        ddp = apply_ddp(model, runtime, ddp=DDPOptions(bucket_cap_mb=bucket_mb))
-        optimizer = make_optimizer("sgd", ddp.parameters(), None)
+        ddp = strategies.create("ddp", bucket_cap_mb=bucket_mb).wrap(model, runtime)
+        optimizer = torch.optim.SGD(ddp.parameters(), **SGD)
         scaler = torch.amp.GradScaler(runtime.device.type, enabled=options.precision == "fp16")
         row = {"bucket_cap_mb": bucket_mb, "hook": hook}
         try:
             if hook != "none":
                 _comm_hook(ddp, hook)
-            hand = functools.partial(_hand_steps, ddp, optimizer, scaler, batches, runtime, _amp(options.precision))
+            hand = functools.partial(_hand_steps, ddp, optimizer, scaler, batches, runtime.device, _amp(options.precision))
             times = _timed_rounds({"hand": hand}, options, runtime)["hand"]
         except RuntimeError as error:  # a hook the backend cannot run (gloo has no bf16 all-reduce, say)
             from ddpkit.errors import first_line
@@ -369,13 +357,13 @@ def worker_main(argv: Sequence[str]) -> int:
 
 
 def _worker(options: BenchOptions, strategy: str, out_path: str) -> int:
-    from ddpkit import process_group
-
-    with process_group.distributed(device=options.device, force_group=strategy != "single") as runtime:
+    # The sweep wraps its own DDP models, one per bucket size and hook.
+    with Job("ddp" if strategy == "sweep" else strategy, amp=_amp(options.precision), device=options.device) as job:
+        runtime = job.runtime
         if strategy == "sweep":
             result = {"sweep": sweep(options, runtime)}
         else:
-            result = measure(options, strategy, runtime)
+            result = measure(options, job)
             if strategy != "dp":  # DataParallel's one process measured every GPU itself
                 result["peak_memory_bytes"] = _gather_memory(result["peak_memory_bytes"], runtime)
         if runtime.is_main:

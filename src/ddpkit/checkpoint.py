@@ -42,7 +42,8 @@ import torch.nn as nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from ddpkit.errors import UsageError, first_line
-from ddpkit.strategies import unwrap
+from ddpkit.snapshot import snapshot
+from ddpkit.strategies import Strategy, strategy_of, unwrap
 
 MODEL_FILE = "model.pt"
 FOLDER = "checkpoints"  # inside the output folder
@@ -281,10 +282,7 @@ def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     One process's own copy: under FSDP or a pipeline no process has the whole model, and
     ``ddpkit.full_model_state`` (a collective every rank calls) gathers it instead.
     """
-    from ddpkit.strategies import Pipeline
-    from ddpkit.strategies.fsdp import is_sharded
-
-    if isinstance(model, Pipeline) or is_sharded(model):
+    if strategy_of(model).shards_model:
         raise UsageError("model_state_dict holds one process's copy, and under FSDP or a pipeline no process holds "
                          "the whole model; call ddpkit.full_model_state(model, runtime) on every rank instead")
     return {key: value.detach().cpu() for key, value in unwrap(model).state_dict().items()}
@@ -371,17 +369,6 @@ def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> 
                              numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
 
 
-def snapshot(obj: Any) -> Any:
-    """A copy with every tensor cloned to the CPU, safe to write while training changes the originals."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {key: snapshot(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot(value) for value in obj)
-    return obj
-
-
 def versions() -> dict[str, str]:
     from ddpkit import __version__
 
@@ -409,6 +396,7 @@ class Resumed:
     global_batch: int | None
     rank_state: dict  # this rank's own entry (``rank_state`` given to save), {} when none
     parameter_names: list[str] = dataclasses.field(default_factory=list)  # the bare model's, in order
+    strategy: Strategy | None = None  # the one the model is trained with (None: told by the model's type)
 
     @property
     def same_world_size(self) -> bool:
@@ -424,10 +412,11 @@ class Resumed:
         """
         contents = self.contents
         if optimizer is not None and contents.optimizer is not None:
-            from ddpkit.strategies import state
-
-            state.load_optimizer_state(model, optimizer, contents.optimizer, self.parameter_names,
-                                       lambda opt, saved: check_optimizer_state(opt, saved, self.path))
+            if model is None and any(hasattr(p, "to_local") for group in optimizer.param_groups for p in group["params"]):
+                raise UsageError("this optimizer drives sharded (FSDP) parameters: pass model= to Resumed.restore")
+            strategy = self.strategy or strategy_of(model if model is not None else nn.Identity(), optimizer)
+            strategy.load_optimizer_state(model, optimizer, contents.optimizer, self.parameter_names,
+                                          lambda opt, saved: check_optimizer_state(opt, saved, self.path))
         if scheduler is not None and contents.scheduler is not None:
             scheduler.load_state_dict(contents.scheduler)
         if scaler is not None and contents.scaler:
@@ -442,11 +431,13 @@ class Checkpointer:
     """Save and resume on every rank with one call each; see the module docstring.
 
     ``keep``: how many checkpoints stay on disk (the newest). ``writer(obj, path)`` writes one file
-    (default ``atomic_save``). ``log`` prints rank 0's messages (default: stderr).
+    (default ``atomic_save``). ``log`` prints rank 0's messages (default: stderr). ``strategy``: the one
+    the model is trained with (``ddpkit.strategies``); by default it is told from the model's type.
     """
 
     def __init__(self, folder: str | os.PathLike, runtime, *, keep: int = 3,
-                 writer: Callable[[Any, Path], None] = atomic_save, log: Callable[[str], None] | None = None):
+                 writer: Callable[[Any, Path], None] = atomic_save, log: Callable[[str], None] | None = None,
+                 strategy: Strategy | None = None):
         if keep < 1:
             raise UsageError(f"--keep-checkpoints must be at least 1, got {keep}")
         from ddpkit.process_group import control_group
@@ -455,6 +446,7 @@ class Checkpointer:
         self.runtime = runtime
         self.keep = keep
         self.writer = writer
+        self.strategy = strategy
         self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.group = control_group(runtime)
         self._thread: threading.Thread | None = None
@@ -494,11 +486,10 @@ class Checkpointer:
                 self.log(f"ddpkit: skipped the checkpoint at step {global_step}: the previous one is still being written")
             return None
         self.wait()
-        from ddpkit.strategies import state
-
+        strategy = self.strategy or strategy_of(model, optimizer)
         # Collectives for the strategies that spread the model or the optimizer over the ranks.
-        model_state = state.full_model_state(model, self.runtime)
-        optimizer_state = state.full_optimizer_state(model, optimizer, self.runtime) if optimizer is not None else None
+        model_state = strategy.full_model_state(model, self.runtime)
+        optimizer_state = strategy.full_optimizer_state(model, optimizer, self.runtime) if optimizer is not None else None
         if not self.runtime.is_main:
             return None
         obj = snapshot({
@@ -590,7 +581,7 @@ class Checkpointer:
             samples=int(progress.get("samples", 0)), global_step=int(progress.get("global_step", 0)),
             world_size=progress.get("world_size"), global_batch=progress.get("global_batch"),
             rank_state=ranks[self.runtime.rank] if self.runtime.rank < len(ranks) else {},
-            parameter_names=[name for name, _ in unwrap(model).named_parameters()],
+            parameter_names=[name for name, _ in unwrap(model).named_parameters()], strategy=self.strategy,
         )
 
     def _choose(self, source: str | os.PathLike, model: nn.Module) -> tuple[Path | None, Any]:

@@ -285,36 +285,28 @@ def _launch_options(ns: argparse.Namespace, launcher: str = "torchrun", one_proc
     )
 
 
-def _check_devices(cfg, nproc: int) -> None:
-    """Refuse dp / nccl / cuda on a machine that cannot run them, before starting any process."""
+def _check_before_launch(cfg, options: LaunchOptions) -> None:
+    """Refuse what this machine or the world size cannot run, before starting any process."""
     import torch
 
+    from ddpkit import zoo
     from ddpkit.process_group import choose_backend, choose_device
+    from ddpkit.trainer import strategy_for
 
-    cuda_count = torch.cuda.device_count()
-    if cfg.strategy == "dp":
-        if cuda_count == 0:
-            raise UsageError("--strategy dp needs at least one CUDA GPU and none is visible; use --strategy ddp")
-        if nproc > 1:
-            raise UsageError(f"--strategy dp is one process driving all GPUs; use --nproc-per-node 1, not {nproc}")
-        return
+    strategy = strategy_for(cfg)
+    nproc, cuda_count = options.nproc_per_node, torch.cuda.device_count()
     # The last local rank is the one that runs out of GPUs first.
     device = choose_device(cfg.device, local_rank=nproc - 1, local_world_size=nproc, cuda_count=cuda_count)
     choose_backend(cfg.backend, device=device, local_world_size=nproc, cuda_count=cuda_count)
-    if cfg.strategy == "single" and nproc > 1:
-        raise UsageError(f"--strategy single trains on one device; use --nproc-per-node 1 (not {nproc}) or --strategy ddp")
 
+    def build_model():
+        channels, image_size = zoo.model_input(cfg.model, zoo.parse_data_spec(cfg.data).kind, cfg.image_size)
+        return zoo.build_model(cfg.model, in_channels=channels, num_classes=10, image_size=image_size)
 
-def _check_pipeline(cfg, world_size: int) -> None:
-    """The stages fit the world, the batch the micro-batches, and the model can be cut: before any process starts."""
-    from ddpkit import zoo
-    from ddpkit.strategies import split
-    from ddpkit.trainer import pipeline_layout
-
-    layout = pipeline_layout(cfg, world_size)
-    channels, image_size = zoo.model_input(cfg.model, zoo.parse_data_spec(cfg.data).kind, cfg.image_size)
-    model = zoo.build_model(cfg.model, in_channels=channels, num_classes=10, image_size=image_size)
-    split.cut(model, layout.stages, cfg.split_at.split(",") if cfg.split_at else None)
+    # An elastic job may run at any size from its least to its most nodes.
+    for nodes in sorted({options.min_nodes or options.nnodes, options.nnodes}):
+        strategy.check(world_size=nodes * nproc, cuda_count=cuda_count, batch_size=cfg.batch_size,
+                       build_model=build_model)
 
 
 def _spawn_train_worker(rank: int, world_size: int, port: int, cfg) -> None:
@@ -339,12 +331,8 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         # Already one rank of a job (torchrun, Slurm's srun, the legacy launcher): train, launch nothing.
         trainer.run(cfg)
         return 0
-    options = _launch_options(ns, ns.launcher, one_process=cfg.strategy in ("single", "dp"))
-    _check_devices(cfg, options.nproc_per_node)
-    if cfg.strategy == "pipeline":
-        # An elastic job may run at any size from its least to its most nodes.
-        for nodes in sorted({options.min_nodes or options.nnodes, options.nnodes}):
-            _check_pipeline(cfg, nodes * options.nproc_per_node)
+    options = _launch_options(ns, ns.launcher, one_process=trainer.strategy_for(cfg).one_process)
+    _check_before_launch(cfg, options)
     if options.world_size == 1 and options.rdzv_endpoint is None:
         trainer.run(cfg)
         return 0

@@ -19,6 +19,7 @@ padding, and ``reduce_sums`` adds the per-rank sums, so every validation sample 
 
 from __future__ import annotations
 
+import itertools
 import math
 import signal
 from collections.abc import Iterator
@@ -119,11 +120,16 @@ class DeviceLoader:
     ``state_dict()`` is the position in the global sample order (epoch, samples consumed by all ranks),
     and ``load_state_dict()`` makes the next ``iter()`` continue from there: the resumed run sees
     exactly the batches the interrupted one had not reached, for any world size.
+
+    ``accumulate``: batches per optimizer step; an epoch then ends at the last whole group of that many.
     """
 
     def __init__(self, loader: DataLoader, device: torch.device, sampler: DistributedSampler | None = None,
-                 seed: int = 0, rank: int = 0):
+                 seed: int = 0, rank: int = 0, accumulate: int = 1):
+        if accumulate < 1:
+            raise UsageError(f"accumulate must be at least 1, got {accumulate}")
         self.loader = loader
+        self.accumulate = accumulate
         self.sampler = sampler
         self.device = device
         self.epoch = 0  # the epoch the next iter() runs
@@ -140,16 +146,22 @@ class DeviceLoader:
         self.epoch = epoch
 
     @property
-    def global_batch(self) -> int:
+    def batch_samples(self) -> int:
+        """Samples in one batch of every rank together."""
         replicas = self.sampler.num_replicas if self.sampler is not None else 1
         return (self.loader.batch_size or 1) * replicas
 
     @property
+    def global_batch(self) -> int:
+        """Samples of one optimizer step: every rank's batches of its ``accumulate`` micro-steps."""
+        return self.batch_samples * self.accumulate
+
+    @property
     def steps_per_epoch(self) -> int:
-        """Batches in a whole epoch (whatever position the loader was told to resume from)."""
+        """Optimizer steps in a whole epoch (whatever position the loader was told to resume from)."""
         start, self._start = self._start, 0
         try:
-            return len(self)
+            return len(self) // self.accumulate
         finally:
             self._start = start
 
@@ -157,7 +169,7 @@ class DeviceLoader:
         """Where a resumed run should continue: mid-epoch while iterating, else the next epoch's start."""
         if self._running is not None:
             epoch, start = self._running
-            return {"epoch": epoch, "samples": start + self._yielded * self.global_batch, "seed": self.seed}
+            return {"epoch": epoch, "samples": start + self._yielded * self.batch_samples, "seed": self.seed}
         return {"epoch": self.epoch, "samples": self._start, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
@@ -167,7 +179,8 @@ class DeviceLoader:
 
     def __len__(self) -> int:
         self._position_sampler(self.epoch, self._start)
-        return len(self.loader)
+        batches = len(self.loader)
+        return batches - batches % self.accumulate
 
     def _position_sampler(self, epoch: int, start: int) -> None:
         if isinstance(self.sampler, ResumableSampler):
@@ -186,7 +199,8 @@ class DeviceLoader:
             self.loader.generator.manual_seed(_epoch_seed(self.seed, self.rank, epoch))
         self.epoch, self._start = epoch + 1, 0
         self._running, self._yielded = (epoch, start), 0
-        for batch in self.loader:
+        whole = len(self.loader) - len(self.loader) % self.accumulate
+        for batch in itertools.islice(self.loader, whole):
             self._yielded += 1  # counted as handed over: a checkpoint taken now is past this batch
             yield to_device(batch, self.device, self._non_blocking)
         self._running = None
@@ -207,6 +221,7 @@ def train_loader(
     in_memory: bool | None = None,
     drop_last: bool = True,
     replica: tuple[int, int] | None = None,
+    accumulate: int = 1,
 ) -> DeviceLoader:
     """Per-process batches of ``batch_size``; the global batch is ``batch_size`` x the ways the data is split
     (``world_size``, or the count in ``replica``).
@@ -216,6 +231,7 @@ def train_loader(
     process with the global batch exactly.
     ``replica=(index, count)``: split the data ``count`` ways and take part ``index`` instead of this
     rank's part of world_size (the stages of one pipeline all take the same part).
+    ``accumulate``: micro-steps per optimizer step; each epoch ends at its last whole step.
     """
     if batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {batch_size}")
@@ -246,7 +262,7 @@ def train_loader(
         worker_init_fn=_ignore_stop_signals if workers > 0 else None,
         generator=torch.Generator(),
     )
-    return DeviceLoader(loader, runtime.device, sampler, seed=seed, rank=index)
+    return DeviceLoader(loader, runtime.device, sampler, seed=seed, rank=index, accumulate=accumulate)
 
 
 def eval_indices(length: int, rank: int, world_size: int) -> range:

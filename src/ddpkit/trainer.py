@@ -11,7 +11,6 @@ are all-reduced only on the last micro-step (DDP's ``no_sync`` on the others).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -19,24 +18,20 @@ import math
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
-from ddpkit import checkpoint, data, nccl, preempt, process_group, zoo
+from ddpkit import checkpoint, data, nccl, preempt, process_group, strategies, zoo
 from ddpkit.env import DistEnv
 from ddpkit.errors import UsageError
-from ddpkit.process_group import Runtime
-from ddpkit.strategies import NEEDS_GROUP, STRATEGIES, DDPOptions, Pipeline, PipelineLayout, check_dp_batch, unwrap
-from ddpkit.strategies import state as strategy_state
-from ddpkit.strategies.pipeline import PIPELINE_SCHEDULES
-from ddpkit.strategies.sync_bn import convert_sync_batchnorm
+from ddpkit.job import AMP_DTYPES, Job
+from ddpkit.strategies import STRATEGIES, Strategy
 
 OPTIMIZERS = ("sgd", "adam", "adadelta")
 DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3, "adadelta": 1.0}
-AMP_DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 METRICS_FILE = "metrics.jsonl"
 SCHEDULES = ("constant", "step", "cosine")
 
@@ -87,20 +82,9 @@ class TrainConfig:
                              f"{self.strategy}" + (" (fsdp shards the optimizer state already)" if self.strategy == "fsdp" else ""))
         pipeline_only = [flag for flag, value in (("--stages", self.stages), ("--microbatches", self.microbatches),
                                                   ("--split-at", self.split_at)) if value is not None]
-        if self.strategy != "pipeline":
-            if pipeline_only:
-                raise UsageError(f"{pipeline_only[0]} is for --strategy pipeline, not {self.strategy}")
-            return
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
-            raise UsageError(f"--pipeline-schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.pipeline_schedule!r}")
-        if self.accumulate > 1:
-            raise UsageError("--accumulate with --strategy pipeline: the pipeline accumulates over its micro-batches "
-                             "already; raise --microbatches and --batch-size instead")
-        if self.amp != "off":
-            raise UsageError(f"--amp {self.amp} is not supported with --strategy pipeline yet; use --amp off")
-        for flag, value in (("--stages", self.stages), ("--microbatches", self.microbatches)):
-            if value is not None and value < 1:
-                raise UsageError(f"{flag} must be at least 1, got {value}")
+        if self.strategy != "pipeline" and pipeline_only:
+            raise UsageError(f"{pipeline_only[0]} is for --strategy pipeline, not {self.strategy}")
+        strategy_for(self).check_training(accumulate=self.accumulate, amp=self.amp)
 
     def validate(self) -> None:
         """Raise UsageError for values no run could use (each message names the flag and the value)."""
@@ -142,34 +126,30 @@ class TrainConfig:
             raise UsageError("--resume needs a value: auto, a checkpoint file, or a checkpoint folder")
         if self.resume not in (None, "auto") and not os.path.exists(self.resume):
             raise UsageError(f"--resume {self.resume}: no such file or folder (give a checkpoint file or folder, or auto)")
-        self._validate_parallelism()
-        DDPOptions(bucket_cap_mb=self.bucket_cap_mb)
+        self._validate_parallelism()  # builds the strategy, which checks its own settings
         zoo.parse_data_spec(self.data)
         zoo.check_model_name(self.model)
 
 
-def make_optimizer(name: str, params, lr: float | None, *, zero: bool = False) -> torch.optim.Optimizer:
-    """``zero``: PyTorch's ZeroRedundancyOptimizer around it (each rank steps and stores its share only)."""
-    lr = DEFAULT_LR[name] if lr is None else lr
-    kind, settings = {
-        "sgd": (torch.optim.SGD, {"lr": lr, "momentum": 0.9}),
-        "adam": (torch.optim.Adam, {"lr": lr}),
-        "adadelta": (torch.optim.Adadelta, {"lr": lr}),
-    }[name]
-    if zero:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(params, optimizer_class=kind, **settings)
-    return kind(params, **settings)
+OPTIMIZER_CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adadelta": torch.optim.Adadelta}
 
 
-def pipeline_layout(cfg: TrainConfig, world_size: int) -> PipelineLayout | None:
-    """Stages and replicas of ``--strategy pipeline`` in a world of this size (None for the other strategies)."""
-    if cfg.strategy != "pipeline":
-        return None
-    stages = cfg.stages or world_size
-    return PipelineLayout(world_size=world_size, stages=stages, microbatches=cfg.microbatches or 2 * stages,
-                          batch_size=cfg.batch_size)
+def optimizer_settings(name: str, lr: float | None) -> tuple[type, dict]:
+    """The optimizer class and its settings for ``--optimizer name --lr lr`` (None: the default rate)."""
+    settings = {"lr": DEFAULT_LR[name] if lr is None else lr}
+    if name == "sgd":
+        settings["momentum"] = 0.9
+    return OPTIMIZER_CLASSES[name], settings
+
+
+def strategy_for(cfg: TrainConfig) -> Strategy:
+    """The strategy object the settings describe (``--zero`` with ddp is ZeRO)."""
+    return strategies.create(
+        "zero" if cfg.zero else cfg.strategy, strict=False, find_unused_parameters=cfg.find_unused_parameters,
+        static_graph=cfg.static_graph, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        bucket_cap_mb=cfg.bucket_cap_mb, stages=cfg.stages, microbatches=cfg.microbatches,
+        pipeline_schedule=cfg.pipeline_schedule, split_at=cfg.split_at,
+    )
 
 
 def lr_factor(cfg: TrainConfig, step: int, steps_per_epoch: int) -> float:
@@ -191,10 +171,10 @@ def lr_factor(cfg: TrainConfig, step: int, steps_per_epoch: int) -> float:
 
 def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int):
     """PyTorch's LambdaLR over ``lr_factor``: its state_dict is plain numbers, loadable with weights_only."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(_factor_at, cfg, steps_per_epoch))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(factor_at, cfg, steps_per_epoch))
 
 
-def _factor_at(cfg: TrainConfig, steps_per_epoch: int, step: int) -> float:
+def factor_at(cfg: TrainConfig, steps_per_epoch: int, step: int) -> float:
     return lr_factor(cfg, step, steps_per_epoch)
 
 
@@ -207,234 +187,204 @@ def place_scheduler(scheduler, step: int) -> None:
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 
-def log(runtime: Runtime, message: str) -> None:
-    """Print on global rank 0 only."""
-    if runtime.is_main:
-        print(message, flush=True)
-
-
 def run(cfg: TrainConfig, environment: DistEnv | None = None) -> dict:
     """Set up this process's place in the job, train, and tear the process group down whatever happens.
 
     ``environment`` is read from the launcher's variables when not given (``mp.spawn`` passes its own).
     """
     cfg.validate()
-    with process_group.distributed(
-        backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout, force_group=cfg.strategy in NEEDS_GROUP,
-        environment=environment,
-    ) as runtime:
-        return train(cfg, runtime)
+    with Job(strategy_for(cfg), amp=cfg.amp, accumulate=cfg.accumulate, seed=cfg.seed, sync_bn=cfg.sync_bn,
+             backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout, environment=environment) as job:
+        return train(cfg, job)
 
 
-def _autocast(runtime: Runtime, amp: str):
-    dtype = AMP_DTYPES[amp]
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=runtime.device.type, dtype=dtype)
+@dataclasses.dataclass
+class Position:
+    """Where training goes on: an epoch, the samples of it all ranks consumed, the optimizer steps so far."""
+
+    epoch: int = 0  # the epoch to run next
+    samples: int = 0  # samples of it all ranks together have consumed
+    global_step: int = 0  # optimizer steps since the run began (names the checkpoints)
+    partial: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # this rank's loss sum, count so far
 
 
-def train(cfg: TrainConfig, runtime: Runtime) -> dict:
+@dataclasses.dataclass
+class Run:
+    """What one training run works with, built once by ``start``."""
+
+    cfg: TrainConfig
+    job: Job
+    model: nn.Module  # wrapped
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    loader: data.DeviceLoader
+    val_loader: data.DeviceLoader
+    ckpt: checkpoint.Checkpointer
+    steps_per_epoch: int
+    position: Position
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.batch_size * self.job.data_replicas * self.cfg.accumulate
+
+
+def train(cfg: TrainConfig, job: Job) -> dict:
+    """The whole run in this process: build, resume, the epochs, model.pt. Returns the last epoch's metrics."""
+    run_state = start(cfg, job)
+    metrics_path = os.path.join(cfg.output_dir, METRICS_FILE)
+    if job.is_main:
+        keep_metrics_before(metrics_path, run_state.position.epoch)
+    record: dict = {}
+    loop = EpochLoop(run_state)
+    with preempt.stop_on_signal(job.runtime) as loop.stop:
+        for epoch in range(run_state.position.epoch, cfg.epochs):
+            record = loop.run_epoch(epoch)
+            if job.is_main:
+                with open(metrics_path, "a") as handle:
+                    handle.write(json.dumps(record) + "\n")
+            job.print(f"epoch {epoch + 1}/{cfg.epochs}: train_loss {record['train_loss']:.4f}  val_loss "
+                      f"{record['val_loss']:.4f}  val_acc {record['val_acc']:.2%} ({record['val_count']} samples)  "
+                      f"{record['images_per_sec']:.0f} images/s")
+            loop.save(epoch + 1, 0, [0.0, 0.0], if_idle=False)
+    run_state.ckpt.wait()
+    job.save_model(run_state.model, os.path.join(cfg.output_dir, checkpoint.MODEL_FILE))  # a collective under fsdp, pipeline
+    job.print(f"saved {os.path.join(cfg.output_dir, checkpoint.MODEL_FILE)} and {metrics_path}")
+    # Nobody leaves (and tears the group down) before rank 0 has written the model.
+    run_state.ckpt.wait()
+    return record
+
+
+def start(cfg: TrainConfig, job: Job) -> Run:
+    """Data, model, checkpoint to resume, wrapping, optimizer, loaders and schedule, in the order they need."""
     if cfg.debug:
         # Before any data is loaded: a rank that hangs later can still be found and attached to.
-        print(f"[rank {runtime.rank} local {runtime.local_rank} pid {os.getpid()}] process group up, "
-              f"backend {runtime.backend or 'none'}, device {runtime.device}", flush=True)
+        print(f"[rank {job.rank} local {job.local_rank} pid {os.getpid()}] process group up, "
+              f"backend {job.backend or 'none'}, device {job.device}", flush=True)
     spec = zoo.parse_data_spec(cfg.data)
     channels, image_size = zoo.model_input(cfg.model, spec.kind, cfg.image_size)
     # Rank 0 first: a download (MNIST) happens once, the other ranks then read the files.
-    with process_group.main_process_first(runtime):
+    with process_group.main_process_first(job.runtime):
         sets = zoo.load_data(spec, channels=channels, image_size=image_size)
     # The same seed on every rank and for every world size: identical initial weights.
     torch.manual_seed(cfg.seed)
     model = zoo.build_model(cfg.model, in_channels=channels, num_classes=sets.num_classes, image_size=image_size)
-    if cfg.sync_bn:
-        model = convert_sync_batchnorm(model, runtime)
-    if cfg.strategy == "dp":
-        check_dp_batch(cfg.batch_size, torch.cuda.device_count())
+    job.strategy.check(world_size=job.world_size, cuda_count=torch.cuda.device_count(), batch_size=cfg.batch_size)
+    ckpt, resumed = open_checkpoints(cfg, job, model)
+    optimizer_class, settings = optimizer_settings(cfg.optimizer, cfg.lr)
+    example = torch.zeros(cfg.batch_size, channels, image_size, image_size)
+    wrapped, optimizer = job.setup(model, optimizer_class, example=example, **settings)
+    loader = job.train_loader(sets.train, cfg.batch_size, workers=cfg.workers)
+    val_loader = job.eval_loader(sets.val, cfg.batch_size, workers=cfg.workers)
+    steps_per_epoch = len(loader) // cfg.accumulate
+    if steps_per_epoch == 0 and cfg.epochs > 0:
+        raise UsageError(f"one epoch has {len(loader.loader)} batches per process, fewer than --accumulate "
+                         f"{cfg.accumulate}; lower --accumulate or --batch-size")
+    run_state = Run(cfg, job, wrapped, optimizer, make_scheduler(cfg, optimizer, steps_per_epoch), loader, val_loader,
+                    ckpt, steps_per_epoch, Position())
+    announce(run_state, sets, sum(p.numel() for p in model.parameters()))
+    if resumed is not None:
+        run_state.position = restore(run_state, resumed)
+    job.global_step = run_state.position.global_step
+    return run_state
 
+
+def open_checkpoints(cfg: TrainConfig, job: Job, model: nn.Module) -> tuple[checkpoint.Checkpointer, Any]:
+    """The run's Checkpointer, and the checkpoint to resume (its weights loaded into the bare model), if any."""
     folder = os.path.join(cfg.output_dir, checkpoint.FOLDER)
     source = cfg.resume
-    if runtime.env.restart_count > 0 and (source is None or checkpoint.list_checkpoints(folder)):
+    if job.env.restart_count > 0 and (source is None or checkpoint.list_checkpoints(folder)):
         # torchrun restarted the group after a failure: carry on from this run's newest checkpoint (a
         # --resume PATH was the starting point of the first attempt only).
         source = "auto"
-        log(runtime, f"ddpkit: restart {runtime.env.restart_count} of the group: resuming from the newest checkpoint")
-    if source is None and runtime.is_main:
+        job.print(f"ddpkit: restart {job.env.restart_count} of the group: resuming from the newest checkpoint")
+    if source is None and job.is_main:
         moved = checkpoint.set_aside(folder)
         if moved is not None:
-            log(runtime, f"ddpkit: starting fresh (no --resume); the earlier run's checkpoints were moved to {moved}")
-    ckpt = checkpoint.Checkpointer(folder, runtime, keep=cfg.keep_checkpoints, log=lambda text: log(runtime, text))
+            job.print(f"ddpkit: starting fresh (no --resume); the earlier run's checkpoints were moved to {moved}")
+    ckpt = job.checkpointer(folder, keep=cfg.keep_checkpoints, log=job.print)
     # Weights go into the bare model, before wrapping; the rest once the optimizer exists.
     resumed = ckpt.load(source, model=model)
     if source == "auto" and resumed is None:
-        log(runtime, f"ddpkit: --resume auto: no checkpoint in {folder}, starting fresh")
+        job.print(f"ddpkit: --resume auto: no checkpoint in {folder}, starting fresh")
+    return ckpt, resumed
 
-    ddp_options = DDPOptions(
-        find_unused_parameters=cfg.find_unused_parameters,
-        static_graph=cfg.static_graph,
-        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-        bucket_cap_mb=cfg.bucket_cap_mb,
-    )
-    layout = pipeline_layout(cfg, runtime.world_size)
-    wrapped = STRATEGIES[cfg.strategy](
-        model, runtime, ddp=ddp_options, layout=layout, schedule=cfg.pipeline_schedule,
-        split_at=cfg.split_at.split(",") if cfg.split_at else None,
-        sample_input=torch.zeros(cfg.batch_size // layout.microbatches, channels, image_size, image_size) if layout else None,
-    )
-    optimizer = make_optimizer(cfg.optimizer, wrapped.parameters(), cfg.lr, zero=cfg.zero)
-    scaler = torch.amp.GradScaler(runtime.device.type, enabled=cfg.amp == "fp16")
 
-    # Pipeline stages of one pipeline share their data; only the replicas split it.
-    replica = (layout.replica_of(runtime.rank), layout.replicas) if layout else None
-    loader = data.train_loader(sets.train, batch_size=cfg.batch_size, runtime=runtime, seed=cfg.seed,
-                               workers=cfg.workers, replica=replica)
-    val_loader = data.eval_loader(sets.val, batch_size=cfg.batch_size, runtime=runtime, workers=cfg.workers,
-                                  replica=replica)
-    steps_per_epoch = len(loader) // cfg.accumulate
-    if steps_per_epoch == 0 and cfg.epochs > 0:
-        raise UsageError(
-            f"one epoch has {len(loader)} batches per process, fewer than --accumulate {cfg.accumulate}; "
-            "lower --accumulate or --batch-size"
-        )
-    scheduler = make_scheduler(cfg, optimizer, steps_per_epoch)
-    global_batch = _global_batch(cfg, runtime)
-    n_params = sum(p.numel() for p in model.parameters())
-    log(
-        runtime,
-        f"ddpkit: {runtime.world_size} process(es) via {runtime.env.launcher}, backend "
-        f"{runtime.backend or 'none'}, device {runtime.device.type}, strategy {cfg.strategy}; "
-        f"model {cfg.model} ({n_params:,} parameters); data {cfg.data}: {len(sets.train)} train / "
-        f"{len(sets.val)} val; batch {cfg.batch_size} per "
-        + (f"pipeline x {layout.replicas} pipeline(s) of {layout.stages} stages ({layout.microbatches} micro-batches, "
-           f"{cfg.pipeline_schedule})" if layout else f"process x {runtime.world_size} processes")
+def announce(run_state: Run, sets, n_params: int) -> None:
+    cfg, job = run_state.cfg, run_state.job
+    replicas = job.data_replicas
+    stages = job.world_size // replicas
+    split = (f"pipeline x {replicas} pipeline(s) of {stages} stages ({cfg.microbatches or 2 * stages} micro-batches, "
+             f"{cfg.pipeline_schedule})" if replicas != job.world_size
+             else f"process x {job.world_size} processes")
+    job.print(
+        f"ddpkit: {job.world_size} process(es) via {job.env.launcher}, backend {job.backend or 'none'}, device "
+        f"{job.device.type}, strategy {cfg.strategy}; model {cfg.model} ({n_params:,} parameters); data {cfg.data}: "
+        f"{len(sets.train)} train / {len(sets.val)} val; batch {cfg.batch_size} per {split}"
         + (f" x {cfg.accumulate} micro-steps" if cfg.accumulate > 1 else "")
-        + f" = global batch {global_batch}; {steps_per_epoch} steps per epoch",
+        + f" = global batch {run_state.global_batch}; {run_state.steps_per_epoch} steps per epoch"
     )
-    position = _Position(epoch=0, samples=0, global_step=0)
-    partial = [0.0, 0.0]
-    if resumed is not None:
-        position, partial = _restore(cfg, runtime, resumed, wrapped, optimizer, scheduler, scaler, steps_per_epoch)
-    metrics_path = os.path.join(cfg.output_dir, METRICS_FILE)
-    if runtime.is_main:
-        _keep_metrics_before(metrics_path, position.epoch)
-
-    record: dict = {}
-    loop = _Loop(cfg, runtime, wrapped, optimizer, scheduler, scaler, loader, ckpt, steps_per_epoch, position)
-    with preempt.stop_on_signal(runtime) as loop.stop:
-        for epoch in range(position.epoch, cfg.epochs):
-            start = position.samples if epoch == position.epoch else 0
-            loader.load_state_dict({"epoch": epoch, "samples": start})
-            started = time.perf_counter()
-            train_loss, steps_run = loop.epoch(epoch, start, partial if start else [0.0, 0.0])
-            if loop.stop.requested(now=True):
-                # Signalled late in the epoch: stop before a long evaluation eats the grace period.
-                loop.stop_now(epoch, loop.last_samples, loop.last_partial, None)
-            process_group.synchronize(runtime.device)
-            elapsed = time.perf_counter() - started
-            if cfg.strategy in ("ddp", "fsdp") or (layout and layout.replicas > 1):
-                # DDP copies rank 0's buffers (BatchNorm running stats) to the others at the *start* of each
-                # forward, so after the last step each rank holds its own (FSDP never syncs them). Evaluate,
-                # everywhere, the model that model.pt will hold: rank 0's (pipeline 0's, for each stage).
-                process_group.broadcast_buffers(unwrap(wrapped), runtime,
-                                                group=wrapped.replica_group if layout else None)
-            val_loss, val_acc, val_count = evaluate(_evaluated(wrapped, cfg), val_loader, runtime, cfg.amp,
-                                                    lockstep=cfg.strategy == "fsdp")
-            record = {
-                "epoch": epoch,
-                "train_loss": train_loss,
-                "val_loss": val_loss,
-                "val_acc": val_acc,
-                "val_count": val_count,
-                "images_per_sec": steps_run * global_batch / elapsed,
-                "epoch_time_s": elapsed,
-                "world_size": runtime.world_size,
-                "global_batch": global_batch,
-                "steps": steps_per_epoch,
-                "lr": optimizer.param_groups[0]["lr"],
-                **_memory(runtime, wrapped, optimizer),
-                "nccl": nccl.in_effect(),
-            }
-            if start:
-                record["resumed_at_step"] = steps_per_epoch - steps_run
-            if runtime.is_main:
-                with open(metrics_path, "a") as handle:
-                    handle.write(json.dumps(record) + "\n")
-            log(
-                runtime,
-                f"epoch {epoch + 1}/{cfg.epochs}: train_loss {train_loss:.4f}  val_loss {val_loss:.4f}  "
-                f"val_acc {val_acc:.2%} ({val_count} samples)  {record['images_per_sec']:.0f} images/s",
-            )
-            loop.save(epoch + 1, 0, [0.0, 0.0], if_idle=False)
-    ckpt.wait()
-    final = checkpoint.snapshot(strategy_state.full_model_state(wrapped, runtime))  # a collective under fsdp, pipeline
-    if runtime.is_main:
-        checkpoint.atomic_save(final, os.path.join(cfg.output_dir, checkpoint.MODEL_FILE))
-        log(runtime, f"saved {os.path.join(cfg.output_dir, checkpoint.MODEL_FILE)} and {metrics_path}")
-    # Nobody leaves (and tears the group down) before rank 0 has written the model.
-    ckpt.wait()
-    return record
 
 
-@dataclasses.dataclass
-class _Position:
-    epoch: int  # the epoch to run next
-    samples: int  # samples of it all ranks together have consumed
-    global_step: int  # optimizer steps since the run began (names the checkpoints)
-
-
-def _restore(cfg, runtime, resumed, model, optimizer, scheduler, scaler, steps_per_epoch) -> tuple[_Position, list[float]]:
+def restore(run_state: Run, resumed) -> Position:
     """Load the optimizer, schedule, scaler and RNG; say what changed; return where to continue."""
+    cfg, job = run_state.cfg, run_state.job
     contents = resumed.contents
     # The schedule is not loaded: it is a function of the step, placed there below, from this run's
     # --lr (the checkpoint's, unless --lr changed it), which the scheduler took when it was built.
-    resumed.restore(optimizer=optimizer, scaler=scaler, model=model)
-    global_batch = _global_batch(cfg, runtime)
-    samples = resumed.samples
-    step_in_epoch = samples // global_batch
+    resumed.restore(optimizer=run_state.optimizer, scaler=job.scaler, model=run_state.model)
+    samples, steps_per_epoch = resumed.samples, run_state.steps_per_epoch
+    step_in_epoch = samples // run_state.global_batch
     # The schedule counts optimizer steps of this run's size, whatever size wrote the checkpoint.
-    place_scheduler(scheduler, resumed.epoch * steps_per_epoch + step_in_epoch)
+    place_scheduler(run_state.scheduler, resumed.epoch * steps_per_epoch + step_in_epoch)
     if resumed.epoch >= cfg.epochs:
         where = f"nothing left to train: it ends epoch {resumed.epoch} and --epochs is {cfg.epochs}"
     else:
         where = ("continuing at epoch " + str(resumed.epoch + 1)
                  + (f" after {samples} samples (step {step_in_epoch} of {steps_per_epoch})" if samples else ""))
-    log(runtime, f"ddpkit: resumed from {resumed.path} ({contents.layout}): {where}")
+    job.print(f"ddpkit: resumed from {resumed.path} ({contents.layout}): {where}")
     if contents.layout != "ddpkit":
         parts = ["weights"] + (["optimizer"] if contents.optimizer is not None else [])
-        log(runtime, f"ddpkit: that file holds {' and '.join(parts)} only: no RNG or data position, so the run "
-                     "continues from an epoch's start, not bit for bit")
-    if contents.config:
-        changed = [f"{key} {contents.config[key]!r} -> {value!r}" for key, value in dataclasses.asdict(cfg).items()
-                   if key in contents.config and contents.config[key] != value and key not in _RESUME_FREE]
-        if changed:
-            log(runtime, f"ddpkit: settings differ from the checkpoint's run: {', '.join(changed)}")
-    if resumed.global_batch is not None and resumed.global_batch != global_batch:
-        per_process = _data_replicas(cfg, runtime) * cfg.accumulate
-        keep = (f"; to keep global batch {resumed.global_batch}, pass --batch-size {resumed.global_batch // per_process}"
-                if resumed.global_batch % per_process == 0 else "")
-        log(runtime, f"ddpkit: the checkpoint was written with global batch {resumed.global_batch} "
-                     f"({resumed.world_size} process(es)); this run's is {global_batch} ({runtime.world_size} x "
-                     f"{cfg.batch_size}{f' x {cfg.accumulate}' if cfg.accumulate > 1 else ''}). The data order "
-                     f"continues where it stopped; the learning rate is not rescaled{keep}")
-    elif resumed.world_size is not None and not resumed.same_world_size:
-        log(runtime, f"ddpkit: the checkpoint was written by {resumed.world_size} process(es), now "
-                     f"{runtime.world_size}: the same global batch {global_batch}; the ranks' random states are not "
-                     "restored (they continue from the seed)")
+        job.print(f"ddpkit: that file holds {' and '.join(parts)} only: no RNG or data position, so the run "
+                  "continues from an epoch's start, not bit for bit")
+    say_what_changed(run_state, resumed)
     partial = resumed.rank_state.get("partial") if resumed.same_world_size else None
     if partial is None:
         # Another world size: the epoch's running loss so far goes to rank 0, which adds it up anyway.
         totals = contents.extra.get("partial_total") if contents.extra else None
-        partial = list(totals) if (totals and runtime.is_main) else [0.0, 0.0]
-    position = _Position(epoch=resumed.epoch, samples=samples, global_step=resumed.global_step
-                         or resumed.epoch * steps_per_epoch + step_in_epoch)
-    return position, list(partial)
+        partial = list(totals) if (totals and job.is_main) else [0.0, 0.0]
+    return Position(epoch=resumed.epoch, samples=samples, partial=list(partial),
+                    global_step=resumed.global_step or resumed.epoch * steps_per_epoch + step_in_epoch)
+
+
+def say_what_changed(run_state: Run, resumed) -> None:
+    """Settings and global batch that differ from the checkpoint's run, in one line each."""
+    cfg, job, global_batch = run_state.cfg, run_state.job, run_state.global_batch
+    config = resumed.contents.config
+    if config:
+        changed = [f"{key} {config[key]!r} -> {value!r}" for key, value in dataclasses.asdict(cfg).items()
+                   if key in config and config[key] != value and key not in RESUME_FREE]
+        if changed:
+            job.print(f"ddpkit: settings differ from the checkpoint's run: {', '.join(changed)}")
+    if resumed.global_batch is not None and resumed.global_batch != global_batch:
+        per_process = job.data_replicas * cfg.accumulate
+        keep = (f"; to keep global batch {resumed.global_batch}, pass --batch-size {resumed.global_batch // per_process}"
+                if resumed.global_batch % per_process == 0 else "")
+        job.print(f"ddpkit: the checkpoint was written with global batch {resumed.global_batch} "
+                  f"({resumed.world_size} process(es)); this run's is {global_batch} ({job.world_size} x "
+                  f"{cfg.batch_size}{f' x {cfg.accumulate}' if cfg.accumulate > 1 else ''}). The data order "
+                  f"continues where it stopped; the learning rate is not rescaled{keep}")
+    elif resumed.world_size is not None and not resumed.same_world_size:
+        job.print(f"ddpkit: the checkpoint was written by {resumed.world_size} process(es), now "
+                  f"{job.world_size}: the same global batch {global_batch}; the ranks' random states are not "
+                  "restored (they continue from the seed)")
 
 
 # Fields that may change between an interrupted run and its resumption without comment.
-_RESUME_FREE = {"resume", "epochs", "debug", "progress", "workers", "output_dir", "timeout", "checkpoint_every",
-                "keep_checkpoints"}
+RESUME_FREE = {"resume", "epochs", "debug", "progress", "workers", "output_dir", "timeout", "checkpoint_every",
+               "keep_checkpoints"}
 
 
-def _keep_metrics_before(path: str, epoch: int) -> None:
+def keep_metrics_before(path: str, epoch: int) -> None:
     """metrics.jsonl keeps the lines of the epochs before ``epoch`` (all of a fresh run's are dropped)."""
     kept = []
     if epoch > 0 and os.path.exists(path):
@@ -448,191 +398,123 @@ def _keep_metrics_before(path: str, epoch: int) -> None:
     checkpoint.atomic_write(path, lambda handle: handle.write("".join(kept).encode()))
 
 
-class _Loop:
-    """The optimizer steps of one epoch, with mid-epoch checkpoints and the stop-signal check."""
+class EpochLoop:
+    """The optimizer steps of each epoch, with mid-epoch checkpoints and the stop-signal check, then the
+    epoch's evaluation and metrics record; ``ddpkit train``'s loop, written on ``Job``."""
 
-    def __init__(self, cfg, runtime, model, optimizer, scheduler, scaler, loader, ckpt, steps_per_epoch, position):
-        self.cfg, self.runtime, self.model = cfg, runtime, model
-        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
-        self.loader, self.ckpt, self.steps_per_epoch = loader, ckpt, steps_per_epoch
-        self.global_step = position.global_step
+    def __init__(self, run_state: Run):
+        self.run = run_state
         self.stop: preempt.StopSignal | None = None
-        self.backward_done = False
-        self.last_samples, self.last_partial = 0, [0.0, 0.0]  # where the last epoch() ended, for a stop there
+        self.last_samples, self.last_partial = 0, [0.0, 0.0]  # where the last steps() ended, for a stop there
 
     def save(self, epoch: int, samples: int, partial: list[float], *, if_idle: bool) -> None:
-        totals = data.reduce_sums(partial, self.runtime) if samples else [0.0, 0.0]
-        self.ckpt.save(
-            model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
-            loader=self.loader, epoch=epoch, samples=samples, global_step=self.global_step,
-            config=dataclasses.asdict(self.cfg), extra={"partial_total": totals},
-            rank_state={"partial": [float(v) for v in partial]}, if_idle=if_idle,
-            global_batch=_global_batch(self.cfg, self.runtime),
+        run = self.run
+        totals = run.job.reduce_sums(partial) if samples else [0.0, 0.0]
+        run.ckpt.save(
+            model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.job.scaler,
+            loader=run.loader, epoch=epoch, samples=samples, global_step=run.job.global_step,
+            config=dataclasses.asdict(run.cfg), extra={"partial_total": totals},
+            rank_state={"partial": [float(v) for v in partial]}, if_idle=if_idle, global_batch=run.global_batch,
         )
 
-    def epoch(self, epoch: int, start: int, partial: list[float]) -> tuple[float, int]:
+    def run_epoch(self, epoch: int) -> dict:
+        """Train the epoch (from where a resume left it), evaluate, and return its metrics record."""
+        run, job = self.run, self.run.job
+        position = run.position
+        start = position.samples if epoch == position.epoch else 0
+        run.loader.load_state_dict({"epoch": epoch, "samples": start})
+        started = time.perf_counter()
+        train_loss, steps_run = self.steps(epoch, start, position.partial if start else [0.0, 0.0])
+        if self.stop is not None and self.stop.requested(now=True):
+            # Signalled late in the epoch: stop before a long evaluation eats the grace period.
+            self.stop_now(epoch, self.last_samples, self.last_partial, None)
+        process_group.synchronize(job.device)
+        elapsed = time.perf_counter() - started
+        val_loss, val_acc, val_count = job.evaluate(run.model, run.val_loader)
+        record = {
+            "epoch": epoch, "train_loss": train_loss, "val_loss": val_loss, "val_acc": val_acc, "val_count": val_count,
+            "images_per_sec": steps_run * run.global_batch / elapsed, "epoch_time_s": elapsed,
+            "world_size": job.world_size, "global_batch": run.global_batch, "steps": run.steps_per_epoch,
+            "lr": run.optimizer.param_groups[0]["lr"], **memory(job, run.model, run.optimizer),
+            "nccl": nccl.in_effect(),
+        }
+        if start:
+            record["resumed_at_step"] = run.steps_per_epoch - steps_run
+        return record
+
+    def steps(self, epoch: int, start: int, partial: list[float]) -> tuple[float, int]:
         """Train from ``start`` samples into ``epoch``; return the epoch's mean loss and the steps run here."""
-        cfg, runtime, model = self.cfg, self.runtime, self.model
-        model.train()
-        steps = len(self.loader) // cfg.accumulate
-        global_batch = _global_batch(cfg, runtime)
-        progress = _progress_bar(runtime, cfg, steps, epoch)
-        loss_sum = torch.tensor(partial[0], dtype=torch.float64, device=runtime.device)
+        run, job, cfg = self.run, self.run.job, self.run.cfg
+        run.model.train()
+        steps = len(run.loader) // cfg.accumulate
+        progress = progress_bar(run, steps, epoch)
+        loss_sum = torch.tensor(partial[0], dtype=torch.float64, device=job.device)
         seen = partial[1]
-        batches = iter(self.loader)
+        batches = iter(run.loader)
         for step in range(steps):
-            self.optimizer.zero_grad(set_to_none=True)
             for micro in range(cfg.accumulate):
                 images, labels = next(batches)
                 if cfg.debug and step == 0 and micro == 0:
-                    print(
-                        f"[rank {runtime.rank} local {runtime.local_rank} pid {os.getpid()}] "
-                        f"data: {images.device}, model: {next(model.parameters()).device}",
-                        flush=True,
-                    )
-                loss = self.forward_backward(images, labels, last=micro == cfg.accumulate - 1)
+                    print(f"[rank {job.rank} local {job.local_rank} pid {os.getpid()}] data: {images.device}, "
+                          f"model: {next(run.model.parameters()).device}", flush=True)
+                loss = job.forward_backward(run.model, images, labels)
                 if loss is not None:  # None: a pipeline stage other than the last has no loss
                     loss_sum += loss.detach().double() * labels.shape[0]
                     seen += labels.shape[0]
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.scheduler.step()
-            self.global_step += 1
+                job.step(run.optimizer, run.scheduler)
             if progress is not None:
-                progress.update(global_batch)
-            done = start + (step + 1) * global_batch
+                progress.update(run.global_batch)
+            done = start + (step + 1) * run.global_batch
             if self.stop is not None and self.stop.requested():
                 self.stop_now(epoch, done, [loss_sum.item(), seen], progress)
             every = cfg.checkpoint_every
-            if every and self.global_step % every == 0 and step + 1 < steps:
+            if every and job.global_step % every == 0 and step + 1 < steps:
                 self.save(epoch, done, [loss_sum.item(), seen], if_idle=True)
         if progress is not None:
             progress.close()
-        self.last_samples, self.last_partial = start + steps * global_batch, [loss_sum.item(), seen]
+        self.last_samples, self.last_partial = start + steps * run.global_batch, [loss_sum.item(), seen]
         # The loss in any single rank's batches is a sample; the epoch's loss is the sum over all ranks.
-        total, count = data.reduce_sums([loss_sum.item(), float(seen)], runtime)
+        total, count = job.reduce_sums([loss_sum.item(), float(seen)])
         return total / max(count, 1.0), steps
-
-    def forward_backward(self, images: torch.Tensor, labels: torch.Tensor, *, last: bool) -> torch.Tensor | None:
-        """One micro-step's loss and gradients; gradients are synchronised on the ``last`` only."""
-        cfg, model = self.cfg, self.model
-        if isinstance(model, Pipeline):
-            return model.train_step(images, labels)  # its micro-batches go through every stage
-        # Skip the all-reduce on all but the last micro-step; gradients accumulate locally. With
-        # static_graph DDP records the graph on its first backward (in this process, resumed or
-        # not), which must be synchronised.
-        first_backward = cfg.static_graph and not self.backward_done
-        sync = contextlib.nullcontext()
-        if cfg.strategy == "ddp" and not (last or first_backward):
-            sync = model.no_sync()
-        elif cfg.strategy == "fsdp":
-            model.set_requires_gradient_sync(last)  # FSDP's no_sync: reduce-scatter on the last micro-step only
-        with sync:
-            with _autocast(self.runtime, cfg.amp):
-                loss = F.cross_entropy(model(images), labels)
-            self.scaler.scale(loss / cfg.accumulate).backward()
-        self.backward_done = True
-        return loss
 
     def stop_now(self, epoch: int, samples: int, partial: list[float], progress) -> None:
         """Every rank got here at the same step: write one checkpoint, wait for it, leave."""
         if progress is not None:
             progress.close()
         self.save(epoch, samples, partial, if_idle=False)
-        self.ckpt.wait()
+        self.run.ckpt.wait()
         # One write per line: the ranks print at the same moment into the same pipe.
-        sys.stdout.write(f"ddpkit: rank {self.runtime.rank} stopped by {self.stop.signal_name} at epoch {epoch + 1}, "
-                         f"step {self.global_step}; checkpoint {self.ckpt.last_path or 'written by rank 0'}\n")
+        sys.stdout.write(f"ddpkit: rank {self.run.job.rank} stopped by {self.stop.signal_name} at epoch {epoch + 1}, "
+                         f"step {self.run.job.global_step}; checkpoint {self.run.ckpt.last_path or 'written by rank 0'}\n")
         sys.stdout.flush()
         raise preempt.StopNow(self.stop.exit_code)
 
 
-def _progress_bar(runtime: Runtime, cfg: TrainConfig, steps: int, epoch: int):
-    if not (runtime.is_main and cfg.progress):
+def progress_bar(run_state: Run, steps: int, epoch: int):
+    if not (run_state.job.is_main and run_state.cfg.progress):
         return None
     from tqdm import tqdm
 
     # disable=None: only on a terminal, so logs and CI output stay free of carriage returns.
     # Counted in global images, so the rate reads as images/s and the ETA as time left in the epoch.
-    return tqdm(
-        total=steps * _global_batch(cfg, runtime),
-        desc=f"epoch {epoch + 1}/{cfg.epochs}",
-        unit="img",
-        unit_scale=True,
-        disable=None,
-        leave=False,
-        file=sys.stderr,
-    )
+    return tqdm(total=steps * run_state.global_batch, desc=f"epoch {epoch + 1}/{run_state.cfg.epochs}", unit="img",
+                unit_scale=True, disable=None, leave=False, file=sys.stderr)
 
 
-def _data_replicas(cfg: TrainConfig, runtime: Runtime) -> int:
-    """How many ways the data is split: every process, except that the stages of a pipeline share theirs."""
-    layout = pipeline_layout(cfg, runtime.world_size)
-    return layout.replicas if layout else runtime.world_size
-
-
-def _global_batch(cfg: TrainConfig, runtime: Runtime) -> int:
-    return cfg.batch_size * _data_replicas(cfg, runtime) * cfg.accumulate
-
-
-def _evaluated(wrapped: nn.Module, cfg: TrainConfig) -> nn.Module:
-    """What runs the validation forwards: DDP ranks their own bare replica (ranks may hold different numbers
-    of validation batches, so no collective may run inside); DataParallel, FSDP (which gathers each block's
-    weights) and pipelines (whose stages pass activations on) through the wrapper."""
-    return unwrap(wrapped) if cfg.strategy in ("ddp", "single") else wrapped
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, loader, runtime: Runtime, amp: str = "off", *,
-             lockstep: bool = False) -> tuple[float, float, int]:
-    """Mean loss, accuracy and sample count over the whole validation set, each sample counted once.
-
-    ``lockstep``: every rank runs as many forwards as the rank with the most batches (a rank out of
-    batches runs empty ones), for models whose forward is a collective (FSDP's all-gathers).
-    """
-    model.eval()
-    loss_sum, correct, count = 0.0, 0.0, 0.0
-    for images, labels in _lockstep(loader, runtime) if lockstep else loader:
-        with _autocast(runtime, amp):
-            output = model(images)
-        if output is None:  # a pipeline stage other than the last
-            continue
-        labels = labels.to(output.device)
-        loss_sum += F.cross_entropy(output.float(), labels, reduction="sum").item()
-        correct += (output.argmax(dim=1) == labels).sum().item()
-        count += labels.shape[0]
-    loss_sum, correct, count = data.reduce_sums([loss_sum, correct, count], runtime)
-    return loss_sum / max(count, 1.0), correct / max(count, 1.0), int(count)
-
-
-def _lockstep(loader, runtime: Runtime):
-    """The loader's batches, then empty batches shaped like them until every rank has run as many."""
-    batches = torch.tensor([len(loader)], device=runtime.device if runtime.backend == "nccl" else "cpu")
-    dist.all_reduce(batches, op=dist.ReduceOp.MAX)
-    last = None
-    for last in loader:
-        yield last
-    for _ in range(int(batches.item()) - len(loader)):
-        if last is None:  # this rank holds no validation sample (fewer than ranks): shape one like the set's first
-            image, label = loader.loader.dataset.dataset[0]
-            last = [torch.as_tensor(image)[None].to(runtime.device), torch.as_tensor(label)[None].to(runtime.device)]
-        yield [item[:0] for item in last]
-
-
-def _memory(runtime: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[float]]:
+def memory(job: Job, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[float]]:
     """Per rank, in MiB: the peak memory (the GPU's allocated peak; on CPU the process's peak resident set)
     and what the training state takes (parameters, gradients, optimizer state: FSDP and ZeRO shrink it)."""
-    if runtime.device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(runtime.device)
+    if job.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(job.device)
     else:
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    mine = torch.tensor([peak, strategy_state.held_bytes(model, optimizer)], dtype=torch.float64) / 2**20
+    mine = torch.tensor([peak, job.strategy.train_state_bytes(model, optimizer)], dtype=torch.float64) / 2**20
     every = [mine]
-    group = process_group.control_group(runtime)
+    group = process_group.control_group(job.runtime)
     if group is not None:
-        every = [torch.empty_like(mine) for _ in range(runtime.world_size)]
+        every = [torch.empty_like(mine) for _ in range(job.world_size)]
         dist.all_gather(every, mine, group=group)
     return {"peak_memory_mb": [round(float(rank[0]), 1) for rank in every],
             "train_state_mb": [round(float(rank[1]), 3) for rank in every]}

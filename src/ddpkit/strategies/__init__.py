@@ -1,45 +1,83 @@
-"""How the model is distributed: one plain function per strategy, chosen from ``STRATEGIES``.
+"""How the model is distributed: one object per strategy, chosen by name from ``STRATEGIES``.
 
-    >>> from ddpkit.strategies import STRATEGIES
+    >>> from ddpkit.strategies import STRATEGIES, create
     >>> sorted(STRATEGIES)
-    ['ddp', 'dp', 'fsdp', 'pipeline', 'single']
+    ['ddp', 'dp', 'fsdp', 'pipeline', 'single', 'zero']
+    >>> create("ddp", static_graph=True)
+    DDP(find_unused_parameters=False, static_graph=True, gradient_as_bucket_view=False, bucket_cap_mb=None)
 
-Each function takes the bare model and the ``Runtime`` and returns the module to train; the bare
-model stays reachable through ``unwrap`` (for saving without a ``module.`` prefix).
+Each strategy is a frozen dataclass of its own settings with the members of ``base.Strategy``: checks,
+``wrap`` (the module to train; the bare model stays reachable through ``unwrap``), the optimizer,
+gradient-sync skipping, evaluation, and whole-state saving and loading. Adding one: a file here and a
+line in ``STRATEGIES`` (see ``base``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.strategies.ddp import DDPOptions, apply_ddp
-from ddpkit.strategies.dp import apply_dp, check_dp_batch
-from ddpkit.strategies.fsdp import apply_fsdp
-from ddpkit.strategies.pipeline import Pipeline, PipelineLayout, apply_pipeline
-from ddpkit.strategies.single import apply_single
+from ddpkit.errors import UsageError
+from ddpkit.strategies.base import Strategy, unwrap
+from ddpkit.strategies.ddp import DDP
+from ddpkit.strategies.dp import DataParallel
+from ddpkit.strategies.fsdp import FSDP
+from ddpkit.strategies.pipeline import Pipeline, PipelineLayout, PipelineParallel
+from ddpkit.strategies.single import Single
 from ddpkit.strategies.split import model_parallel
+from ddpkit.strategies.zero import ZeRO
 
-STRATEGIES = {
-    "single": apply_single,
-    "dp": apply_dp,
-    "ddp": apply_ddp,
-    "fsdp": apply_fsdp,
-    "pipeline": apply_pipeline,
+STRATEGIES: dict[str, type] = {
+    "single": Single,
+    "dp": DataParallel,
+    "ddp": DDP,
+    "zero": ZeRO,
+    "fsdp": FSDP,
+    "pipeline": PipelineParallel,
 }
-# Strategies whose every rank must start the process group, even alone.
-NEEDS_GROUP = ("ddp", "fsdp", "pipeline")
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside a DataParallel / DistributedDataParallel wrapper (or the model itself).
+def create(name: str | Strategy, *, strict: bool = True, **settings) -> Strategy:
+    """The strategy ``name`` with ``settings`` (its dataclass fields); a strategy object is returned as it is.
 
-    Under FSDP the model is its own (sharded) self; under pipeline parallel, this rank's stage.
+    ``strict``: a setting the strategy does not have is an error (naming the strategies that have it);
+    otherwise settings of other strategies are ignored (a caller holding every strategy's settings).
     """
-    while isinstance(model, (nn.DataParallel, DistributedDataParallel, Pipeline)):
-        model = model.module
-    return model
+    if not isinstance(name, str):
+        return name
+    if name not in STRATEGIES:
+        raise UsageError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")
+    kind = STRATEGIES[name]
+    own = {field.name for field in dataclasses.fields(kind)}
+    foreign = [key for key in settings if key not in own]
+    if strict and foreign:
+        owners = [other for other, cls in STRATEGIES.items() if foreign[0] in {f.name for f in dataclasses.fields(cls)}]
+        where = f"a setting of {', '.join(owners)}" if owners else "not a setting of any strategy"
+        raise UsageError(f"strategy {name} has no setting {foreign[0]!r} ({where})")
+    return kind(**{key: value for key, value in settings.items() if key in own})
 
 
-__all__ = ["NEEDS_GROUP", "STRATEGIES", "DDPOptions", "Pipeline", "PipelineLayout", "apply_ddp", "apply_dp", "apply_fsdp",
-           "apply_pipeline", "apply_single", "check_dp_batch", "model_parallel", "unwrap"]
+def strategy_of(model: nn.Module, optimizer=None) -> Strategy:
+    """The strategy that produced ``model`` (and ``optimizer``), for code handed an already wrapped model.
+
+    The only place that looks at wrapper types; the settings it returns are the defaults.
+    """
+    if getattr(model, "is_pipeline", False):
+        return PipelineParallel()
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing can be sharded yet
+    if fsdp is not None and isinstance(model, fsdp.FSDPModule):
+        return FSDP()
+    zero = sys.modules.get("torch.distributed.optim")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        return ZeRO()
+    if isinstance(model, nn.DataParallel):
+        return DataParallel()
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return DDP()
+    return Single()
+
+
+__all__ = ["STRATEGIES", "DDP", "DataParallel", "FSDP", "Pipeline", "PipelineLayout", "PipelineParallel", "Single",
+           "Strategy", "ZeRO", "create", "model_parallel", "strategy_of", "unwrap"]

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import UsageError
-from ddpkit.process_group import Runtime
+from ddpkit.process_group import Runtime, broadcast_buffers
+from ddpkit.strategies.base import Strategy, unwrap
 
 
 @dataclasses.dataclass(frozen=True)
-class DDPOptions:
+class DDP(Strategy):
     # Parameters that may get no gradient in a step (conditional branches). Costs a graph walk per step.
     find_unused_parameters: bool = False
     # The set of used parameters never changes between steps: lets DDP skip re-checking, and
@@ -24,23 +26,34 @@ class DDPOptions:
     # PyTorch's default (25 MiB, with a small first bucket so the first all-reduce starts early).
     bucket_cap_mb: float | None = None
 
+    name: ClassVar[str] = "ddp"
+
     def __post_init__(self) -> None:
-        if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise UsageError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
 
+    def wrap(self, model: nn.Module, runtime: Runtime, *, example=None) -> nn.Module:  # noqa: ARG002
+        if runtime.backend is None:
+            raise UsageError("DDP needs a process group; start it with ddpkit.setup(force_group=True) or a launcher")
+        model = model.to(runtime.device)
+        on_gpu = runtime.device.type == "cuda"
+        return DistributedDataParallel(
+            model,
+            device_ids=[runtime.device.index] if on_gpu else None,
+            output_device=runtime.device.index if on_gpu else None,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            bucket_cap_mb=self.bucket_cap_mb,
+        )
 
-def apply_ddp(model: nn.Module, runtime: Runtime, *, ddp: DDPOptions = DDPOptions(), **_options) -> nn.Module:
-    """Move the model to this rank's device and wrap it; needs a started process group."""
-    if runtime.backend is None:
-        raise UsageError("DDP needs a process group; start it with ddpkit.setup(force_group=True) or a launcher")
-    model = model.to(runtime.device)
-    on_gpu = runtime.device.type == "cuda"
-    return DistributedDataParallel(
-        model,
-        device_ids=[runtime.device.index] if on_gpu else None,
-        output_device=runtime.device.index if on_gpu else None,
-        find_unused_parameters=ddp.find_unused_parameters,
-        static_graph=ddp.static_graph,
-        gradient_as_bucket_view=ddp.gradient_as_bucket_view,
-        bucket_cap_mb=ddp.bucket_cap_mb,
-    )
+    def set_gradient_sync(self, model: nn.Module, enabled: bool, *, first_backward: bool) -> None:
+        # What DDP's no_sync() sets; read by DDP's forward, so it must be set before the forward. With
+        # static_graph DDP records the graph on its first backward in this process, which must be synchronised.
+        model.require_backward_grad_sync = enabled or (first_backward and self.static_graph)
+
+    def sync_buffers(self, model: nn.Module, runtime: Runtime) -> None:
+        # DDP copies rank 0's buffers (BatchNorm running statistics) to the others at the *start* of each
+        # forward, so after the last step each rank holds its own.
+        broadcast_buffers(unwrap(model), runtime)
+

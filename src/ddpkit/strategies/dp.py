@@ -6,31 +6,41 @@ GPU 0 gathers outputs and gradients, so it holds more memory than the others.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import torch
 import torch.nn as nn
 
 from ddpkit.errors import UsageError
 from ddpkit.process_group import Runtime
+from ddpkit.strategies.base import Strategy
 
 
-def apply_dp(model: nn.Module, runtime: Runtime, *, device_ids: list[int] | None = None, **_options) -> nn.Module:
-    """Replicate the model on ``device_ids`` (all visible GPUs by default) inside this one process."""
-    count = torch.cuda.device_count()
-    if count == 0:
-        raise UsageError("--strategy dp needs at least one CUDA GPU and none is visible; use --strategy ddp")
-    if runtime.world_size > 1:
-        raise UsageError(
-            f"--strategy dp is a single process driving all GPUs, but world size is {runtime.world_size}; "
-            "use --nproc-per-node 1 with dp, or --strategy ddp"
-        )
-    ids = list(range(count)) if device_ids is None else device_ids
-    return nn.DataParallel(model.to(torch.device("cuda", ids[0])), device_ids=ids, output_device=ids[0])
+@dataclasses.dataclass(frozen=True)
+class DataParallel(Strategy):
+    device_ids: tuple[int, ...] | None = None  # the GPUs to drive (default: every visible one)
+
+    name: ClassVar[str] = "dp"
+    needs_group: ClassVar[bool] = False
+    one_process: ClassVar[bool] = True
+
+    def check(self, *, world_size: int, cuda_count: int, batch_size: int | None = None, build_model=None) -> None:  # noqa: ARG002
+        if cuda_count == 0:
+            raise UsageError("--strategy dp needs at least one CUDA GPU and none is visible; use --strategy ddp")
+        if world_size > 1:
+            raise UsageError(f"--strategy dp is one process driving all GPUs; use --nproc-per-node 1, not {world_size}")
+        gpus = len(self.device_ids) if self.device_ids else cuda_count
+        # DataParallel's batch is the global one; each GPU needs at least one sample of it.
+        if batch_size is not None and batch_size < gpus:
+            raise UsageError(f"--strategy dp splits each batch across {gpus} GPUs, so --batch-size must be at least "
+                             f"{gpus}, got {batch_size}")
+
+    def wrap(self, model: nn.Module, runtime: Runtime, *, example=None) -> nn.Module:  # noqa: ARG002
+        self.check(world_size=runtime.world_size, cuda_count=torch.cuda.device_count())
+        ids = list(self.device_ids or range(torch.cuda.device_count()))
+        return nn.DataParallel(model.to(torch.device("cuda", ids[0])), device_ids=ids, output_device=ids[0])
 
 
-def check_dp_batch(batch_size: int, gpu_count: int) -> None:
-    """DataParallel's batch is the global one; each GPU needs at least one sample of it."""
-    if batch_size < gpu_count:
-        raise UsageError(
-            f"--strategy dp splits each batch across {gpu_count} GPUs, so --batch-size must be at least "
-            f"{gpu_count}, got {batch_size}"
-        )
+    def eval_module(self, model: nn.Module) -> nn.Module:
+        return model  # through the wrapper: the batch is split over the GPUs as in training

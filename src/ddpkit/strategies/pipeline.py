@@ -20,6 +20,7 @@ ranks holding the same stage in the other pipelines.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -27,8 +28,11 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import UsageError
-from ddpkit.process_group import Runtime
+from ddpkit.process_group import Runtime, broadcast_buffers
+from ddpkit.snapshot import snapshot
 from ddpkit.strategies import split
+from ddpkit.strategies.base import Strategy, unwrap
+from ddpkit.strategies import state as state_layouts
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B
 
@@ -76,6 +80,8 @@ class Pipeline(nn.Module):
     runs one optimizer step's forwards and backwards and returns the batch's mean loss on the last stage
     (None on the others). Calling the module evaluates: the last stage returns the outputs, the others None.
     """
+
+    is_pipeline = True  # unwrap() looks inside it
 
     def __init__(self, module: nn.Module, stage, schedule, layout: PipelineLayout, rank: int, replica_group=None):
         super().__init__()
@@ -134,33 +140,113 @@ def stage_shapes(parts: list[list[tuple[str, nn.Module]]], sample: torch.Tensor)
     return shapes
 
 
-def apply_pipeline(model: nn.Module, runtime: Runtime, *, layout: PipelineLayout, sample_input: torch.Tensor,
-                   schedule: str = "1f1b", split_at: list[str] | None = None, **_options) -> Pipeline:
-    """Cut ``model`` into ``layout.stages`` stages and build this rank's stage and schedule.
+@dataclasses.dataclass(frozen=True)
+class PipelineParallel(Strategy):
+    stages: int | None = None  # stages per pipeline (None: the world size); world = stages x replicas
+    microbatches: int | None = None  # per step (None: 2 x stages); must divide the batch
+    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b
+    split_at: str | None = None  # comma-separated piece names where stages 2, 3, ... begin (None: balanced)
 
-    ``sample_input``: one micro-batch of inputs (values unused), on the CPU, for the activations' shapes.
-    """
-    if runtime.backend is None:
-        raise UsageError("--strategy pipeline needs a process group; start it with a launcher (ddpkit run / torchrun)")
-    if schedule not in PIPELINE_SCHEDULES:
-        raise UsageError(f"--pipeline-schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}")
-    # Imported here: torch.distributed.pipelining takes a second to import, which every ddpkit command would pay.
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    name: ClassVar[str] = "pipeline"
+    shards_model: ClassVar[bool] = True
 
-    parts = split.cut(model, layout.stages, split_at)
-    index = layout.stage_of(runtime.rank)
-    inputs, outputs = (tensor.to(runtime.device) for tensor in stage_shapes(parts, sample_input)[index])
-    module: nn.Module = split.Pieces(parts[index]).to(runtime.device)
-    mesh = init_device_mesh(runtime.device.type, (layout.replicas, layout.stages), mesh_dim_names=("dp", "pp"))
-    replica_group = mesh.get_group("dp") if layout.replicas > 1 else None
-    if replica_group is not None:
-        on_gpu = runtime.device.type == "cuda"
-        # broadcast_buffers=False: no collective in the evaluation forwards (a replica may have no validation
-        # batch); the trainer gives every replica pipeline 0's BatchNorm statistics at each epoch's end.
-        module = DistributedDataParallel(module, process_group=replica_group, broadcast_buffers=False,
-                                         device_ids=[runtime.device.index] if on_gpu else None)
-    stage = PipelineStage(module, index, layout.stages, runtime.device, input_args=inputs, output_args=outputs,
-                          group=mesh.get_group("pp"))
-    runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stage, n_microbatches=layout.microbatches, loss_fn=F.cross_entropy)
-    return Pipeline(module, stage, runner, layout, runtime.rank, replica_group)
+    def __post_init__(self) -> None:
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise UsageError(f"--pipeline-schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
+                             f"got {self.pipeline_schedule!r}")
+        for flag, value in (("--stages", self.stages), ("--microbatches", self.microbatches)):
+            if value is not None and value < 1:
+                raise UsageError(f"{flag} must be at least 1, got {value}")
+
+    def layout(self, world_size: int, batch_size: int) -> PipelineLayout:
+        stages = self.stages or world_size
+        return PipelineLayout(world_size=world_size, stages=stages, microbatches=self.microbatches or 2 * stages,
+                              batch_size=batch_size)
+
+    def split_names(self) -> list[str] | None:
+        return self.split_at.split(",") if self.split_at else None
+
+    def check(self, *, world_size: int, cuda_count: int, batch_size: int | None = None, build_model=None) -> None:  # noqa: ARG002
+        """The stages fit the world, the batch the micro-batches, and (given ``build_model``) the model can be cut."""
+        layout = self.layout(world_size, batch_size or (self.microbatches or 2 * (self.stages or world_size)))
+        if build_model is not None:
+            split.cut(build_model(), layout.stages, self.split_names())
+
+    def check_training(self, *, accumulate: int, amp: str) -> None:
+        if accumulate > 1:
+            raise UsageError("--accumulate with --strategy pipeline: the pipeline accumulates over its micro-batches "
+                             "already; raise --microbatches and --batch-size instead")
+        if amp != "off":
+            raise UsageError(f"--amp {amp} is not supported with --strategy pipeline yet; use --amp off")
+
+    def data_part(self, rank: int, world_size: int) -> tuple[int, int]:
+        # The stages of one pipeline share their data; only the replicas split it.
+        stages = self.stages or world_size
+        return rank // stages, world_size // stages
+
+    def wrap(self, model: nn.Module, runtime: Runtime, *, example: torch.Tensor | None = None) -> Pipeline:
+        """Cut ``model`` into stages and build this rank's stage and schedule.
+
+        ``example``: one batch of inputs (values unused), on the CPU, for the activations' shapes.
+        """
+        if runtime.backend is None:
+            raise UsageError("--strategy pipeline needs a process group; start it with a launcher (ddpkit run / torchrun)")
+        if example is None:
+            raise UsageError("a pipeline needs an example batch of inputs to size its stages: wrap(..., example=batch)")
+        # Imported here: torch.distributed.pipelining takes a second to import, which every ddpkit command would pay.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        layout = self.layout(runtime.world_size, example.shape[0])
+        parts = split.cut(model, layout.stages, self.split_names())
+        index = layout.stage_of(runtime.rank)
+        sample = example[: layout.batch_size // layout.microbatches]
+        inputs, outputs = (tensor.to(runtime.device) for tensor in stage_shapes(parts, sample)[index])
+        module: nn.Module = split.Pieces(parts[index]).to(runtime.device)
+        mesh = init_device_mesh(runtime.device.type, (layout.replicas, layout.stages), mesh_dim_names=("dp", "pp"))
+        replica_group = mesh.get_group("dp") if layout.replicas > 1 else None
+        if replica_group is not None:
+            on_gpu = runtime.device.type == "cuda"
+            # broadcast_buffers=False: no collective in the evaluation forwards (a replica may have no validation
+            # batch); sync_buffers gives every replica pipeline 0's BatchNorm statistics at each epoch's end.
+            module = DistributedDataParallel(module, process_group=replica_group, broadcast_buffers=False,
+                                             device_ids=[runtime.device.index] if on_gpu else None)
+        stage = PipelineStage(module, index, layout.stages, runtime.device, input_args=inputs, output_args=outputs,
+                              group=mesh.get_group("pp"))
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.pipeline_schedule]
+        runner = schedule(stage, n_microbatches=layout.microbatches, loss_fn=F.cross_entropy)
+        return Pipeline(module, stage, runner, layout, runtime.rank, replica_group)
+
+    def set_gradient_sync(self, model: nn.Module, enabled: bool, *, first_backward: bool) -> None:  # noqa: ARG002
+        """The schedule synchronises the replicas on each step (accumulation is refused)."""
+
+    def forward_backward(self, model: Pipeline, inputs, targets, loss_fn, backward, autocast) -> torch.Tensor | None:  # noqa: ARG002
+        return model.train_step(inputs, targets)  # its micro-batches go through every stage; cross-entropy loss
+
+    def eval_module(self, model: nn.Module) -> nn.Module:
+        return model  # the stages pass activations on
+
+    def sync_buffers(self, model: Pipeline, runtime: Runtime) -> None:
+        if model.replica_group is not None:
+            broadcast_buffers(unwrap(model), runtime, group=model.replica_group)
+
+    def full_model_state(self, model: Pipeline, runtime: Runtime) -> dict[str, torch.Tensor] | None:
+        mine = snapshot(unwrap(model).state_dict())
+        return state_layouts.merge_stages(model.replica, runtime, mine, state_layouts.merge_dicts)
+
+    def full_optimizer_state(self, model: Pipeline, optimizer, runtime: Runtime) -> dict | None:
+        from ddpkit.strategies.fsdp import full_options, state_dicts
+
+        # No cpu_offload: with it only global rank 0 would get its stage's state, and every stage needs its own.
+        mine = state_dicts().get_optimizer_state_dict(unwrap(model), optimizer, options=full_options(cpu_offload=False))
+        return state_layouts.merge_stages(model.replica, runtime, snapshot(mine), state_layouts.merge_optimizer_states)
+
+    def load_optimizer_state(self, model: Pipeline, optimizer, saved: dict, names: list[str], check) -> None:
+        from ddpkit.strategies.fsdp import full_options, state_dicts
+
+        named = saved if state_layouts.is_named(saved) else state_layouts.numbered_to_named(saved, names)
+        target = unwrap(model)
+        named = state_layouts.only(named, {name for name, _ in target.named_parameters()})
+        check(optimizer, named)
+        state_dicts().set_optimizer_state_dict(target, optimizer, named, options=full_options(cpu_offload=False))
+

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import torch.nn as nn
 
 from ddpkit.errors import UsageError
 from ddpkit.process_group import Runtime
+from ddpkit.strategies.base import Strategy
 
 
-def apply_single(model: nn.Module, runtime: Runtime, **_options) -> nn.Module:
-    """Move the model to this process's device. Refuses to run one model copy per rank silently."""
-    if runtime.world_size > 1:
-        raise UsageError(
-            f"--strategy single trains one unsynchronised copy per process, but world size is "
-            f"{runtime.world_size}; use --strategy ddp or --nproc-per-node 1"
-        )
-    return model.to(runtime.device)
+@dataclasses.dataclass(frozen=True)
+class Single(Strategy):
+    name: ClassVar[str] = "single"
+    needs_group: ClassVar[bool] = False
+    one_process: ClassVar[bool] = True
+
+    def check(self, *, world_size: int, cuda_count: int, batch_size=None, build_model=None) -> None:  # noqa: ARG002
+        # One unsynchronised model copy per process would train N different models and report one.
+        if world_size > 1:
+            raise UsageError(f"--strategy single trains on one device; use --nproc-per-node 1 (not {world_size}) "
+                             "or --strategy ddp")
+
+    def wrap(self, model: nn.Module, runtime: Runtime, *, example=None) -> nn.Module:  # noqa: ARG002
+        self.check(world_size=runtime.world_size, cuda_count=0)
+        return model.to(runtime.device)

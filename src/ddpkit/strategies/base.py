@@ -1,0 +1,128 @@
+"""What every strategy provides: the ``Strategy`` protocol, whose method bodies are the common answers.
+
+A strategy is one small object (a frozen dataclass holding its own settings) that owns everything that
+differs between ways of distributing a model: which settings fit which world, how the model (and, for
+ZeRO, the optimizer) is wrapped, how gradient synchronisation is skipped on accumulation micro-steps,
+which module evaluation runs, and how the whole model and optimizer state is gathered and loaded.
+Code outside ``ddpkit.strategies`` asks the object; it never branches on a strategy's name or on a
+wrapper's type.
+
+Adding a strategy: one file in this folder with a frozen dataclass that subclasses ``Strategy`` and
+overrides what differs from the defaults here, and one line in ``STRATEGIES`` in ``__init__.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpkit.process_group import Runtime
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside a DataParallel / DistributedDataParallel wrapper (or the model itself).
+
+    Under FSDP the model is its own (sharded) self; under pipeline parallel, this rank's stage.
+    """
+    while isinstance(model, (nn.DataParallel, DistributedDataParallel)) or getattr(model, "is_pipeline", False):
+        model = model.module
+    return model
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # an FSDP shard is a DTensor
+    return local.numel() * tensor.element_size()
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Parameters, their gradients (counted at the parameters' size whether allocated at this moment or not,
+    so the number does not depend on when it is read) and the optimizer's tensors, as this rank holds them."""
+    total = sum(local_bytes(p) * (2 if p.requires_grad else 1) for p in model.parameters())
+    if optimizer is not None:
+        total += sum(local_bytes(value) for per_parameter in optimizer.state.values()
+                     for value in per_parameter.values() if isinstance(value, torch.Tensor))
+    return total
+
+
+class Strategy(Protocol):
+    name: ClassVar[str]
+    # Every rank starts a process group, even a job of one process (DDP, FSDP and pipelines need one).
+    needs_group: ClassVar[bool] = True
+    # One process per node by nature (single, dp): a launcher's "auto" process count means 1.
+    one_process: ClassVar[bool] = False
+    # No process holds the whole model (FSDP, pipelines): full_model_state is a collective.
+    shards_model: ClassVar[bool] = False
+    # Evaluation forwards are collectives: every rank must run as many as the rank with the most batches.
+    eval_lockstep: ClassVar[bool] = False
+
+    def check(self, *, world_size: int, cuda_count: int, batch_size: int | None = None,
+              build_model: Callable[[], nn.Module] | None = None) -> None:
+        """Raise UsageError when this strategy cannot run on ``world_size`` processes (the numbers in it).
+
+        ``batch_size``: per process; ``build_model``: makes the model, for strategies that must inspect it."""
+
+    def check_training(self, *, accumulate: int, amp: str) -> None:
+        """Raise UsageError for training settings this strategy cannot honour."""
+
+    def data_part(self, rank: int, world_size: int) -> tuple[int, int]:
+        """(index, count): the data is split ``count`` ways and this rank takes part ``index``."""
+        return rank, world_size
+
+    def wrap(self, model: nn.Module, runtime: Runtime, *, example: torch.Tensor | None = None) -> nn.Module:
+        """The module to train. ``example``: one batch of inputs on the CPU (pipelines need its shape)."""
+        ...
+
+    def make_optimizer(self, optimizer_class: type, model: nn.Module, **settings) -> torch.optim.Optimizer:
+        """``optimizer_class(model.parameters(), **settings)``, as this strategy needs it (ZeRO shards it)."""
+        return optimizer_class(model.parameters(), **settings)
+
+    def set_gradient_sync(self, model: nn.Module, enabled: bool, *, first_backward: bool) -> None:
+        """Whether the next forward and backward reduce gradients (off on accumulation micro-steps).
+
+        The default has nothing to skip: one process, or DataParallel, whose replicas meet in the backward."""
+
+    def forward_backward(self, model: nn.Module, inputs, targets, loss_fn: Callable, backward: Callable,
+                         autocast: Callable[[], Any]) -> torch.Tensor | None:
+        """One micro-step: the loss (None where this rank computes none), with its gradients computed."""
+        with autocast():
+            loss = loss_fn(model(inputs), targets)
+        backward(loss)
+        return loss
+
+    def eval_module(self, model: nn.Module) -> nn.Module:
+        """What runs the validation forwards. The default, the bare replica: ranks may hold different numbers
+        of validation batches, so no collective may run inside (DDP's forward broadcasts buffers)."""
+        return unwrap(model)
+
+    def sync_buffers(self, model: nn.Module, runtime: Runtime) -> None:
+        """Give every replica the buffers (BatchNorm statistics) that model.pt will hold: rank 0's.
+        The default: one copy of the model, nothing to align."""
+
+    def full_model_state(self, model: nn.Module, runtime: Runtime) -> dict[str, torch.Tensor] | None:
+        """The bare model's state_dict on rank 0, None elsewhere; every rank calls it. The tensors may be
+        the model's own: ``snapshot`` them before the model changes. The default: rank 0's replica."""
+        return unwrap(model).state_dict() if runtime.is_main else None
+
+    def full_optimizer_state(self, model: nn.Module, optimizer, runtime: Runtime) -> dict | None:
+        """The optimizer's whole state on rank 0, None elsewhere; every rank calls it."""
+        return optimizer.state_dict() if runtime.is_main else None
+
+    def load_optimizer_state(self, model: nn.Module, optimizer, saved: dict, names: list[str],
+                             check: Callable[[Any, dict], None]) -> None:
+        """Load a saved optimizer state of either layout (numbered or named: ``state``) into ``optimizer``.
+
+        ``names``: the bare model's parameter names in order; ``check(optimizer, state)`` raises a clear
+        error when the state cannot drive this optimizer."""
+        from ddpkit.strategies import state
+
+        numbered = state.named_to_numbered(saved, names) if state.is_named(saved) else saved
+        check(optimizer, numbered)
+        optimizer.load_state_dict(numbered)  # moves the state to the parameters' device
+
+    def train_state_bytes(self, model: nn.Module, optimizer) -> int:
+        """Bytes of parameters, gradients and optimizer state this rank holds."""
+        return held_bytes(model, optimizer)

@@ -1,0 +1,35 @@
+"""DDP with ZeRO stage 1: PyTorch's ZeroRedundancyOptimizer keeps 1/world of the optimizer state on each rank.
+
+Gradients are all-reduced as in DDP; each rank then steps only the parameters it owns and broadcasts them.
+Checkpoints consolidate the shards on rank 0, in PyTorch's plain (numbered) layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+import torch.nn as nn
+
+from ddpkit.process_group import Runtime
+from ddpkit.strategies.base import held_bytes
+from ddpkit.strategies.ddp import DDP
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeRO(DDP):
+    name: ClassVar[str] = "zero"
+
+    def make_optimizer(self, optimizer_class: type, model: nn.Module, **settings) -> torch.optim.Optimizer:
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # imported on use: it pulls in RPC
+
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, **settings)
+
+    def full_optimizer_state(self, model: nn.Module, optimizer, runtime: Runtime) -> dict | None:  # noqa: ARG002
+        # Each rank holds the state of its own share of the parameters; rank 0 collects them all.
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if runtime.is_main else None
+
+    def train_state_bytes(self, model: nn.Module, optimizer) -> int:
+        return held_bytes(model, optimizer.optim if optimizer is not None else None)  # this rank's share
