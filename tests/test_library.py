@@ -38,7 +38,7 @@ def test_prepare_model_single_and_sync_bn():
         torch.testing.assert_close(model[1](x), reference(x))
     with pytest.raises(ddpkit.UsageError, match="strategy must be one of single, dp, ddp, zero, fsdp, pipeline"):
         ddpkit.prepare_model(nn.Linear(1, 1), rt, "zero3")
-    with pytest.raises(ddpkit.UsageError, match="a pipeline needs an example batch"):
+    with pytest.raises(ddpkit.UsageError, match="--strategy pipeline needs a process group"):
         ddpkit.prepare_model(nn.Linear(1, 1), rt, "pipeline")
     with pytest.raises(ddpkit.UsageError, match="strategy ddp has no setting 'stages' \\(a setting of pipeline\\)"):
         ddpkit.prepare_model(nn.Linear(1, 1), rt, "ddp", stages=2)
