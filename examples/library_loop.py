@@ -34,29 +34,25 @@ def main() -> None:
 
     with ddpkit.Job(args.strategy, amp=args.amp, accumulate=args.accumulate, seed=0) as job:
         data = zoo.load_digits(channels=3, image_size=32)
-        model = zoo.ConvNet(in_channels=3, num_classes=data.num_classes, image_size=32)
-        ckpt = job.checkpointer(os.path.join(args.out, "checkpoints"), keep=args.keep_checkpoints)
-        resumed = ckpt.load(args.resume, model=model)  # weights into the bare model, before wrapping
-        model, optimizer = job.setup(model, torch.optim.SGD, lr=0.01, momentum=0.9)
+        model, optimizer = job.setup(zoo.ConvNet(in_channels=3, num_classes=data.num_classes, image_size=32),
+                                     torch.optim.SGD, lr=0.01, momentum=0.9)
         loader = job.train_loader(data.train, args.batch_size)
         val_loader = job.eval_loader(data.val, 64)
-        if resumed is not None:  # optimizer, scaler, data position, every rank's RNG
-            resumed.restore(optimizer=optimizer, scaler=job.scaler, loader=loader, model=model)
-            job.global_step = resumed.global_step
+        ckpt = job.checkpointer(os.path.join(args.out, "checkpoints"), model=model, optimizer=optimizer, loader=loader,
+                                keep=args.keep_checkpoints)
+        ckpt.resume(args.resume)  # weights, optimizer, scaler, data position, RNG, step; None: a fresh start
         for epoch in range(loader.epoch, args.epochs):
             for images, labels in loader:
                 with job.autocast():
                     loss = F.cross_entropy(model(images), labels)
                 job.backward(loss)
                 if job.step(optimizer) and job.global_step % args.checkpoint_every == 0:
-                    ckpt.save(model=model, optimizer=optimizer, scaler=job.scaler, loader=loader,
-                              global_step=job.global_step)
+                    ckpt.save()
             val_loss, val_acc, count = job.evaluate(model, val_loader)
             job.print(f"epoch {epoch + 1}: val_loss {val_loss:.4f} val_acc {val_acc:.2%} ({count} samples)")
-            ckpt.save(model=model, optimizer=optimizer, scaler=job.scaler, loader=loader, global_step=job.global_step)
+            ckpt.save()
         ckpt.wait()
         job.save_model(model, os.path.join(args.out, "model.pt"))
-
 
 if __name__ == "__main__":
     main()

@@ -357,3 +357,12 @@ def test_resuming_an_earlier_checkpoint_retires_the_later_ones(tmp_path):
     assert resumed.global_step == 10
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-00000010.pt", "step-00000005.pt"]
     assert (tmp_path / "step-00000015.pt.stale").exists() and "past the step this run resumes from" in logged[0]
+
+
+def test_the_module_docstring_example_runs():
+    import doctest
+
+    from ddpkit import checkpoint
+
+    failures, tried = doctest.testmod(checkpoint, raise_on_error=False, verbose=False)
+    assert tried >= 3 and failures == 0  # the imports and the whole with-block

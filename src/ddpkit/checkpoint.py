@@ -1,10 +1,21 @@
 """Checkpoints that survive crashes, kills and preemption, and resume as if nothing happened.
 
-    >>> ckpt = Checkpointer("runs/x/checkpoints", runtime, keep=3)                  # doctest: +SKIP
-    >>> resumed = ckpt.resume("auto", model=model, optimizer=opt, loader=loader)     # before wrapping
-    >>> ...                                                                          # train
-    >>> ckpt.save(model=ddp_model, optimizer=opt, loader=loader)                     # every rank calls it
-    >>> ckpt.wait()                                                                  # before exiting
+    >>> import tempfile, torch, ddpkit
+    >>> from torch.utils.data import TensorDataset
+    >>> with ddpkit.Job("single", device="cpu") as job:
+    ...     model, optimizer = job.setup(torch.nn.Linear(4, 2), torch.optim.SGD, lr=0.1)
+    ...     loader = job.train_loader(TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), batch_size=4)
+    ...     ckpt = job.checkpointer(tempfile.mkdtemp(), model=model, optimizer=optimizer, loader=loader)
+    ...     print(ckpt.resume("auto"))                 # nothing saved yet: a fresh start
+    ...     for x, y in loader:
+    ...         job.backward(torch.nn.functional.cross_entropy(model(x), y))
+    ...         stepped = job.step(optimizer)
+    ...     print(ckpt.save().name)                    # every rank calls it; rank 0 writes in the background
+    ...     ckpt.wait()                                # before exiting
+    ...     print(ckpt.resume("auto").global_step, loader.epoch)
+    None
+    step-00000002.pt
+    2 1
 
 Files. ``atomic_save`` writes a temporary file in the target's folder, flushes and fsyncs it, then renames
 it over the target: a crash at any moment leaves either the old file or the new one, never a torn one.
@@ -223,19 +234,19 @@ def read_contents(obj: Any, source: str | os.PathLike = "checkpoint") -> Content
         # The tutorials save after finishing epoch N: training continues with epoch N+1.
         epoch = obj.get(TUTORIAL_EPOCH)
         progress = {"epoch": int(epoch) + 1, "step": 0, "samples": 0} if isinstance(epoch, int) else None
-        return Contents(model=_strip(obj[TUTORIAL_MODEL]), optimizer=obj.get(TUTORIAL_OPTIMIZER),
+        return Contents(model=strip_prefix(obj[TUTORIAL_MODEL]), optimizer=obj.get(TUTORIAL_OPTIMIZER),
                         progress=progress, layout="tutorial")
     if isinstance(obj, dict) and _is_state_dict(obj.get(KEY_MODEL)):
-        return Contents(model=_strip(obj[KEY_MODEL]), optimizer=obj.get(KEY_OPTIMIZER), layout="model+optimizer")
+        return Contents(model=strip_prefix(obj[KEY_MODEL]), optimizer=obj.get(KEY_OPTIMIZER), layout="model+optimizer")
     if _is_state_dict(obj):
-        return Contents(model=_strip(obj), layout="state_dict")
+        return Contents(model=strip_prefix(obj), layout="state_dict")
     raise CheckpointError(
         f"{source} is not a checkpoint ddpkit can read: expected a state_dict, a dict with "
         f"'{TUTORIAL_MODEL}' (and '{TUTORIAL_OPTIMIZER}', '{TUTORIAL_EPOCH}'), or a ddpkit checkpoint"
     )
 
 
-def _strip(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def strip_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop DDP's / DataParallel's ``module.`` prefix (saved from the wrapper instead of the model)."""
     state = dict(state)
     consume_prefix_in_state_dict_if_present(state, "module.")
@@ -271,7 +282,7 @@ def check_model_state(model: nn.Module, state: dict[str, torch.Tensor], source: 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], source: str | os.PathLike = "checkpoint") -> None:
     """Load into the bare model (before wrapping, or through DDP/DP), refusing any mismatch up front."""
-    state = _strip(state)
+    state = strip_prefix(state)
     check_model_state(model, state, source)
     unwrap(model).load_state_dict(state)
 
@@ -433,11 +444,21 @@ class Checkpointer:
     ``keep``: how many checkpoints stay on disk (the newest). ``writer(obj, path)`` writes one file
     (default ``atomic_save``). ``log`` prints rank 0's messages (default: stderr). ``strategy``: the one
     the model is trained with (``ddpkit.strategies``); by default it is told from the model's type.
+
+    Handed what it saves once (``model`` wrapped, ``optimizer``, ``scheduler``, ``scaler``, ``loader``, and
+    ``progress``, an object whose ``global_step`` counts optimizer steps, such as a ``ddpkit.Job``), it
+    needs no arguments: ``save()`` at a step boundary and ``resume(source)`` after setup::
+
+        ckpt = job.checkpointer("runs/x/checkpoints", model=model, optimizer=optimizer, loader=loader)
+        ckpt.resume("auto")        # everything back in place (the loader continues mid-epoch); None: fresh
+        ...
+        ckpt.save()                # every rank calls it
     """
 
     def __init__(self, folder: str | os.PathLike, runtime, *, keep: int = 3,
                  writer: Callable[[Any, Path], None] = atomic_save, log: Callable[[str], None] | None = None,
-                 strategy: Strategy | None = None):
+                 strategy: Strategy | None = None, model: nn.Module | None = None, optimizer=None, scheduler=None,
+                 scaler=None, loader=None, progress=None):
         if keep < 1:
             raise UsageError(f"--keep-checkpoints must be at least 1, got {keep}")
         from ddpkit.process_group import control_group
@@ -447,6 +468,9 @@ class Checkpointer:
         self.keep = keep
         self.writer = writer
         self.strategy = strategy
+        self.bound = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
+                      "loader": loader}
+        self.progress = progress
         self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.group = control_group(runtime)
         self._thread: threading.Thread | None = None
@@ -459,18 +483,22 @@ class Checkpointer:
     # -- saving
 
     def save(
-        self, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler=None, scaler=None,
-        loader=None, epoch: int | None = None, samples: int | None = None, global_step: int | None = None,
+        self, *, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, scheduler=None,
+        scaler=None, loader=None, epoch: int | None = None, samples: int | None = None, global_step: int | None = None,
         config: dict | None = None, extra: dict | None = None, rank_state: dict | None = None,
         if_idle: bool = False, global_batch: int | None = None,
     ) -> Path | None:
         """Checkpoint at this step boundary; every rank calls it. Returns the file rank 0 is writing.
 
-        The position is ``loader.state_dict()`` unless ``epoch``/``samples`` say otherwise.
+        ``model`` ... ``loader`` default to the ones the Checkpointer was handed, ``global_step`` to its
+        ``progress``. The position is ``loader.state_dict()`` unless ``epoch``/``samples`` say otherwise.
         ``if_idle``: skip (rank 0 logs it) when the previous checkpoint is still being written, instead
         of making every rank wait for it; use it for frequent mid-epoch checkpoints.
         ``rank_state``: small per-rank values (gathered to rank 0 with the RNG states).
         """
+        model, optimizer, scheduler, scaler, loader = self._bound(model, optimizer, scheduler, scaler, loader)
+        if global_step is None and self.progress is not None:
+            global_step = self.progress.global_step
         position = loader.state_dict() if loader is not None else {"epoch": 0, "samples": 0}
         epoch = position["epoch"] if epoch is None else epoch
         samples = position["samples"] if samples is None else samples
@@ -554,6 +582,34 @@ class Checkpointer:
 
     # -- resuming
 
+    def _bound(self, model, optimizer, scheduler, scaler, loader) -> tuple:
+        given = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "loader": loader}
+        chosen = tuple(self.bound[name] if value is None else value for name, value in given.items())
+        if chosen[0] is None:
+            raise UsageError("Checkpointer.save needs the model: pass model=, or hand it to the Checkpointer")
+        return chosen
+
+    def resume(self, source: str | os.PathLike | None = "auto") -> Resumed | None:
+        """Put the handed model (wrapped), optimizer, scheduler, scaler, loader position, every rank's RNG and
+        the ``progress``'s step back as ``source`` saved them; None (nothing changed) when there is none.
+
+        Call it after setup and right before the loop. ``source`` as in ``load``; None resumes nothing.
+        """
+        model = self.bound["model"]
+        if model is None:
+            raise UsageError("Checkpointer.resume needs the model: hand it over as Checkpointer(..., model=...)")
+        strategy = self.strategy or strategy_of(model, self.bound["optimizer"])
+        resumed = self._read(source, model)
+        if resumed is None:
+            return None
+        strategy.load_model_state(model, resumed.contents.model)
+        resumed.strategy = strategy
+        resumed.restore(optimizer=self.bound["optimizer"], scheduler=self.bound["scheduler"],
+                        scaler=self.bound["scaler"], loader=self.bound["loader"], model=model)
+        if self.progress is not None:
+            self.progress.global_step = resumed.global_step
+        return resumed
+
     def load(self, source: str | os.PathLike | None = "auto", *, model: nn.Module) -> Resumed | None:
         """Read a checkpoint on every rank and load its weights into ``model``; None when there is none.
 
@@ -561,6 +617,13 @@ class Checkpointer:
         ones, None when the folder has none), a checkpoint folder, or a file (any layout ``read_contents``
         knows). Call it on the bare model, before wrapping; then ``Resumed.restore`` for the rest.
         """
+        resumed = self._read(source, model)
+        if resumed is not None:
+            load_model_state(model, resumed.contents.model, resumed.path)
+        return resumed
+
+    def _read(self, source: str | os.PathLike | None, model: nn.Module) -> Resumed | None:
+        """The checkpoint ``source`` names, read on every rank and checked against ``model``; weights not loaded."""
         if source is None:
             return None
         path, obj = self._choose(source, model)
@@ -573,7 +636,6 @@ class Checkpointer:
                 raise CheckpointError(f"rank {self.runtime.rank} cannot read the checkpoint rank 0 chose ({error}); "
                                       "checkpoints must be on storage every node can read") from None
         contents = read_contents(obj, path)
-        load_model_state(model, contents.model, path)
         progress = contents.progress or {"epoch": 0, "samples": 0}
         ranks = contents.ranks
         return Resumed(

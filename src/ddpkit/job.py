@@ -15,6 +15,9 @@
             job.print(f"epoch {epoch}: val_acc {val_acc:.2%} over {count} samples")   # rank 0 only
         job.save_model(model, "model.pt")              # the bare model's weights, written by rank 0
 
+Checkpoints: ``ckpt = job.checkpointer(folder, model=model, optimizer=optimizer, loader=loader)``, then
+``ckpt.resume("auto")`` before the loop and ``ckpt.save()`` at any step boundary.
+
 Change ``strategy`` ("single", "ddp", "zero", "fsdp", "pipeline", "dp"), ``amp`` ("off", "bf16", "fp16")
 or ``accumulate`` and no other line changes. The job starts the process group when it is made (reading
 rank and world size from torchrun, Slurm, mp.spawn, or none) and tears it down when the ``with`` block
@@ -204,9 +207,14 @@ class Job:
             checkpoint.atomic_save(state, path)
         process_group.barrier(self.runtime)
 
-    def checkpointer(self, folder: str | os.PathLike, **options) -> checkpoint.Checkpointer:
-        """A ``ddpkit.Checkpointer`` on ``folder`` that saves and loads with this job's strategy."""
-        return checkpoint.Checkpointer(folder, self.runtime, strategy=self.strategy, **options)
+    def checkpointer(self, folder: str | os.PathLike, *, model: nn.Module | None = None, optimizer=None, scheduler=None,
+                     loader=None, **options) -> checkpoint.Checkpointer:
+        """A ``ddpkit.Checkpointer`` on ``folder`` for this job's strategy, handed the (wrapped) model, the
+        optimizer, scheduler and loader, the job's grad scaler and its step count: then ``save()`` and
+        ``resume(source)`` take no other argument. ``options``: ``keep``, ``log``, ``writer``."""
+        return checkpoint.Checkpointer(folder, self.runtime, strategy=self.strategy, model=model, optimizer=optimizer,
+                                       scheduler=scheduler, scaler=self.scaler, loader=loader, progress=self,
+                                       **options)
 
 
 @torch.no_grad()

@@ -123,6 +123,10 @@ class Strategy(Protocol):
         check(optimizer, numbered)
         optimizer.load_state_dict(numbered)  # moves the state to the parameters' device
 
+    def load_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load the bare model's whole state_dict (every rank has it) into the wrapped ``model``."""
+        unwrap(model).load_state_dict(state)
+
     def train_state_bytes(self, model: nn.Module, optimizer) -> int:
         """Bytes of parameters, gradients and optimizer state this rank holds."""
         return held_bytes(model, optimizer)

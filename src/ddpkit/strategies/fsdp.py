@@ -73,6 +73,10 @@ class FSDP(Strategy):
         state = state_dicts().get_optimizer_state_dict(model, optimizer, options=full_options())
         return state if runtime.is_main else None
 
+    def load_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        # Every rank holds the whole state (each read the file): each keeps its own shard of it.
+        state_dicts().set_model_state_dict(model, state, options=full_options(cpu_offload=False))
+
     def load_optimizer_state(self, model: nn.Module, optimizer, saved: dict, names: list[str], check) -> None:
         named = saved if state_layouts.is_named(saved) else state_layouts.numbered_to_named(saved, names)
         check(optimizer, named)

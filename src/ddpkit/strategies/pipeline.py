@@ -241,6 +241,12 @@ class PipelineParallel(Strategy):
         mine = state_dicts().get_optimizer_state_dict(unwrap(model), optimizer, options=full_options(cpu_offload=False))
         return state_layouts.merge_stages(model.replica, runtime, snapshot(mine), state_layouts.merge_optimizer_states)
 
+    def load_model_state(self, model: Pipeline, state: dict[str, torch.Tensor]) -> None:
+        # A stage knows only its own parameters' names, and converting a numbered optimizer state needs
+        # the whole model's: load into the bare model before wrapping instead (as ddpkit train does).
+        raise UsageError("resuming after setup is not available for pipelines: call Checkpointer.load(source, "
+                         "model=bare_model) before job.setup, then Resumed.restore(...)")
+
     def load_optimizer_state(self, model: Pipeline, optimizer, saved: dict, names: list[str], check) -> None:
         from ddpkit.strategies.fsdp import full_options, state_dicts
 
