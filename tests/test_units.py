@@ -174,3 +174,32 @@ def test_launch_options_validation(options, message):
 def test_train_config_validation(fields, message):
     with pytest.raises(UsageError, match=message):
         TrainConfig(**fields).validate()
+
+
+def test_every_train_setting_is_one_flag_with_the_configs_default_and_choices():
+    import dataclasses
+
+    from ddpkit.cli import _train_config, build_parser
+
+    parser = build_parser()
+    assert _train_config(parser.parse_args(["train"])) == TrainConfig()
+    flags = parser.parse_args(["train", "--batch-size", "8", "--no-progress", "--zero", "--lr", "0.5",
+                               "--split-at", "layer3", "--amp", "bf16"])
+    assert dataclasses.asdict(_train_config(flags)) == {
+        **dataclasses.asdict(TrainConfig()), "batch_size": 8, "progress": False, "zero": True, "lr": 0.5,
+        "split_at": "layer3", "amp": "bf16"}
+    train = next(action for action in parser._actions if action.dest == "command").choices["train"]
+    by_dest = {action.dest: action for action in train._actions}
+    for field in dataclasses.fields(TrainConfig):
+        assert field.name in by_dest, f"{field.name} has no flag"
+        if field.metadata.get("choices"):
+            assert tuple(by_dest[field.name].choices) == tuple(field.metadata["choices"])
+
+
+def test_the_config_module_docstring_example_runs():
+    import doctest
+
+    from ddpkit import config
+
+    failures, tried = doctest.testmod(config)
+    assert tried >= 6 and failures == 0

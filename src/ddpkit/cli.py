@@ -64,80 +64,11 @@ def _add_launch_flags(parser: argparse.ArgumentParser, *, with_launcher: bool = 
 
 
 def _add_train_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("training")
-    group.add_argument("--model", default="net",
-                       help="net (MNIST CNN with BatchNorm), convnet (conv+linear, no BatchNorm) or a torchvision "
-                            "classifier such as resnet18 (default: net)")
-    group.add_argument("--data", default="digits", metavar="SPEC",
-                       help="digits (built in), synthetic[:N], mnist[:DIR] or folder:PATH (default: digits)")
-    group.add_argument("--epochs", type=int, default=8, help="default: 8")
-    group.add_argument("--batch-size", type=int, default=32, metavar="B",
-                       help="per process (with --strategy pipeline: per pipeline); the global batch is B x "
-                            "world size (pipelines) x accumulate (default: 32)")
-    group.add_argument("--lr", type=float, default=None, help="default: 0.01 sgd, 0.001 adam, 1.0 adadelta")
-    group.add_argument("--optimizer", default="adam", choices=["sgd", "adam", "adadelta"], help="default: adam")
-    group.add_argument("--strategy", default="ddp", choices=["single", "dp", "ddp", "fsdp", "pipeline"],
-                       help="ddp: one process per device; dp: one process drives all GPUs; single: one device; "
-                            "fsdp: weights, gradients and optimizer state sharded over the processes; pipeline: "
-                            "the model cut into stages, one per process (default: ddp; see docs/parallelism.md)")
-    group.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
-                       help="auto = nccl when each process has its own GPU, else gloo (default: auto)")
-    group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: auto")
-    group.add_argument("--amp", default="off", choices=["off", "fp16", "bf16"],
-                       help="mixed precision; fp16 uses a GradScaler (default: off)")
-    group.add_argument("--sync-bn", action="store_true",
-                       help="BatchNorm statistics over the global batch (ddp only; works on CPU too)")
-    group.add_argument("--accumulate", type=int, default=1, metavar="K",
-                       help="micro-steps per optimizer step; the all-reduce runs on the last one only")
-    group.add_argument("--workers", type=int, default=None, metavar="W",
-                       help="data loader processes per rank (default: 0 for in-memory data, else a share of cores)")
-    group.add_argument("--seed", type=int, default=0, help="weights and sample order depend only on this (default: 0)")
-    group.add_argument("--output-dir", default="runs/ddpkit", metavar="DIR",
-                       help="metrics.jsonl, model.pt and checkpoints/ go here (default: runs/ddpkit)")
-    group.add_argument("--timeout", type=float, default=1800.0, metavar="SECONDS",
-                       help="how long a collective waits for the other ranks before failing (default: 1800)")
-    group.add_argument("--image-size", type=int, default=None, metavar="PIXELS",
-                       help="side of the square input (default: 28 net, 32 convnet, 224 torchvision on folders)")
-    group.add_argument("--schedule", default="constant", choices=["constant", "step", "cosine"],
-                       help="learning-rate schedule, stepped every optimizer step (default: constant)")
-    group.add_argument("--warmup-steps", type=int, default=0, metavar="N",
-                       help="linear warm-up over the first N optimizer steps (default: 0)")
-    group.add_argument("--lr-step-epochs", type=int, default=0, metavar="E",
-                       help="step schedule: multiply the LR by --lr-gamma every E epochs (default: a third of --epochs)")
-    group.add_argument("--lr-gamma", type=float, default=0.1, metavar="G", help="step schedule factor (default: 0.1)")
-    group.add_argument("--debug", action="store_true",
-                       help="every rank prints its PID and the device of its data and model")
-    group.add_argument("--no-progress", action="store_true", help="no progress bar")
-    group.add_argument("--list-models", action="store_true", help="print the model names and exit")
-    par = parser.add_argument_group("sharding and pipelines (docs/parallelism.md)")
-    par.add_argument("--zero", action="store_true",
-                     help="with ddp: ZeroRedundancyOptimizer, each process keeps 1/world of the optimizer state")
-    par.add_argument("--stages", type=int, default=None, metavar="S",
-                     help="pipeline: stages per pipeline; world size / S pipelines run as data-parallel replicas "
-                          "(default: the world size)")
-    par.add_argument("--microbatches", type=int, default=None, metavar="M",
-                     help="pipeline: micro-batches per step, dividing --batch-size (default: 2 x stages)")
-    par.add_argument("--pipeline-schedule", default="1f1b", choices=["gpipe", "1f1b"],
-                     help="pipeline: gpipe (all forwards, then all backwards) or 1f1b (less activation memory) "
-                          "(default: 1f1b)")
-    par.add_argument("--split-at", default=None, metavar="NAMES",
-                     help="pipeline: comma-separated names of the pieces where stages 2, 3, ... begin, e.g. "
-                          "layer3 (default: balanced by parameter count)")
-    ckpt = parser.add_argument_group("checkpoints (DIR/checkpoints)")
-    ckpt.add_argument("--resume", default=None, metavar="auto|PATH",
-                      help="auto: continue from the newest complete checkpoint in --output-dir (a fresh start if "
-                           "there is none); PATH: a checkpoint file or folder, ddpkit's or the tutorials' format")
-    ckpt.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
-                      help="also checkpoint every N optimizer steps (default: 0, at each epoch's end only)")
-    ckpt.add_argument("--keep-checkpoints", type=int, default=3, metavar="K", help="keep the newest K (default: 3)")
-    ddp = parser.add_argument_group("DistributedDataParallel knobs")
-    ddp.add_argument("--find-unused-parameters", action="store_true",
-                     help="allow parameters that get no gradient in a step (costs a graph walk per step)")
-    ddp.add_argument("--static-graph", action="store_true", help="the set of used parameters never changes")
-    ddp.add_argument("--gradient-as-bucket-view", action="store_true",
-                     help="gradients share memory with the all-reduce buckets (saves a gradient copy)")
-    ddp.add_argument("--bucket-cap-mb", type=float, default=None, metavar="MB",
-                     help="all-reduce bucket size (default: PyTorch's, 25 MiB after a small first bucket)")
+    from ddpkit.config import add_flags
+    from ddpkit.trainer import TrainConfig
+
+    add_flags(parser, TrainConfig)  # flags, defaults, choices and help: TrainConfig's fields declare them
+    parser.add_argument("--list-models", action="store_true", help="print the model names and exit")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -259,19 +190,10 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 
 
 def _train_config(ns: argparse.Namespace):
+    from ddpkit.config import from_namespace
     from ddpkit.trainer import TrainConfig
 
-    return TrainConfig(
-        model=ns.model, data=ns.data, epochs=ns.epochs, batch_size=ns.batch_size, lr=ns.lr, optimizer=ns.optimizer,
-        strategy=ns.strategy, backend=ns.backend, device=ns.device, amp=ns.amp, sync_bn=ns.sync_bn,
-        accumulate=ns.accumulate, workers=ns.workers, seed=ns.seed, output_dir=ns.output_dir, timeout=ns.timeout,
-        image_size=ns.image_size, find_unused_parameters=ns.find_unused_parameters, static_graph=ns.static_graph,
-        gradient_as_bucket_view=ns.gradient_as_bucket_view, bucket_cap_mb=ns.bucket_cap_mb, debug=ns.debug,
-        progress=not ns.no_progress, schedule=ns.schedule, warmup_steps=ns.warmup_steps,
-        lr_step_epochs=ns.lr_step_epochs, lr_gamma=ns.lr_gamma, resume=ns.resume,
-        checkpoint_every=ns.checkpoint_every, keep_checkpoints=ns.keep_checkpoints, zero=ns.zero, stages=ns.stages,
-        microbatches=ns.microbatches, pipeline_schedule=ns.pipeline_schedule, split_at=ns.split_at,
-    )
+    return from_namespace(TrainConfig, ns)
 
 
 def _launch_options(ns: argparse.Namespace, launcher: str = "torchrun", one_process: bool = False) -> LaunchOptions:

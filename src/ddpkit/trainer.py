@@ -26,9 +26,11 @@ import torch.nn as nn
 
 from ddpkit import checkpoint, data, nccl, preempt, process_group, strategies, zoo
 from ddpkit.env import DistEnv
+from ddpkit.config import option
 from ddpkit.errors import UsageError
 from ddpkit.job import AMP_DTYPES, Job
 from ddpkit.strategies import STRATEGIES, Strategy
+from ddpkit.strategies.pipeline import PIPELINE_SCHEDULES
 
 OPTIMIZERS = ("sgd", "adam", "adadelta")
 DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3, "adadelta": 1.0}
@@ -36,45 +38,78 @@ METRICS_FILE = "metrics.jsonl"
 SCHEDULES = ("constant", "step", "cosine")
 
 
+PARALLEL = "sharding and pipelines (docs/parallelism.md)"
+CHECKPOINTS = "checkpoints (DIR/checkpoints)"
+DDP_KNOBS = "DistributedDataParallel knobs"
+CLI_STRATEGIES = ("single", "dp", "ddp", "fsdp", "pipeline")  # ZeRO is --strategy ddp --zero
+
+
 @dataclasses.dataclass
 class TrainConfig:
-    """Everything one training run depends on; the CLI flags map one to one onto these fields."""
+    """Everything one training run depends on. Each field is also ``ddpkit train``'s flag of the same name
+    (``--batch-size`` for ``batch_size``): its help, choices and default are declared here only."""
 
-    model: str = "net"  # net, convnet, or a torchvision classifier name
-    data: str = "digits"  # digits | synthetic[:N] | mnist[:DIR] | folder:PATH
-    epochs: int = 8
-    batch_size: int = 32  # per process (per pipeline); the global batch is batch_size * data replicas * accumulate
-    lr: float | None = None  # None: the optimizer's default in DEFAULT_LR
-    optimizer: str = "adam"
-    strategy: str = "ddp"
-    backend: str = "auto"  # auto: nccl when each process has its own GPU, gloo otherwise
-    device: str = "auto"
-    amp: str = "off"  # off | fp16 (with a GradScaler) | bf16
-    sync_bn: bool = False
-    accumulate: int = 1
-    workers: int | None = None  # loader processes per rank; None: 0 for in-memory data, else a core share
-    seed: int = 0
-    output_dir: str = "runs/ddpkit"
-    timeout: float = process_group.DEFAULT_TIMEOUT_S  # seconds a collective may wait before failing
-    image_size: int | None = None  # None: the model's own (28 for net, 32 for convnet, ...)
-    find_unused_parameters: bool = False
-    static_graph: bool = False
-    gradient_as_bucket_view: bool = False
-    bucket_cap_mb: float | None = None  # None: PyTorch's default buckets
-    schedule: str = "constant"  # constant | step | cosine, stepped once per optimizer step
-    warmup_steps: int = 0  # linear warm-up from lr/warmup_steps to lr over this many optimizer steps
-    lr_step_epochs: int = 0  # step schedule: multiply by lr_gamma every this many epochs (0: a third of --epochs)
-    lr_gamma: float = 0.1
-    resume: str | None = None  # None: fresh start; "auto": newest complete checkpoint in output_dir; or a path
-    checkpoint_every: int = 0  # also checkpoint every N optimizer steps (0: at each epoch's end only)
-    keep_checkpoints: int = 3
-    zero: bool = False  # DDP with ZeroRedundancyOptimizer: each rank keeps 1/world of the optimizer state
-    stages: int | None = None  # pipeline: stages per pipeline (None: the world size); world = stages x replicas
-    microbatches: int | None = None  # pipeline: micro-batches per step (None: 2 x stages); must divide --batch-size
-    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b
-    split_at: str | None = None  # pipeline: comma-separated piece names where stages begin (None: balanced)
-    debug: bool = False  # every rank prints its PID and where its data and model live
-    progress: bool = True  # a progress bar on global rank 0 (only when writing to a terminal)
+    model: str = option("net", "net (MNIST CNN with BatchNorm), convnet (conv+linear, no BatchNorm) or a torchvision "
+                               "classifier such as resnet18 (default: net)")
+    data: str = option("digits", "digits (built in), synthetic[:N], mnist[:DIR] or folder:PATH (default: digits)",
+                       metavar="SPEC")
+    epochs: int = option(8, "default: 8")
+    batch_size: int = option(32, "per process (with --strategy pipeline: per pipeline); the global batch is B x world "
+                                 "size (pipelines) x accumulate (default: 32)", metavar="B")
+    lr: float | None = option(None, "default: 0.01 sgd, 0.001 adam, 1.0 adadelta", kind=float)
+    optimizer: str = option("adam", "default: adam", choices=OPTIMIZERS)
+    strategy: str = option("ddp", "ddp: one process per device; dp: one process drives all GPUs; single: one device; "
+                                  "fsdp: weights, gradients and optimizer state sharded over the processes; pipeline: "
+                                  "the model cut into stages, one per process (default: ddp; see docs/parallelism.md)",
+                           choices=CLI_STRATEGIES)
+    backend: str = option("auto", "auto = nccl when each process has its own GPU, else gloo (default: auto)",
+                          choices=process_group.BACKENDS)
+    device: str = option("auto", "default: auto", choices=process_group.DEVICES)
+    amp: str = option("off", "mixed precision; fp16 uses a GradScaler (default: off)", choices=tuple(AMP_DTYPES))
+    sync_bn: bool = option(False, "BatchNorm statistics over the global batch (ddp only; works on CPU too)")
+    accumulate: int = option(1, "micro-steps per optimizer step; the all-reduce runs on the last one only", metavar="K")
+    workers: int | None = option(None, "data loader processes per rank (default: 0 for in-memory data, else a share "
+                                       "of cores)", metavar="W", kind=int)
+    seed: int = option(0, "weights and sample order depend only on this (default: 0)")
+    output_dir: str = option("runs/ddpkit", "metrics.jsonl, model.pt and checkpoints/ go here (default: runs/ddpkit)",
+                             metavar="DIR")
+    timeout: float = option(process_group.DEFAULT_TIMEOUT_S, "how long a collective waits for the other ranks before "
+                            "failing (default: 1800)", metavar="SECONDS")
+    image_size: int | None = option(None, "side of the square input (default: 28 net, 32 convnet, 224 torchvision on "
+                                          "folders)", metavar="PIXELS", kind=int)
+    schedule: str = option("constant", "learning-rate schedule, stepped every optimizer step (default: constant)",
+                           choices=SCHEDULES)
+    warmup_steps: int = option(0, "linear warm-up over the first N optimizer steps (default: 0)", metavar="N")
+    lr_step_epochs: int = option(0, "step schedule: multiply the LR by --lr-gamma every E epochs (default: a third of "
+                                    "--epochs)", metavar="E")
+    lr_gamma: float = option(0.1, "step schedule factor (default: 0.1)", metavar="G")
+    debug: bool = option(False, "every rank prints its PID and the device of its data and model")
+    progress: bool = option(True, "no progress bar", flag="--no-progress")
+    zero: bool = option(False, "with ddp: ZeroRedundancyOptimizer, each process keeps 1/world of the optimizer state",
+                        group=PARALLEL)
+    stages: int | None = option(None, "pipeline: stages per pipeline; world size / S pipelines run as data-parallel "
+                                      "replicas (default: the world size)", metavar="S", kind=int, group=PARALLEL)
+    microbatches: int | None = option(None, "pipeline: micro-batches per step, dividing --batch-size (default: 2 x "
+                                            "stages)", metavar="M", kind=int, group=PARALLEL)
+    pipeline_schedule: str = option("1f1b", "pipeline: gpipe (all forwards, then all backwards) or 1f1b (less "
+                                            "activation memory) (default: 1f1b)", choices=PIPELINE_SCHEDULES,
+                                    group=PARALLEL)
+    split_at: str | None = option(None, "pipeline: comma-separated names of the pieces where stages 2, 3, ... begin, "
+                                        "e.g. layer3 (default: balanced by parameter count)", metavar="NAMES",
+                                  kind=str, group=PARALLEL)
+    resume: str | None = option(None, "auto: continue from the newest complete checkpoint in --output-dir (a fresh "
+                                      "start if there is none); PATH: a checkpoint file or folder, ddpkit's or the "
+                                      "tutorials' format", metavar="auto|PATH", kind=str, group=CHECKPOINTS)
+    checkpoint_every: int = option(0, "also checkpoint every N optimizer steps (default: 0, at each epoch's end only)",
+                                   metavar="N", group=CHECKPOINTS)
+    keep_checkpoints: int = option(3, "keep the newest K (default: 3)", metavar="K", group=CHECKPOINTS)
+    find_unused_parameters: bool = option(False, "allow parameters that get no gradient in a step (costs a graph walk "
+                                                 "per step)", group=DDP_KNOBS)
+    static_graph: bool = option(False, "the set of used parameters never changes", group=DDP_KNOBS)
+    gradient_as_bucket_view: bool = option(False, "gradients share memory with the all-reduce buckets (saves a "
+                                                  "gradient copy)", group=DDP_KNOBS)
+    bucket_cap_mb: float | None = option(None, "all-reduce bucket size (default: PyTorch's, 25 MiB after a small first "
+                                               "bucket)", metavar="MB", kind=float, group=DDP_KNOBS)
 
     def _validate_parallelism(self) -> None:
         if self.zero and self.strategy != "ddp":
