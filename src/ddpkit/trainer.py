@@ -244,7 +244,7 @@ class Position:
 
 
 @dataclasses.dataclass
-class Run:
+class RunState:
     """What one training run works with, built once by ``start``."""
 
     cfg: TrainConfig
@@ -289,7 +289,7 @@ def train(cfg: TrainConfig, job: Job) -> dict:
     return record
 
 
-def start(cfg: TrainConfig, job: Job) -> Run:
+def start(cfg: TrainConfig, job: Job) -> RunState:
     """Data, model, checkpoint to resume, wrapping, optimizer, loaders and schedule, in the order they need."""
     if cfg.debug:
         # Before any data is loaded: a rank that hangs later can still be found and attached to.
@@ -314,7 +314,7 @@ def start(cfg: TrainConfig, job: Job) -> Run:
     if steps_per_epoch == 0 and cfg.epochs > 0:
         raise UsageError(f"one epoch has {len(loader.loader)} batches per process, fewer than --accumulate "
                          f"{cfg.accumulate}; lower --accumulate or --batch-size")
-    run_state = Run(cfg, job, wrapped, optimizer, make_scheduler(cfg, optimizer, steps_per_epoch), loader, val_loader,
+    run_state = RunState(cfg, job, wrapped, optimizer, make_scheduler(cfg, optimizer, steps_per_epoch), loader, val_loader,
                     ckpt, steps_per_epoch, Position())
     announce(run_state, sets, sum(p.numel() for p in model.parameters()))
     if resumed is not None:
@@ -344,7 +344,7 @@ def open_checkpoints(cfg: TrainConfig, job: Job, model: nn.Module) -> tuple[chec
     return ckpt, resumed
 
 
-def announce(run_state: Run, sets, n_params: int) -> None:
+def announce(run_state: RunState, sets, n_params: int) -> None:
     cfg, job = run_state.cfg, run_state.job
     replicas = job.data_replicas
     stages = job.world_size // replicas
@@ -360,7 +360,7 @@ def announce(run_state: Run, sets, n_params: int) -> None:
     )
 
 
-def restore(run_state: Run, resumed) -> Position:
+def restore(run_state: RunState, resumed) -> Position:
     """Load the optimizer, schedule, scaler and RNG; say what changed; return where to continue."""
     cfg, job = run_state.cfg, run_state.job
     contents = resumed.contents
@@ -391,7 +391,7 @@ def restore(run_state: Run, resumed) -> Position:
                     global_step=resumed.global_step or resumed.epoch * steps_per_epoch + step_in_epoch)
 
 
-def say_what_changed(run_state: Run, resumed) -> None:
+def say_what_changed(run_state: RunState, resumed) -> None:
     """Settings and global batch that differ from the checkpoint's run, in one line each."""
     cfg, job, global_batch = run_state.cfg, run_state.job, run_state.global_batch
     config = resumed.contents.config
@@ -437,7 +437,7 @@ class EpochLoop:
     """The optimizer steps of each epoch, with mid-epoch checkpoints and the stop-signal check, then the
     epoch's evaluation and metrics record; ``ddpkit train``'s loop, written on ``Job``."""
 
-    def __init__(self, run_state: Run):
+    def __init__(self, run_state: RunState):
         self.run = run_state
         self.stop: preempt.StopSignal | None = None
         self.last_samples, self.last_partial = 0, [0.0, 0.0]  # where the last steps() ended, for a stop there
@@ -525,7 +525,7 @@ class EpochLoop:
         raise preempt.StopNow(self.stop.exit_code)
 
 
-def progress_bar(run_state: Run, steps: int, epoch: int):
+def progress_bar(run_state: RunState, steps: int, epoch: int):
     if not (run_state.job.is_main and run_state.cfg.progress):
         return None
     from tqdm import tqdm
