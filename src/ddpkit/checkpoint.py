@@ -55,6 +55,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from ddpkit.errors import UsageError, first_line
 from ddpkit.snapshot import snapshot
 from ddpkit.strategies import Strategy, strategy_of, unwrap
+from ddpkit.strategies.base import is_shard
 
 MODEL_FILE = "model.pt"
 FOLDER = "checkpoints"  # inside the output folder
@@ -423,7 +424,7 @@ class Resumed:
         """
         contents = self.contents
         if optimizer is not None and contents.optimizer is not None:
-            if model is None and any(hasattr(p, "to_local") for group in optimizer.param_groups for p in group["params"]):
+            if model is None and any(is_shard(p) for group in optimizer.param_groups for p in group["params"]):
                 raise UsageError("this optimizer drives sharded (FSDP) parameters: pass model= to Resumed.restore")
             strategy = self.strategy or strategy_of(model if model is not None else nn.Identity(), optimizer)
             strategy.load_optimizer_state(model, optimizer, contents.optimizer, self.parameter_names,

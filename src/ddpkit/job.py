@@ -144,10 +144,7 @@ class Job:
 
     def autocast(self):
         """Mixed precision for the forward (a no-op with ``amp="off"``)."""
-        dtype = AMP_DTYPES[self.amp]
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
+        return autocast(self.device, self.amp)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, divided over the micro-steps and scaled for fp16."""
@@ -217,6 +214,12 @@ class Job:
                                        **options)
 
 
+def autocast(device: torch.device, amp: str):
+    """``torch.autocast`` to ``amp``'s dtype on ``device`` (a no-op context for ``"off"``)."""
+    dtype = AMP_DTYPES[amp]
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, runtime: process_group.Runtime, amp: str = "off", *, lockstep: bool = False,
              loss_fn=F.cross_entropy) -> tuple[float, float, int]:
@@ -226,10 +229,9 @@ def evaluate(model: nn.Module, loader, runtime: process_group.Runtime, amp: str 
     batches runs empty ones), for models whose forward is a collective (FSDP's all-gathers).
     """
     model.eval()
-    dtype = AMP_DTYPES[amp]
     loss_sum, correct, count = 0.0, 0.0, 0.0
     for images, labels in lockstep_batches(loader, runtime) if lockstep else loader:
-        with torch.autocast(device_type=runtime.device.type, dtype=dtype) if dtype else contextlib.nullcontext():
+        with autocast(runtime.device, amp):
             output = model(images)
         if output is None:  # a pipeline stage other than the last
             continue

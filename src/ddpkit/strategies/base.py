@@ -33,8 +33,13 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def is_shard(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is one rank's shard of a larger one (FSDP's parameters are DTensors)."""
+    return hasattr(tensor, "to_local")
+
+
 def local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # an FSDP shard is a DTensor
+    local = tensor.to_local() if is_shard(tensor) else tensor
     return local.numel() * tensor.element_size()
 
 
