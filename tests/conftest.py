@@ -23,9 +23,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "SLURM_", "TORCHELASTIC"))}
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "SLURM_", "TORCHELASTIC", "DDPKIT_LOG"))}
     env.update({MARKER_KEY: MARKER, "PYTHONUNBUFFERED": "1"}, **extra)
     return env
+
+
+@pytest.fixture(autouse=True)
+def ddpkit_logger_as_the_command_sets_it(monkeypatch):
+    """Each test starts with the ``ddpkit`` logger of a launcher at the default level, whatever rank or
+    stream an earlier test in this process configured it with."""
+    from ddpkit import logs
+
+    monkeypatch.delenv(logs.LEVEL_ENV, raising=False)
+    logs.configure()
 
 
 def _pids_with(key: str, value: str) -> list[int]:

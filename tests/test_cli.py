@@ -221,7 +221,7 @@ def test_a_busy_master_port_is_a_clear_error(tmp_path):
 def test_single_strategy_runs_one_process_with_the_default_nproc(tmp_path, capsys):
     assert main(["train", "--strategy", "single", "--model", "convnet", "--data", "synthetic:64", "--epochs", "1",
                  "--output-dir", str(tmp_path), "--no-progress"]) == 0
-    assert "1 process(es) via single, backend none" in capsys.readouterr().out
+    assert "[rank0]: ddpkit: 1 process(es) via single, backend none" in capsys.readouterr().err
 
 
 def test_spawn_reports_a_worker_usage_error_as_status_2(tmp_path):

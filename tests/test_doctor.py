@@ -76,7 +76,7 @@ def test_a_rank_that_never_reaches_a_collective_is_named(tmp_path):
     script.write_text(HANG)
     result = run_ddpkit("run", "--find-hangs", "--timeout", "5", "--nproc-per-node", "2", str(script), timeout=90)
     assert result.returncode == 1
-    assert "ddpkit: error: rank 0: a collective timed out after 5 s: rank(s) 1 never reached it" in result.stderr
+    assert "[rank0]: ddpkit: error: a collective timed out after 5 s: rank(s) 1 never reached it" in result.stderr
     assert "rank 1 (pid" in result.stderr  # the launcher ended it too; the suite's fixture checks nothing is left
 
 
@@ -86,7 +86,7 @@ def test_without_find_hangs_the_ranks_check_in_after_the_timeout_and_the_missing
     # 3 ranks: the one named must be the stuck one, not merely "every other rank".
     result = run_ddpkit("run", "--timeout", "5", "--nproc-per-node", "3", str(script), timeout=90)
     assert result.returncode == 1
-    assert ("ddpkit: error: rank 0: a collective timed out: rank(s) 1 never reached it (the others checked in at "
+    assert ("[rank0]: ddpkit: error: a collective timed out: rank(s) 1 never reached it (the others checked in at "
             "the job's store after the timeout;") in result.stderr
     assert result.stderr.count("a collective timed out") == 1  # one line for the job
 
@@ -141,8 +141,8 @@ def test_unequal_batch_counts_neither_hang_nor_pass_silently(tmp_path):
     assert "rank 0 ran 5 steps with Join" in result.stdout and "rank 1 ran 4 steps with Join" in result.stdout
     assert result.returncode == 2 and "not reached" not in result.stdout, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("ddpkit: error: the ranks")]
-    assert errors == ["ddpkit: error: the ranks have unequal numbers of batches per epoch (rank 0: 5, rank 1: 4); "
+    errors = [line for line in result.stderr.splitlines() if "ddpkit: error: the ranks" in line]
+    assert errors == ["[rank0]: ddpkit: error: the ranks have unequal numbers of batches per epoch (rank 0: 5, rank 1: 4); "
                       "the ranks with more would wait forever in their extra steps' all-reduce. Shard with "
                       "ddpkit.train_loader or DistributedSampler (equal shares), or wrap the loop in "
                       "torch.distributed.algorithms.Join([model])"]

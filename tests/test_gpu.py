@@ -36,7 +36,8 @@ def test_debug_shows_each_rank_on_its_own_gpu(tmp_path):
     result = run_ddpkit("train", *SMALL, "--nproc-per-node", str(n), "--debug", "--output-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
     for rank in range(n):
-        assert f"data: cuda:{rank}, model: cuda:{rank}" in result.stdout
+        assert f"[rank{rank}]: ddpkit: local rank {rank}, pid " in result.stderr
+        assert f"data: cuda:{rank}, model: cuda:{rank}" in result.stderr
 
 
 def test_bench_on_the_gpus_reports_dp_memory_per_gpu_and_bf16(tmp_path):

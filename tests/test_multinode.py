@@ -109,7 +109,7 @@ def test_nccl_settings_are_said_once_and_recorded(single_node):
 def _check(results, tmp_path: Path, single_node) -> None:
     for result in results:
         assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 process(es) via torchrun" in "".join(result.stdout for result in results)
+    assert "[rank0]: ddpkit: 2 process(es) via torchrun" in "".join(result.stderr for result in results)
     # Only global rank 0 writes, on whichever node the rendezvous made node 0.
     written = [tmp_path / node / "model.pt" for node in ("node0", "node1") if (tmp_path / node / "model.pt").exists()]
     assert len(written) == 1

@@ -60,7 +60,7 @@ def test_resume_is_bit_identical(tmp_path, reference, step):
     result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN,
                         "--resume", str(folder / "checkpoints" / checkpoint.checkpoint_name(step)))
     assert result.returncode == 0, result.stderr
-    assert f"resumed from {folder / 'checkpoints' / checkpoint.checkpoint_name(step)}" in result.stdout
+    assert f"resumed from {folder / 'checkpoints' / checkpoint.checkpoint_name(step)}" in result.stderr
     assert identical(torch.load(tmp_path / "model.pt", weights_only=True), state)
     resumed_rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # The epoch it resumed in reports the same loss over all its steps, and the next one is unchanged.
@@ -78,8 +78,8 @@ def test_resume_auto_falls_back_past_a_corrupt_newest_checkpoint(tmp_path, refer
     checkpoint.write_pointer(tmp_path / "checkpoints", newest)
     result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN, "--resume", "auto")
     assert result.returncode == 0, result.stderr
-    assert f"skipping checkpoint {newest}" in result.stdout
-    assert "resumed from" in result.stdout and "step-00000025.pt" in result.stdout
+    assert f"ddpkit: warning: skipping checkpoint {newest}" in result.stderr
+    assert "resumed from" in result.stderr and "step-00000025.pt" in result.stderr
     assert identical(torch.load(tmp_path / "model.pt", weights_only=True), state)
 
 
@@ -97,8 +97,8 @@ def test_a_checkpoint_of_another_model_is_refused_with_what_differs(tmp_path, re
     result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN, "--model", "convnet",
                         "--resume", str(folder / "checkpoints"))
     assert result.returncode == 2
-    errors = [line for line in result.stderr.splitlines() if line.startswith("ddpkit: error:")]
-    assert len(errors) == 1, result.stderr  # said once, by rank 0, not by every rank
+    errors = [line for line in result.stderr.splitlines() if "ddpkit: error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("[rank0]: "), result.stderr  # said once, by rank 0
     assert "is for another model: 4 missing key(s): conv2d.weight" in errors[0]
     assert "18 unexpected key(s): conv1.weight" in errors[0] and "Traceback" not in result.stderr
 
@@ -113,7 +113,7 @@ def test_the_tutorials_checkpoint_resumes_at_the_next_epoch(tmp_path):
     result = run_ddpkit("train", "--output-dir", str(tmp_path / "out"), "--no-progress", *RUN,
                         "--resume", str(tmp_path / "epoch_0.pt"))
     assert result.returncode == 0, result.stderr
-    assert "(tutorial): continuing at epoch 2" in result.stdout
+    assert "(tutorial): continuing at epoch 2" in result.stderr
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [row["epoch"] for row in rows] == [1]
 
@@ -123,10 +123,10 @@ def test_resuming_on_another_world_size_says_what_it_did_to_the_global_batch(tmp
     result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN, "--nproc-per-node", "1",
                         "--resume", str(folder / "checkpoints" / "step-00000025.pt"))
     assert result.returncode == 0, result.stderr
-    assert "written with global batch 64 (2 process(es)); this run's is 32 (1 x 32)" in result.stdout
-    assert "pass --batch-size 64" in result.stdout
+    assert "written with global batch 64 (2 process(es)); this run's is 32 (1 x 32)" in result.stderr
+    assert "pass --batch-size 64" in result.stderr
     # Epoch 2 continues after the 192 samples the two processes had consumed: step 6 of 44 at batch 32.
-    assert "after 192 samples (step 6 of 44)" in result.stdout
+    assert "after 192 samples (step 6 of 44)" in result.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["epoch"] == 1 and rows[-1]["resumed_at_step"] == 6
 
@@ -136,7 +136,8 @@ def test_a_fresh_start_sets_the_earlier_checkpoints_aside(tmp_path, reference):
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN, "--epochs", "1")
     assert result.returncode == 0, result.stderr
-    assert "were moved to" in result.stdout
+    assert "[rank0]: ddpkit: starting fresh (no --resume); the earlier run's checkpoints were moved to" in result.stderr
+    assert "[rank1]:" not in result.stderr  # at the default level, the messages of rank 0 alone
     assert checkpoint.list_checkpoints(tmp_path / "checkpoints.prev")
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
 
@@ -193,9 +194,9 @@ def test_kill_9_of_a_rank_restarts_the_group_and_ends_with_the_same_model(tmp_pa
         stdout, stderr = _finish(proc, timeout=180)
     assert proc.returncode == 0, stdout + stderr
     assert "step-00000044.pt" not in killed_after  # it really was killed before the end
-    assert "restart 1 of the group: resuming from the newest checkpoint" in stdout
-    resumes = re.findall(r"resumed from (\S+) \(ddpkit\): continuing at epoch \d after \d+ samples", stdout)
-    assert resumes[0] == str(start) and resumes[1].startswith(str(tmp_path / "checkpoints")), stdout
+    assert "[rank0]: ddpkit: restart 1 of the group: resuming from the newest checkpoint" in stderr
+    resumes = re.findall(r"resumed from (\S+) \(ddpkit\): continuing at epoch \d after \d+ samples", stderr)
+    assert resumes[0] == str(start) and resumes[1].startswith(str(tmp_path / "checkpoints")), stderr
     assert identical(torch.load(tmp_path / "model.pt", weights_only=True), reference[1])
 
 
@@ -228,8 +229,9 @@ def test_sigterm_checkpoints_at_one_step_on_every_rank_and_the_run_resumes_exact
     stdout, stderr, took = _signal_when(proc, first_epoch_done, [signal.SIGTERM])
     assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
     assert took < 15, f"took {took:.1f} s to stop"
-    stops = re.findall(r"rank (\d) stopped by SIGTERM at epoch \d+, step (\d+);", stdout)
-    assert sorted(rank for rank, _ in stops) == ["0", "1"], stdout
+    # Every rank says where it stopped (a warning, shown from every rank), each line whole.
+    stops = re.findall(r"\[rank(\d)\]: ddpkit: warning: stopped by SIGTERM at epoch \d+, step (\d+);", stderr)
+    assert sorted(rank for rank, _ in stops) == ["0", "1"], stderr
     steps = {step for _, step in stops}
     assert len(steps) == 1  # both ranks stopped after the same step
     step = int(steps.pop())

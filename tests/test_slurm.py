@@ -119,8 +119,9 @@ def test_srun_ddpkit_train_makes_each_task_one_rank(slurm, tmp_path):
     result = _srun(slurm, sys.executable, "-m", "ddpkit", "train", "--data", "synthetic:256", "--epochs", "1",
                    "--output-dir", str(tmp_path), "--no-progress")
     assert result.returncode == 0, result.stdout + result.stderr
-    # Rank 0 alone prints; the two tasks are the two ranks (nothing launched more).
-    assert result.stdout.count("ddpkit: 2 process(es) via slurm") == 1, result.stdout
+    # Rank 0 alone says it; the two tasks are the two ranks (nothing launched more).
+    assert result.stderr.count("[rank0]: ddpkit: 2 process(es) via slurm") == 1, result.stderr
+    assert "[rank1]:" not in result.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["world_size"] == 2 and rows[-1]["global_batch"] == 64 and rows[-1]["val_count"] == 64
 

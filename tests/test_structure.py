@@ -1,12 +1,15 @@
-"""The code's shape, checked: no module uses another module's underscore names, and no import cycle.
+"""The code's shape, checked: no module uses another module's underscore names, no import cycle, one owner of
+signal handlers, and nothing registered (signal handlers, exit hooks, logging handlers) at import.
 
-Pure reading of the source with ``ast``: nothing is imported or run.
+Reading of the source with ``ast``, except the import check, which imports every module in a fresh process.
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
-from conftest import REPO
+from conftest import REPO, child_env
 
 SRC = REPO / "src"
 PACKAGE_FILES = sorted((SRC / "ddpkit").rglob("*.py"))
@@ -84,6 +87,34 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def signal_installers(path: Path) -> list[str]:
+    """Calls of ``signal.signal`` (the one way Python installs a handler) in the file."""
+    return [f"{path.name}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "signal"
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "signal"]
+
+
+# Imports every module named, then prints what ddpkit's code registered while importing: the signals whose
+# handler changed, the exit hooks registered from ddpkit's modules (torch registers its own), and the
+# handlers of the ddpkit logger.
+IMPORT_ALL = """
+import atexit, importlib, logging, signal, sys
+watched = [s for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)]
+before = {s: signal.getsignal(s) for s in watched}
+hooks, register = [], atexit.register
+def recording(function, *args, **kwargs):
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    if caller.split(".")[0] in ("ddpkit", "this_hooks"):
+        hooks.append(caller)
+    return register(function, *args, **kwargs)
+atexit.register = recording
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+changed = [s.name for s in watched if signal.getsignal(s) is not before[s]]
+print(changed, hooks, len(logging.getLogger("ddpkit").handlers))
+"""
+
+
 def test_no_module_uses_another_modules_underscore_names():
     problems = [problem for path in PACKAGE_FILES + USER_FILES for problem in private_uses(path)]
     assert problems == []
@@ -93,6 +124,19 @@ def test_there_is_no_import_cycle():
     assert find_cycle(edges()) is None
 
 
+def test_only_ddpkit_signals_installs_signal_handlers():
+    owners = {path.name for path in PACKAGE_FILES if signal_installers(path)}
+    assert owners == {"signals.py"}
+
+
+def test_importing_ddpkit_registers_nothing():
+    modules = [name for name in MODULES if name != "ddpkit.__main__"]
+    done = subprocess.run([sys.executable, "-c", IMPORT_ALL, *modules], capture_output=True, text=True,
+                          env=child_env(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "[] [] 0"  # no signal handler, no exit hook, no logging handler
+
+
 def test_the_checks_find_what_they_look_for(tmp_path):
     # A checker that cannot fail proves nothing: each is shown a case it must catch.
     bad = tmp_path / "bad.py"
@@ -100,3 +144,10 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     assert len(private_uses(bad)) == 2
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+    bad.write_text("import signal\nsignal.signal(signal.SIGTERM, print)\n")
+    assert signal_installers(bad) == ["bad.py:2"]
+    (tmp_path / "this_hooks.py").write_text("import atexit, signal\natexit.register(print)\n"
+                                            "signal.signal(signal.SIGTERM, print)\n")
+    hooked = subprocess.run([sys.executable, "-c", IMPORT_ALL, "this_hooks"], capture_output=True, text=True,
+                            cwd=tmp_path, env=child_env(PYTHONPATH=str(tmp_path)), timeout=60)
+    assert hooked.stdout.split("\n")[0] == "['SIGTERM'] ['this_hooks'] 0", hooked.stderr

@@ -63,24 +63,25 @@ def test_spawn_launcher_trains_the_same_model(tmp_path, one_process_batch_64):
     assert max_relative_difference(state_spawn, state_1) <= 1e-5
 
 
-def test_metrics_describe_the_saved_model_even_with_unsynchronised_batchnorm(tmp_path):
-    # Without --sync-bn each rank ends with its own BatchNorm running statistics; the reported val_acc
-    # must be that of model.pt (rank 0's), not a mixture of the ranks' models.
+def test_metrics_describe_the_saved_model_even_with_unsynchronised_batchnorm(default_run):
+    # Without --sync-bn each rank ends with its own BatchNorm running statistics (the default run's net has
+    # BatchNorm); the reported val_acc must be that of model.pt (rank 0's), not a mixture of the ranks' models.
     from ddpkit.zoo import load_digits
 
-    state, rows = train(tmp_path, "--model", "net", "--epochs", "1", "--nproc-per-node", "2")
+    _, folder = default_run
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     model = Net()
-    model.load_state_dict(state)
+    model.load_state_dict(torch.load(folder / "model.pt", weights_only=True))
     model.eval()
     val = load_digits(channels=1, image_size=28).val
     images, labels = val.tensors
     with torch.no_grad():
         output = model(images)
     loss = torch.nn.functional.cross_entropy(output, labels).item()
-    assert rows[0]["val_count"] == len(labels)
-    assert rows[0]["val_acc"] == (output.argmax(1) == labels).sum().item() / len(labels)
+    assert rows[-1]["val_count"] == len(labels)
+    assert rows[-1]["val_acc"] == (output.argmax(1) == labels).sum().item() / len(labels)
     # The loss moves with the running statistics where the accuracy may not.
-    assert rows[0]["val_loss"] == pytest.approx(loss, rel=1e-6)
+    assert rows[-1]["val_loss"] == pytest.approx(loss, rel=1e-6)
 
 
 def test_sync_batchnorm_on_cpu_makes_batchnorm_models_equivalent(tmp_path):
@@ -99,13 +100,25 @@ def test_sync_batchnorm_on_cpu_makes_batchnorm_models_equivalent(tmp_path):
     assert max_relative_difference(state_plain, state_1) > 1e-3
 
 
-def test_default_run_learns_digits_and_writes_the_contract_files(tmp_path):
-    result = run_ddpkit("train", "--epochs", "3", "--debug", "--output-dir", str(tmp_path), timeout=240)
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """``ddpkit train`` with its defaults (net, digits, 2 processes), 3 epochs, --debug: (result, folder)."""
+    folder = tmp_path_factory.mktemp("default")
+    result = run_ddpkit("train", "--epochs", "3", "--debug", "--output-dir", str(folder), timeout=240)
     assert result.returncode == 0, result.stderr
-    # --debug: every rank says where it runs; everything else is printed by rank 0 alone.
-    assert "[rank 0 local 0 pid" in result.stdout and "[rank 1 local 1 pid" in result.stdout
-    assert "data: cpu, model: cpu" in result.stdout
-    assert result.stdout.count("epoch 3/3:") == 1
+    return result, folder
+
+
+def test_default_run_learns_digits_and_writes_the_contract_files(default_run):
+    result, tmp_path = default_run
+    # --debug (--log-level debug): every rank's messages, each line led by its rank, on stderr; the
+    # epoch lines are the command's output, on stdout, printed by rank 0 alone.
+    for rank in (0, 1):
+        assert f"[rank{rank}]: ddpkit: local rank {rank}, pid " in result.stderr
+        assert result.stderr.count(f"[rank{rank}]: ddpkit: 2 process(es) via torchrun") == 1
+    assert result.stderr.count("process group up, backend gloo, device cpu") == 2
+    assert result.stderr.count("data: cpu, model: cpu") == 2 * 3  # each rank, each epoch
+    assert result.stdout.count("epoch 3/3:") == 1 and "ddpkit:" not in result.stdout
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["epoch"] for row in rows] == [0, 1, 2]
     for key in ("epoch", "train_loss", "val_loss", "val_acc", "val_count", "images_per_sec", "world_size", "global_batch"):

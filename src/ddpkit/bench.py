@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from ddpkit import projection
-from ddpkit.errors import EXIT_USAGE, UsageError, report_usage_error
+from ddpkit.errors import EXIT_USAGE, UsageError
+from ddpkit.logs import report_usage_error
 from ddpkit.job import AMP_DTYPES, Job
 from ddpkit.process_group import control_group, synchronize
 

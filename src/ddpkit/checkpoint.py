@@ -40,7 +40,6 @@ import platform
 import random
 import re
 import shutil
-import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -53,6 +52,7 @@ import torch.nn as nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from ddpkit.errors import UsageError, first_line
+from ddpkit.logs import logger
 from ddpkit.snapshot import snapshot
 from ddpkit.strategies import Strategy, strategy_of, unwrap
 from ddpkit.strategies.base import is_shard
@@ -340,7 +340,7 @@ def find_resumable(folder: str | os.PathLike, warn: Callable[[str], None]) -> tu
             return candidate, obj
         except CheckpointError as error:
             reasons.append(str(error))
-            warn(f"ddpkit: warning: skipping checkpoint {candidate}: {error}; trying the previous one")
+            warn(f"skipping checkpoint {candidate}: {error}; trying the previous one")
     raise CheckpointError(f"no usable checkpoint in {folder}: {len(reasons)} found, none readable (newest: {reasons[0]})")
 
 
@@ -472,14 +472,16 @@ class Checkpointer:
         self.bound = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
                       "loader": loader}
         self.progress = progress
-        self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+        # Messages go to the ddpkit logger (rank 0's, below warning); ``log`` takes them all instead.
+        self.log = log or logger.info
+        self.warn = log or (logger.warning if runtime.is_main else logger.debug)  # every rank sees the same
         self.group = control_group(runtime)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_path: Path | None = None
         if runtime.is_main:
             for partial in remove_partial_writes(self.folder):
-                self.log(f"ddpkit: removed {partial}, a checkpoint whose writing was interrupted")
+                self.log(f"removed {partial}, a checkpoint whose writing was interrupted")
 
     # -- saving
 
@@ -512,7 +514,7 @@ class Checkpointer:
         busy = self._writing()
         if busy and if_idle:
             if self.runtime.is_main:
-                self.log(f"ddpkit: skipped the checkpoint at step {global_step}: the previous one is still being written")
+                self.warn(f"skipped the checkpoint at step {global_step}: the previous one is still being written")
             return None
         self.wait()
         strategy = self.strategy or strategy_of(model, optimizer)
@@ -684,14 +686,14 @@ class Checkpointer:
             if entry.resolve() != chosen.resolve() and int(_NAME.match(entry.name).group(1)) > step:
                 stale = entry.with_name(entry.name + ".stale")
                 entry.rename(stale)
-                self.log(f"ddpkit: renamed {entry} to {stale.name}: it is past the step this run resumes from")
+                self.log(f"renamed {entry} to {stale.name}: it is past the step this run resumes from")
 
     def _find(self, source: str | os.PathLike) -> tuple[Path, Any] | None:
         if str(source) == "auto":
-            return find_resumable(self.folder, self.log)
+            return find_resumable(self.folder, self.warn)
         path = Path(source)
         if path.is_dir():
-            found = find_resumable(path, self.log)
+            found = find_resumable(path, self.warn)
             if found is None:
                 raise CheckpointError(f"--resume {path}: the folder holds no checkpoint (step-*.pt)")
             return found

@@ -16,9 +16,11 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit import env as env_mod
-from ddpkit.errors import UsageError, report_usage_error
+from ddpkit.errors import UsageError
+from ddpkit import logs
+from ddpkit.logs import logger, report_usage_error
 from ddpkit.launch import LAUNCHERS, LaunchOptions, elastic, parse_nnodes, resolve_nproc, spawn
-from ddpkit.process_group import read_environment
+from ddpkit.process_group import freeze_for_exit, read_environment
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,6 +34,12 @@ def _add_nccl_flag(group) -> None:
     group.add_argument("--nccl", action="append", default=[], metavar="KEY=VALUE|PRESET",
                        help="an NCCL setting for every rank, e.g. NCCL_ALGO=Ring (repeatable), or a preset: "
                             "debug, no-p2p, no-ib; echoed at start and recorded (docs/nccl.md)")
+
+
+def _add_log_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default=None, choices=logs.LEVELS,
+                        help="debug: every rank's messages; info: rank 0's, and warnings and errors from every rank; "
+                             "warning; error (default: info, or DDPKIT_LOG_LEVEL)")
 
 
 def _add_launch_flags(parser: argparse.ArgumentParser, *, with_launcher: bool = False) -> None:
@@ -83,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run SCRIPT on every process, like torchrun: each gets RANK, LOCAL_RANK, WORLD_SIZE, "
                     "MASTER_ADDR and MASTER_PORT in its environment.")
     _add_launch_flags(run)
+    _add_log_flag(run)
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help="collective timeout for scripts using ddpkit.distributed() (default: 1800)")
     run.add_argument("--local-rank-arg", action="store_true",
@@ -100,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--port", type=int, default=None,
                         help="port to look for holders of (default: MASTER_PORT, else 29500)")
     _add_launch_flags(doctor)
+    _add_log_flag(doctor)
     bench = commands.add_parser(
         "bench", help="images/s of single, DP and DDP at 1, 2, ... devices",
         description="Measure training throughput for each strategy and device count: a table like the "
@@ -128,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--link-gbps", default="100,400", metavar="LIST",
                        help="link bandwidths (Gb/s) to project DDP efficiency for (default: 100,400)")
     _add_nccl_flag(bench)
+    _add_log_flag(bench)
     bench.add_argument("--sweep", action="store_true",
                        help="also time DDP on the most devices for bucket sizes 1/5/25/100 MB and the fp16, bf16 "
                             "and PowerSGD gradient-compression hooks, and name the best")
@@ -184,7 +195,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     try:
         bench.run(options)
     except RuntimeError as error:
-        print(f"ddpkit: error: {error}", file=sys.stderr, flush=True)
+        logger.error("%s", error)
         return 1
     return 0
 
@@ -239,6 +250,7 @@ def _spawn_train_worker(rank: int, world_size: int, port: int, cfg) -> None:
         trainer.run(cfg, environment=environment)
     except UsageError as error:
         sys.exit(report_usage_error(error))
+    freeze_for_exit()
 
 
 def cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -252,11 +264,13 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     if _already_a_rank():
         # Already one rank of a job (torchrun, Slurm's srun, the legacy launcher): train, launch nothing.
         trainer.run(cfg)
+        freeze_for_exit()  # done, and the group is down: end in a fraction of a second, not two
         return 0
     options = _launch_options(ns, ns.launcher, one_process=trainer.strategy_for(cfg).one_process)
     _check_before_launch(cfg, options)
     if options.world_size == 1 and options.rdzv_endpoint is None:
         trainer.run(cfg)
+        freeze_for_exit()
         return 0
     if options.launcher == "spawn":
         return spawn(_spawn_train_worker, options.nproc_per_node, (cfg,))
@@ -336,14 +350,19 @@ def _flight_recorder() -> str | None:
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_FR_DUMP_ON_TIMEOUT", "1")
     if _says_it_once():
-        print(f"ddpkit: flight recorder on: a timed-out collective leaves each rank's record in {folder} "
-              f"(read it with `torchfrtrace {folder} -p rank_`)", file=sys.stderr, flush=True)
+        logger.info(f"flight recorder on: a timed-out collective leaves each rank's record in {folder} "
+                    f"(read it with `torchfrtrace {folder} -p rank_`)")
     return folder
 
 
 def _export_debug_settings(ns: argparse.Namespace) -> None:
     """Settings the workers read from their environment (they inherit the launcher's)."""
     from ddpkit import nccl
+
+    level = "debug" if getattr(ns, "debug", False) else ns.log_level
+    if level is not None:
+        os.environ[logs.LEVEL_ENV] = level
+    logs.configure(level=level)  # this process's lines; each worker configures its own, with its rank
 
     nccl.apply(nccl.settings(getattr(ns, "nccl", [])), echo=_says_it_once())
     if getattr(ns, "find_hangs", False):
@@ -361,6 +380,7 @@ def _export_debug_settings(ns: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        logs.configure()
         ns = build_parser().parse_args(argv)
         _export_debug_settings(ns)
         if ns.command == "train":
@@ -379,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return stop.code
         raise
     except KeyboardInterrupt:
-        print("ddpkit: interrupted", file=sys.stderr, flush=True)
+        logger.info("interrupted")
         return 130
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
+from ddpkit import signals
 from ddpkit.errors import UsageError
 from ddpkit.process_group import Runtime, usable_cores
 
@@ -98,16 +98,6 @@ class ResumableSampler(DistributedSampler):
         if self.start == 0:
             return super().__len__()
         return len(self._remaining()) // self.num_replicas
-
-
-def _ignore_stop_signals(worker_id: int) -> None:  # noqa: ARG001 - DataLoader's worker_init_fn signature
-    """Loader workers leave SIGTERM/SIGINT to their rank, which stops at a step boundary and ends them.
-
-    torchrun signals a worker's whole process group; a loader process dying of it would abort the rank
-    in the middle of the step it is meant to finish cleanly.
-    """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class DeviceLoader:
@@ -259,7 +249,7 @@ def train_loader(
         num_workers=workers,
         pin_memory=runtime.device.type == "cuda",
         persistent_workers=workers > 0,
-        worker_init_fn=_ignore_stop_signals if workers > 0 else None,
+        worker_init_fn=signals.ignore_stop_signals if workers > 0 else None,
         generator=torch.Generator(),
     )
     return DeviceLoader(loader, runtime.device, sampler, seed=seed, rank=index, accumulate=accumulate)
@@ -287,7 +277,7 @@ def eval_loader(
     workers = default_workers(runtime, in_memory, dataset) if workers is None else workers
     loader = DataLoader(
         shard, batch_size=batch_size, shuffle=False, num_workers=workers, pin_memory=runtime.device.type == "cuda",
-        worker_init_fn=_ignore_stop_signals if workers > 0 else None, generator=torch.Generator(),
+        worker_init_fn=signals.ignore_stop_signals if workers > 0 else None, generator=torch.Generator(),
     )
     return DeviceLoader(loader, runtime.device, rank=runtime.rank)
 

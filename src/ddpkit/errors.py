@@ -18,15 +18,6 @@ class UsageError(Exception):
 EXIT_USAGE = 2
 
 
-def report_usage_error(error: UsageError) -> int:
-    """Print ``error`` as the one ``ddpkit: error:`` line (unless another rank prints it); return exit status 2."""
-    if not error.said_elsewhere:
-        import sys
-
-        print(f"ddpkit: error: {error}", file=sys.stderr, flush=True)
-    return EXIT_USAGE
-
-
 def first_line(error: BaseException) -> str:
     """The first line of an exception's message (torch and torchvision write several), or its type."""
     lines = str(error).splitlines()

@@ -53,13 +53,14 @@ class Job:
     ``accumulate``: micro-steps per optimizer step. ``seed``: seeds torch's RNG on every rank at start, so
     a model built next starts from the same weights everywhere. ``sync_bn``: BatchNorm statistics over the
     global batch. ``clip_grad_norm``: clip the gradients' total norm before each step.
-    ``backend``, ``device``, ``timeout_s``, ``environment``: as ``ddpkit.setup``.
+    ``backend``, ``device``, ``timeout_s``, ``environment``, ``log_level``: as ``ddpkit.setup``. Messages
+    go to the ``ddpkit`` logger (``ddpkit.logs``): rank 0's, and every rank's warnings and errors.
     """
 
     def __init__(self, strategy: str | strategies.Strategy = "ddp", *, amp: str = "off", accumulate: int = 1,
                  seed: int | None = 0, sync_bn: bool = False, clip_grad_norm: float | None = None,
                  backend: str = "auto", device: str = "auto", timeout_s: float | None = None, environment=None,
-                 **strategy_settings):
+                 log_level: str | None = None, **strategy_settings):
         self.strategy = strategies.create(strategy, **strategy_settings)
         if amp not in AMP_DTYPES:
             raise UsageError(f"amp must be one of {', '.join(AMP_DTYPES)}, got {amp!r}")
@@ -73,7 +74,7 @@ class Job:
         self._stack = contextlib.ExitStack()
         self.runtime = self._stack.enter_context(process_group.distributed(
             backend=backend, device=device, timeout_s=timeout_s, force_group=self.strategy.needs_group,
-            environment=environment))
+            environment=environment, log_level=log_level))
         atexit.register(self.close)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=amp == "fp16")
         self.micro_step = 0  # micro-steps since the last optimizer step

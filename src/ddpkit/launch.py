@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ddpkit.errors import EXIT_USAGE, UsageError, first_line
+from ddpkit.logs import logger
 
 DEFAULT_MULTINODE_PORT = 29500
 DEFAULT_RDZV_ID = "ddpkit"  # jobs that share a rendezvous endpoint need different --rdzv-id values
@@ -164,7 +165,7 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
         # to checkpoint and exit. A second signal interrupts that wait: end whatever is left, now.
         killed = kill_children()
         detail = f"; {killed} worker(s) still running were killed" if killed else ""
-        print(f"ddpkit: stopped by signal {stopped.sigval.name}{detail}", file=sys.stderr)
+        logger.info(f"stopped by signal {stopped.sigval.name}{detail}")
         # Leave now. The interrupted agent can leave threads behind (its rendezvous' keep-alive) that hold
         # the interpreter's exit: once in a CI run the launcher printed this line and never exited.
         sys.stdout.flush()
@@ -200,7 +201,7 @@ def check_names(options: LaunchOptions) -> None:
 
 
 def warn_leftovers(options: LaunchOptions) -> list[str]:
-    """Warn (stderr) about processes of an earlier run that hold the master port or GPU memory; return the lines.
+    """Warn about processes of an earlier run that hold the master port or GPU memory; return the warnings.
 
     A run killed with SIGKILL can leave workers behind that keep their GPU memory and the port; the
     next run then fails with "address in use" or out of memory, far from the cause.
@@ -216,10 +217,9 @@ def warn_leftovers(options: LaunchOptions) -> list[str]:
     if torch.cuda.is_available():
         # Only this user's processes that this machine's /proc shows: others' jobs are not ours to kill.
         found += [doctor.gpu_holder_line(app) for app in doctor.gpu_processes() if _owned_here(app["pid"])]
-    lines = [f"ddpkit: warning: {what}" for what in found]
-    for line in lines:
-        print(line, file=sys.stderr, flush=True)
-    return lines
+    for what in found:
+        logger.warning(what)
+    return found
 
 
 def _owned_here(pid: int) -> bool:
@@ -286,7 +286,7 @@ def report_failures(failures: dict[int, tuple[int, int]]) -> int:
             continue
         if exitcode != EXIT_USAGE:
             how = f"killed by signal {-exitcode}" if exitcode < 0 else f"exited with status {exitcode}"
-            print(f"ddpkit: error: rank {rank} (pid {pid}) {how}; its output is above", file=sys.stderr)
+            logger.error(f"rank {rank} (pid {pid}) {how}; its output is above")
     return EXIT_USAGE if EXIT_USAGE in codes else 1
 
 
@@ -307,7 +307,7 @@ def spawn(worker: Callable[..., object], nproc: int, args: tuple = ()) -> int:
         return report_failures({failed.error_index: (failed.exit_code, failed.error_pid)})
     except ProcessRaisedException as failed:
         # spawn hands the worker's traceback over in the exception instead of printing it.
-        print(f"{failed}\nddpkit: error: rank {failed.error_index} (pid {failed.error_pid}) raised the exception above",
-              file=sys.stderr)
+        print(failed, file=sys.stderr)  # the worker's traceback: program output, not a message of ours
+        logger.error(f"rank {failed.error_index} (pid {failed.error_pid}) raised the exception above")
         return 1
     return 0

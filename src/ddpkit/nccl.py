@@ -12,10 +12,10 @@ nodes every node's launcher gets the same flags. What each variable does: docs/n
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterable
 
 from ddpkit.errors import UsageError
+from ddpkit.logs import logger
 
 PRESETS = {
     # What NCCL chose (rings, transports, interfaces) and why it failed to connect.
@@ -45,8 +45,7 @@ def apply(chosen: dict[str, str], *, echo: bool = True) -> None:
     """Put the settings into this process's environment (the workers inherit it) and say so once."""
     os.environ.update(chosen)
     if chosen and echo:
-        print("ddpkit: NCCL settings: " + " ".join(f"{key}={value}" for key, value in chosen.items()),
-              file=sys.stderr, flush=True)
+        logger.info("NCCL settings: " + " ".join(f"{key}={value}" for key, value in chosen.items()))
 
 
 def in_effect(environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -20,13 +20,13 @@ step and stop together, 8 to 16 steps after the first signal. A second signal st
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from types import FrameType
 
 import torch
 import torch.distributed as dist
 
+from ddpkit import signals as handlers
 from ddpkit.process_group import Runtime, control_group
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -65,16 +65,12 @@ class StopSignal:
         self.received = self.received or signum
 
     def __enter__(self) -> StopSignal:
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.signals:
-                self._previous[sig] = signal.getsignal(sig)
-                signal.signal(sig, self._handle)
+        self._previous = handlers.catch(self.signals, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
+        handlers.restore(self._previous)
+        self._previous = {}
         if self._pending is not None and exc[0] is None:
             self._pending.wait()  # every rank posted the same all-reduces; none is left half done
         self._pending = None

@@ -29,6 +29,8 @@ from ddpkit.env import DistEnv
 from ddpkit.config import option
 from ddpkit.errors import UsageError
 from ddpkit.job import AMP_DTYPES, Job
+from ddpkit import logs
+from ddpkit.logs import logger
 from ddpkit.strategies import STRATEGIES, Strategy
 from ddpkit.strategies.pipeline import PIPELINE_SCHEDULES
 
@@ -83,7 +85,10 @@ class TrainConfig:
     lr_step_epochs: int = option(0, "step schedule: multiply the LR by --lr-gamma every E epochs (default: a third of "
                                     "--epochs)", metavar="E")
     lr_gamma: float = option(0.1, "step schedule factor (default: 0.1)", metavar="G")
-    debug: bool = option(False, "every rank prints its PID and the device of its data and model")
+    debug: bool = option(False, "every rank prints its PID and the device of its data and model (--log-level debug)")
+    log_level: str | None = option(None, "debug: every rank's messages; info: rank 0's, and warnings and errors from "
+                                         "every rank; warning; error (default: info, or DDPKIT_LOG_LEVEL)",
+                                   choices=logs.LEVELS, kind=str, metavar="LEVEL")
     progress: bool = option(True, "no progress bar", flag="--no-progress")
     zero: bool = option(False, "with ddp: ZeroRedundancyOptimizer, each process keeps 1/world of the optimizer state",
                         group=PARALLEL)
@@ -229,7 +234,8 @@ def run(cfg: TrainConfig, environment: DistEnv | None = None) -> dict:
     """
     cfg.validate()
     with Job(strategy_for(cfg), amp=cfg.amp, accumulate=cfg.accumulate, seed=cfg.seed, sync_bn=cfg.sync_bn,
-             backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout, environment=environment) as job:
+             backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout, environment=environment,
+             log_level="debug" if cfg.debug else cfg.log_level) as job:
         return train(cfg, job)
 
 
@@ -291,10 +297,9 @@ def train(cfg: TrainConfig, job: Job) -> dict:
 
 def start(cfg: TrainConfig, job: Job) -> RunState:
     """Data, model, checkpoint to resume, wrapping, optimizer, loaders and schedule, in the order they need."""
-    if cfg.debug:
-        # Before any data is loaded: a rank that hangs later can still be found and attached to.
-        print(f"[rank {job.rank} local {job.local_rank} pid {os.getpid()}] process group up, "
-              f"backend {job.backend or 'none'}, device {job.device}", flush=True)
+    # Before any data is loaded: a rank that hangs later can still be found and attached to.
+    logger.debug(f"local rank {job.local_rank}, pid {os.getpid()}: process group up, "
+                     f"backend {job.backend or 'none'}, device {job.device}")
     spec = zoo.parse_data_spec(cfg.data)
     channels, image_size = zoo.model_input(cfg.model, spec.kind, cfg.image_size)
     # Rank 0 first: a download (MNIST) happens once, the other ranks then read the files.
@@ -331,16 +336,16 @@ def open_checkpoints(cfg: TrainConfig, job: Job, model: nn.Module) -> tuple[chec
         # torchrun restarted the group after a failure: carry on from this run's newest checkpoint (a
         # --resume PATH was the starting point of the first attempt only).
         source = "auto"
-        job.print(f"ddpkit: restart {job.env.restart_count} of the group: resuming from the newest checkpoint")
+        logger.info(f"restart {job.env.restart_count} of the group: resuming from the newest checkpoint")
     if source is None and job.is_main:
         moved = checkpoint.set_aside(folder)
         if moved is not None:
-            job.print(f"ddpkit: starting fresh (no --resume); the earlier run's checkpoints were moved to {moved}")
-    ckpt = job.checkpointer(folder, keep=cfg.keep_checkpoints, log=job.print)
+            logger.info(f"starting fresh (no --resume); the earlier run's checkpoints were moved to {moved}")
+    ckpt = job.checkpointer(folder, keep=cfg.keep_checkpoints)
     # Weights go into the bare model, before wrapping; the rest once the optimizer exists.
     resumed = ckpt.load(source, model=model)
     if source == "auto" and resumed is None:
-        job.print(f"ddpkit: --resume auto: no checkpoint in {folder}, starting fresh")
+        logger.info(f"--resume auto: no checkpoint in {folder}, starting fresh")
     return ckpt, resumed
 
 
@@ -351,8 +356,8 @@ def announce(run_state: RunState, sets, n_params: int) -> None:
     split = (f"pipeline x {replicas} pipeline(s) of {stages} stages ({cfg.microbatches or 2 * stages} micro-batches, "
              f"{cfg.pipeline_schedule})" if replicas != job.world_size
              else f"process x {job.world_size} processes")
-    job.print(
-        f"ddpkit: {job.world_size} process(es) via {job.env.launcher}, backend {job.backend or 'none'}, device "
+    logger.info(
+        f"{job.world_size} process(es) via {job.env.launcher}, backend {job.backend or 'none'}, device "
         f"{job.device.type}, strategy {cfg.strategy}; model {cfg.model} ({n_params:,} parameters); data {cfg.data}: "
         f"{len(sets.train)} train / {len(sets.val)} val; batch {cfg.batch_size} per {split}"
         + (f" x {cfg.accumulate} micro-steps" if cfg.accumulate > 1 else "")
@@ -376,11 +381,11 @@ def restore(run_state: RunState, resumed) -> Position:
     else:
         where = ("continuing at epoch " + str(resumed.epoch + 1)
                  + (f" after {samples} samples (step {step_in_epoch} of {steps_per_epoch})" if samples else ""))
-    job.print(f"ddpkit: resumed from {resumed.path} ({contents.layout}): {where}")
+    logger.info(f"resumed from {resumed.path} ({contents.layout}): {where}")
     if contents.layout != "ddpkit":
         parts = ["weights"] + (["optimizer"] if contents.optimizer is not None else [])
-        job.print(f"ddpkit: that file holds {' and '.join(parts)} only: no RNG or data position, so the run "
-                  "continues from an epoch's start, not bit for bit")
+        logger.info(f"that file holds {' and '.join(parts)} only: no RNG or data position, so the run "
+                    "continues from an epoch's start, not bit for bit")
     say_what_changed(run_state, resumed)
     partial = resumed.rank_state.get("partial") if resumed.same_world_size else None
     if partial is None:
@@ -399,23 +404,23 @@ def say_what_changed(run_state: RunState, resumed) -> None:
         changed = [f"{key} {config[key]!r} -> {value!r}" for key, value in dataclasses.asdict(cfg).items()
                    if key in config and config[key] != value and key not in RESUME_FREE]
         if changed:
-            job.print(f"ddpkit: settings differ from the checkpoint's run: {', '.join(changed)}")
+            logger.info(f"settings differ from the checkpoint's run: {', '.join(changed)}")
     if resumed.global_batch is not None and resumed.global_batch != global_batch:
         per_process = job.data_replicas * cfg.accumulate
         keep = (f"; to keep global batch {resumed.global_batch}, pass --batch-size {resumed.global_batch // per_process}"
                 if resumed.global_batch % per_process == 0 else "")
-        job.print(f"ddpkit: the checkpoint was written with global batch {resumed.global_batch} "
-                  f"({resumed.world_size} process(es)); this run's is {global_batch} ({job.world_size} x "
-                  f"{cfg.batch_size}{f' x {cfg.accumulate}' if cfg.accumulate > 1 else ''}). The data order "
-                  f"continues where it stopped; the learning rate is not rescaled{keep}")
+        logger.info(f"the checkpoint was written with global batch {resumed.global_batch} "
+                    f"({resumed.world_size} process(es)); this run's is {global_batch} ({job.world_size} x "
+                    f"{cfg.batch_size}{f' x {cfg.accumulate}' if cfg.accumulate > 1 else ''}). The data order "
+                    f"continues where it stopped; the learning rate is not rescaled{keep}")
     elif resumed.world_size is not None and not resumed.same_world_size:
-        job.print(f"ddpkit: the checkpoint was written by {resumed.world_size} process(es), now "
-                  f"{job.world_size}: the same global batch {global_batch}; the ranks' random states are not "
-                  "restored (they continue from the seed)")
+        logger.info(f"the checkpoint was written by {resumed.world_size} process(es), now "
+                    f"{job.world_size}: the same global batch {global_batch}; the ranks' random states are not "
+                    "restored (they continue from the seed)")
 
 
 # Fields that may change between an interrupted run and its resumption without comment.
-RESUME_FREE = {"resume", "epochs", "debug", "progress", "workers", "output_dir", "timeout", "checkpoint_every",
+RESUME_FREE = {"resume", "epochs", "debug", "log_level", "progress", "workers", "output_dir", "timeout", "checkpoint_every",
                "keep_checkpoints"}
 
 
@@ -489,9 +494,9 @@ class EpochLoop:
         for step in range(steps):
             for micro in range(cfg.accumulate):
                 images, labels = next(batches)
-                if cfg.debug and step == 0 and micro == 0:
-                    print(f"[rank {job.rank} local {job.local_rank} pid {os.getpid()}] data: {images.device}, "
-                          f"model: {next(run.model.parameters()).device}", flush=True)
+                if step == 0 and micro == 0:
+                    logger.debug(f"local rank {job.local_rank}, pid {os.getpid()}: data: {images.device}, "
+                                 f"model: {next(run.model.parameters()).device}")
                 loss = job.forward_backward(run.model, images, labels)
                 if loss is not None:  # None: a pipeline stage other than the last has no loss
                     loss_sum += loss.detach().double() * labels.shape[0]
@@ -518,10 +523,9 @@ class EpochLoop:
             progress.close()
         self.save(epoch, samples, partial, if_idle=False)
         self.run.ckpt.wait()
-        # One write per line: the ranks print at the same moment into the same pipe.
-        sys.stdout.write(f"ddpkit: rank {self.run.job.rank} stopped by {self.stop.signal_name} at epoch {epoch + 1}, "
-                         f"step {self.run.job.global_step}; checkpoint {self.run.ckpt.last_path or 'written by rank 0'}\n")
-        sys.stdout.flush()
+        # Every rank says it (a warning): which ranks stopped where is the evidence of a clean stop.
+        logger.warning(f"stopped by {self.stop.signal_name} at epoch {epoch + 1}, step {self.run.job.global_step}; "
+                       f"checkpoint {self.run.ckpt.last_path or 'written by rank 0'}")
         raise preempt.StopNow(self.stop.exit_code)
 
 

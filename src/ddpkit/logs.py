@@ -1,0 +1,102 @@
+"""ddpkit's messages, through Python's ``logging``: the ``ddpkit`` logger, one line per message, rank first.
+
+    >>> import sys
+    >>> from ddpkit import logs
+    >>> logs.configure(rank=1, level="debug", stream=sys.stdout)
+    >>> logs.logger.info("resumed from step 40")
+    [rank1]: ddpkit: resumed from step 40
+    >>> logs.logger.warning("rank 1 is slow")
+    [rank1]: ddpkit: warning: rank 1 is slow
+    >>> logs.configure(rank=1, level="info", stream=sys.stdout)
+    >>> logs.logger.info("said by rank 0 only")   # below warning, ranks other than 0 keep quiet
+    >>> logs.logger.error("but errors come from every rank")
+    [rank1]: ddpkit: error: but errors come from every rank
+
+What each level shows: ``info`` (the default) rank 0's messages and every rank's warnings and errors;
+``debug`` every rank's messages, debug ones included; ``warning`` and ``error`` only those. The
+launcher, which is no rank, writes its lines without the ``[rankN]:`` prefix. The level comes from
+``--log-level`` (``ddpkit train`` and ``ddpkit run`` pass it to every worker in ``DDPKIT_LOG_LEVEL``),
+from ``ddpkit.Job(log_level=...)``, or from that variable.
+
+Nothing is configured at import: ``ddpkit.setup()`` (and so ``ddpkit.Job``) configures the logger once
+it knows the rank. The ``ddpkit`` logger does not pass records on to the root logger (whose handlers
+would print each line a second time); a handler the user attaches to it gets them all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import TextIO
+
+from ddpkit.errors import EXIT_USAGE, UsageError
+
+LEVEL_ENV = "DDPKIT_LOG_LEVEL"
+LEVELS = ("debug", "info", "warning", "error")
+logger = logging.getLogger("ddpkit")
+
+
+class RankHandler(logging.Handler):
+    """Writes a record as ``[rankN]: ddpkit: [warning: |error: ]message``; rank 0 alone below warning
+    unless ``every_rank``."""
+
+    def __init__(self, rank: int | None, every_rank: bool, stream: TextIO | None = None):
+        super().__init__()
+        self.rank, self.every_rank, self.stream = rank, every_rank, stream
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (record.levelno >= logging.WARNING or self.every_rank or not self.rank) and super().filter(record)
+
+    def format(self, record: logging.LogRecord) -> str:
+        prefix = "" if self.rank is None else f"[rank{self.rank}]: "
+        kind = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""
+        return f"{prefix}ddpkit: {kind}{record.getMessage()}"
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            # sys.stderr as it is now (a test or the user may have replaced it since), not at configure time.
+            stream = self.stream or sys.stderr
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or file: logging's own policy for a failed write
+            self.handleError(record)
+
+
+def check_level(level: str, name: str = "log_level") -> str:
+    """``level`` lower-cased, or a UsageError that says which of ``LEVELS`` ``name`` may be."""
+    if level.lower() not in LEVELS:
+        raise UsageError(f"{name} must be one of {', '.join(LEVELS)}, got {level!r}")
+    return level.lower()
+
+
+def configure(rank: int | None = None, level: str | None = None, stream: TextIO | None = None) -> None:
+    """Give the ``ddpkit`` logger its one handler for this process (``rank`` None: the launcher).
+
+    ``level`` None: ``DDPKIT_LOG_LEVEL``, else ``info``. Calling it again replaces ddpkit's handler.
+    Handlers the user attached to the ``ddpkit`` logger stay and get every record of the level.
+    """
+    try:
+        if level is None:
+            chosen = check_level(os.environ.get(LEVEL_ENV) or "info", LEVEL_ENV)
+        else:
+            chosen = check_level(level)
+    except UsageError:
+        _install(rank, "info", stream)  # so that the error itself is said as ddpkit says errors
+        raise
+    _install(rank, chosen, stream)
+
+
+def _install(rank: int | None, chosen: str, stream: TextIO | None) -> None:
+    for handler in [handler for handler in logger.handlers if isinstance(handler, RankHandler)]:
+        logger.removeHandler(handler)
+    logger.addHandler(RankHandler(rank, every_rank=chosen == "debug", stream=stream))
+    logger.setLevel(chosen.upper())
+    logger.propagate = False  # one line per message, not a second one from a root handler
+
+
+def report_usage_error(error: UsageError) -> int:
+    """Log ``error`` as the one ``ddpkit: error:`` line (unless another rank says it); return exit status 2."""
+    if not error.said_elsewhere:
+        logger.error("%s", error)
+    return EXIT_USAGE

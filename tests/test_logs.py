@@ -1,0 +1,82 @@
+"""ddpkit's messages through Python's logging: rank first, rank 0 alone by default, every rank at debug."""
+
+import doctest
+import io
+import logging
+
+import pytest
+
+from conftest import run_ddpkit
+from ddpkit import logs
+from ddpkit.errors import UsageError
+
+
+def test_the_module_docstring_example_runs():
+    assert doctest.testmod(logs).failed == 0
+
+
+def lines_logged(rank, level):
+    stream = io.StringIO()
+    logs.configure(rank=rank, level=level, stream=stream)
+    logs.logger.debug("d")
+    logs.logger.info("i")
+    logs.logger.warning("w")
+    logs.logger.error("e")
+    return stream.getvalue().splitlines()
+
+
+def test_what_each_rank_says_at_each_level():
+    assert lines_logged(0, "info") == ["[rank0]: ddpkit: i", "[rank0]: ddpkit: warning: w", "[rank0]: ddpkit: error: e"]
+    assert lines_logged(3, "info") == ["[rank3]: ddpkit: warning: w", "[rank3]: ddpkit: error: e"]
+    assert lines_logged(3, "debug") == ["[rank3]: ddpkit: d", "[rank3]: ddpkit: i", "[rank3]: ddpkit: warning: w",
+                                        "[rank3]: ddpkit: error: e"]
+    assert lines_logged(0, "error") == ["[rank0]: ddpkit: error: e"]
+    assert lines_logged(None, "info") == ["ddpkit: i", "ddpkit: warning: w", "ddpkit: error: e"]  # the launcher
+    # Configured again, it replaces its handler: one line per message, never two.
+    assert lines_logged(0, "warning") == ["[rank0]: ddpkit: warning: w", "[rank0]: ddpkit: error: e"]
+
+
+def test_a_handler_of_the_users_own_stays_and_ddpkits_is_never_doubled():
+    records = []
+    own = logging.Handler()
+    own.emit = records.append
+    logs.logger.addHandler(own)
+    try:
+        logs.configure(rank=1, level="debug")
+        logs.configure(rank=1, level="debug")
+        assert sum(isinstance(handler, logs.RankHandler) for handler in logs.logger.handlers) == 1
+        assert own in logs.logger.handlers
+        logs.logger.warning("w")
+        assert [record.getMessage() for record in records] == ["w"]
+    finally:
+        logs.logger.removeHandler(own)
+
+
+def test_a_bad_level_is_a_usage_error_said_the_usual_way(monkeypatch, capsys):
+    with pytest.raises(UsageError, match="log_level must be one of debug, info, warning, error, got 'loud'"):
+        logs.configure(level="loud")
+    monkeypatch.setenv(logs.LEVEL_ENV, "loud")
+    with pytest.raises(UsageError, match="DDPKIT_LOG_LEVEL must be one of") as caught:
+        logs.configure()
+    logs.report_usage_error(caught.value)
+    assert capsys.readouterr().err.startswith("ddpkit: error: DDPKIT_LOG_LEVEL must be one of")
+
+
+SCRIPT = """
+import ddpkit
+from ddpkit.logs import logger
+
+with ddpkit.Job("ddp", device="cpu") as job:
+    logger.info(f"info from {job.rank}")
+    logger.warning(f"warning from {job.rank}")
+"""
+
+
+def test_log_level_debug_reaches_every_rank_of_a_run(tmp_path):
+    script = tmp_path / "speak.py"
+    script.write_text(SCRIPT)
+    result = run_ddpkit("run", "--nproc-per-node", "2", "--log-level", "debug", str(script), timeout=120)
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        assert result.stderr.count(f"[rank{rank}]: ddpkit: info from {rank}\n") == 1
+        assert result.stderr.count(f"[rank{rank}]: ddpkit: warning: warning from {rank}\n") == 1
