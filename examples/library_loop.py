@@ -32,27 +32,27 @@ def main() -> None:
     parser.add_argument("--out", default="runs/library-loop")
     args = parser.parse_args()
 
-    with ddpkit.Job(args.strategy, amp=args.amp, accumulate=args.accumulate, seed=0) as job:
+    with ddpkit.Job(args.strategy, amp=args.amp, accumulate=args.accumulate, seed=0) as job:  # [start]
         data = zoo.load_digits(channels=3, image_size=32)
-        model, optimizer = job.setup(zoo.ConvNet(in_channels=3, num_classes=data.num_classes, image_size=32),
-                                     torch.optim.SGD, lr=0.01, momentum=0.9)
-        loader = job.train_loader(data.train, args.batch_size)
-        val_loader = job.eval_loader(data.val, 64)
-        ckpt = job.checkpointer(os.path.join(args.out, "checkpoints"), model=model, optimizer=optimizer, loader=loader,
-                                keep=args.keep_checkpoints)
-        ckpt.resume(args.resume)  # weights, optimizer, scaler, data position, RNG, step; None: a fresh start
-        for epoch in range(loader.epoch, args.epochs):
+        model, optimizer = job.setup(zoo.ConvNet(in_channels=3, num_classes=data.num_classes, image_size=32),  # [model]
+                                     torch.optim.SGD, lr=0.01, momentum=0.9)  # [model]
+        loader = job.train_loader(data.train, args.batch_size)  # [data]
+        val_loader = job.eval_loader(data.val, 64)  # [eval]
+        ckpt = job.checkpointer(os.path.join(args.out, "checkpoints"), model=model, optimizer=optimizer, loader=loader,  # [checkpoint]
+                                keep=args.keep_checkpoints)  # [checkpoint]
+        ckpt.resume(args.resume)  # [checkpoint] weights, optimizer, scaler, data position, RNG, step; None: fresh
+        for epoch in range(loader.epoch, args.epochs):  # [checkpoint] from where it stopped
             for images, labels in loader:
-                with job.autocast():
+                with job.autocast():  # [amp]
                     loss = F.cross_entropy(model(images), labels)
-                job.backward(loss)
-                if job.step(optimizer) and job.global_step % args.checkpoint_every == 0:
-                    ckpt.save()
-            val_loss, val_acc, count = job.evaluate(model, val_loader)
-            job.print(f"epoch {epoch + 1}: val_loss {val_loss:.4f} val_acc {val_acc:.2%} ({count} samples)")
-            ckpt.save()
-        ckpt.wait()
-        job.save_model(model, os.path.join(args.out, "model.pt"))
+                job.backward(loss)  # [model]
+                if job.step(optimizer) and job.global_step % args.checkpoint_every == 0:  # [model] [checkpoint]
+                    ckpt.save()  # [checkpoint]
+            val_loss, val_acc, count = job.evaluate(model, val_loader)  # [eval]
+            job.print(f"epoch {epoch + 1}: val_loss {val_loss:.4f} val_acc {val_acc:.2%} ({count} samples)")  # [print]
+            ckpt.save()  # [checkpoint]
+        ckpt.wait()  # [checkpoint]
+        job.save_model(model, os.path.join(args.out, "model.pt"))  # [save]
 
 if __name__ == "__main__":
     main()

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import run_command
 
@@ -106,3 +107,65 @@ def test_model_parallel_inside_ddp(tmp_path):
         assert count_lines(out, rf"step {step}: loss \d+\.\d+ \(rank 0's batch\)") == 1, out
     # Each rank trained on its own batches; DDP's averaged gradients kept the split replicas identical.
     assert count_lines(out, r"fc1 on cpu, fc2 on cpu; replicas identical: True") == 1, out
+
+
+def test_pytorch_examples_mnist(tmp_path):
+    out = ddpkit_run("pytorch_examples_mnist.py", "--epochs", "2", "--log-interval", "10", "--save-model", cwd=tmp_path)
+    # 1,437 training digits / (64 x 2 ranks) = 11 steps per epoch: lines at batches 0 and 10, by rank 0 alone.
+    assert count_lines(out, r"Train Epoch: 1 \[\d+/1408 \(\d+%\)\]\tLoss: \d+\.\d+") == 2, out
+    tests = re.findall(r"^Test set: Average loss: (\S+), Accuracy: (\d+)/(\d+) \((\d+)%\)$", out, flags=re.M)
+    assert len(tests) == 2 and all(int(total) == DIGITS_VAL_SIZE for _, _, total, _ in tests), out
+    assert int(tests[-1][1]) > DIGITS_VAL_SIZE // 2, out  # chance is a tenth; two epochs reach ~90%
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from pytorch_examples_mnist import Net
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    Net().load_state_dict(torch.load(tmp_path / "mnist_cnn.pt", weights_only=True))
+
+
+def test_cifar10_tutorial(tmp_path):
+    out = ddpkit_run("cifar10_tutorial.py", "--epochs", "1", "--print-every", "60", "--batch-size", "8", cwd=tmp_path)
+    # 1,437 digits / (8 x 2 ranks) = 89 steps: running-loss lines at mini-batches 60, printed once.
+    assert count_lines(out, r"\[1,    60\] loss: \d+\.\d+") == 1 and count_lines(out, "Finished Training") == 1, out
+    total = re.findall(r"^Accuracy of the network on the (\d+) test images: (\d+) %$", out, flags=re.M)
+    assert total and int(total[0][0]) == DIGITS_VAL_SIZE, out
+    assert count_lines(out, r"Accuracy for class: \d     is \d+\.\d %") == 10, out
+    assert set(torch.load(tmp_path / "cifar_net.pth", weights_only=True)) >= {"conv1.weight", "fc3.bias"}
+
+
+def tagged_lines(path: Path) -> dict[str, int]:
+    """How many lines of the file carry each ``# [feature]`` tag (in comments only)."""
+    import io
+    import tokenize
+    from collections import Counter
+
+    counts: Counter = Counter()
+    for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if token.type == tokenize.COMMENT:
+            counts.update(set(re.findall(r"\[([a-z]+)\]", token.string)))
+    return dict(counts)
+
+
+def test_the_library_docs_count_the_lines_each_feature_takes():
+    table = re.findall(r"^\| (\w+) \| (\d+) \| (\d+) \|$", (REPO / "docs" / "library.md").read_text(), flags=re.M)
+    by_hand, library = tagged_lines(EXAMPLES / "by_hand_loop.py"), tagged_lines(EXAMPLES / "library_loop.py")
+    assert set(by_hand) == {feature for feature, _, _ in table}  # every feature in the table, none left out
+    assert [(feature, by_hand.get(feature, 0), library.get(feature, 0)) for feature, _, _ in table] == \
+        [(feature, int(hand), int(ours)) for feature, hand, ours in table]
+
+
+@pytest.mark.slow  # two launches, about 25 s: the companion of docs/library.md's comparison
+def test_by_hand_loop_trains_under_fsdp_and_resumes_at_the_next_epoch(tmp_path):
+    args = ["--strategy", "fsdp", "--amp", "bf16", "--accumulate", "2", "--out", str(tmp_path / "out")]
+    first = ddpkit_run("by_hand_loop.py", *args, "--epochs", "1", cwd=tmp_path)
+    resumed = ddpkit_run("by_hand_loop.py", *args, "--epochs", "2", "--resume", str(tmp_path / "out" / "checkpoint.pt"),
+                         cwd=tmp_path)
+    pattern = rf"epoch {{}}: val_loss \d+\.\d+ val_acc (\d+\.\d+)% \({DIGITS_VAL_SIZE} samples\)"
+    assert count_lines(first, pattern.format(1)) == 1 and count_lines(first, pattern.format(2)) == 0, first
+    assert count_lines(resumed, pattern.format(1)) == 0 and count_lines(resumed, pattern.format(2)) == 1, resumed
+    assert float(re.search(pattern.format(2), resumed).group(1)) > 80, resumed
+    from ddpkit import zoo
+
+    model = zoo.ConvNet(in_channels=3, num_classes=10, image_size=32)
+    model.load_state_dict(torch.load(tmp_path / "out" / "model.pt", weights_only=True))
