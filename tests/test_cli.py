@@ -105,6 +105,7 @@ def test_an_error_found_inside_the_workers_still_exits_2(tmp_path):
                         "--output-dir", str(tmp_path), timeout=120)
     assert result.returncode == 2, result.stderr
     assert "fewer than one global batch of 64" in result.stderr
+    assert "; lower --batch-size" in result.stderr  # the library's `batch_size`, said as this command's flag
     assert "Traceback" not in result.stderr
 
 

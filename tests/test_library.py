@@ -36,12 +36,27 @@ def test_prepare_model_single_and_sync_bn():
         reference = nn.BatchNorm2d(2)
         reference.load_state_dict(model[1].state_dict())
         torch.testing.assert_close(model[1](x), reference(x))
-    with pytest.raises(ddpkit.UsageError, match="strategy must be one of single, dp, ddp, zero, fsdp, pipeline"):
+    with pytest.raises(ddpkit.UsageError, match="`strategy` must be one of single, dp, ddp, zero, fsdp, pipeline"):
         ddpkit.prepare_model(nn.Linear(1, 1), rt, "zero3")
-    with pytest.raises(ddpkit.UsageError, match="--strategy pipeline needs a process group"):
+    with pytest.raises(ddpkit.UsageError, match="`strategy` pipeline needs a process group"):
         ddpkit.prepare_model(nn.Linear(1, 1), rt, "pipeline")
     with pytest.raises(ddpkit.UsageError, match="strategy ddp has no setting 'stages' \\(a setting of pipeline\\)"):
         ddpkit.prepare_model(nn.Linear(1, 1), rt, "ddp", stages=2)
+
+
+def test_library_errors_name_its_parameters_and_the_command_line_says_its_flags():
+    from ddpkit.config import in_flag_terms
+    from ddpkit.trainer import OTHER_FLAGS, TrainConfig
+
+    with pytest.raises(ddpkit.UsageError) as caught:
+        ddpkit.create("ddp", bucket_cap_mb=0)
+    assert str(caught.value) == "`bucket_cap_mb` must be positive, got 0"
+    with pytest.raises(ddpkit.UsageError) as caught:
+        ddpkit.create("single").check(world_size=2, cuda_count=0, batch_size=8)
+    said = in_flag_terms(str(caught.value), TrainConfig, OTHER_FLAGS)
+    assert said == "--strategy single trains on one device; use --nproc-per-node 1 (not 2) or --strategy ddp"
+    with pytest.raises(ddpkit.UsageError, match="--bucket-cap-mb must be positive, got 0"):
+        TrainConfig(bucket_cap_mb=0).validate()
 
 
 def test_atomic_save_leaves_no_temporary_file_and_the_usual_permissions(tmp_path):

@@ -82,13 +82,13 @@ def test_balanced_cut_makes_the_heaviest_stage_as_light_as_possible():
     [
         (lambda m: split.balanced(split.pieces(m), 7), "the model has 6 pieces with weights, too few for 7 stages"),
         (lambda m: split.cut(m, 3, ["_relu1", "_pool1"]), "stage 2 (_relu1) holds no weights"),
-        (lambda m: split.cut(m, 2, ["fc9"]), "--split-at fc9: no such piece; the model's pieces are conv1, n1"),
+        (lambda m: split.cut(m, 2, ["fc9"]), "`split_at` fc9: no such piece; the model's pieces are conv1, n1"),
         (lambda m: split.cut(m, 2, ["conv1"]), "that is the model's first piece"),
         (lambda m: split.cut(m, 3, ["fc1", "conv2"]), "distinct and in forward order"),
         (lambda m: split.cut(m, 3, ["fc1"]), "names 1 cut(s), which makes 2 stages, but there are 3"),
         (lambda m: split.pieces(torchvision.models.densenet121()), "cannot cut model DenseNet into stages"),
-        (lambda m: PipelineLayout(world_size=4, stages=3, microbatches=2, batch_size=8), "--stages 3 does not divide the world size 4"),
-        (lambda m: PipelineLayout(world_size=2, stages=2, microbatches=3, batch_size=8), "--batch-size 8 does not split into 3"),
+        (lambda m: PipelineLayout(world_size=4, stages=3, microbatches=2, batch_size=8), "`stages` 3 does not divide the world size 4"),
+        (lambda m: PipelineLayout(world_size=2, stages=2, microbatches=3, batch_size=8), "`batch_size` 8 does not split into 3"),
     ],
 )
 def test_bad_cuts_and_layouts_are_clear_errors(call, message):

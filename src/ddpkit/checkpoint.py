@@ -316,7 +316,7 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, source:
     if foreign:
         raise CheckpointError(
             f"{source}: its optimizer state is for another optimizer than {type(optimizer).__name__} (it has "
-            f"{', '.join(foreign)}); resume with the --optimizer that wrote it"
+            f"{', '.join(foreign)}); resume with the `optimizer` that wrote it"
         )
 
 
@@ -461,7 +461,7 @@ class Checkpointer:
                  strategy: Strategy | None = None, model: nn.Module | None = None, optimizer=None, scheduler=None,
                  scaler=None, loader=None, progress=None):
         if keep < 1:
-            raise UsageError(f"--keep-checkpoints must be at least 1, got {keep}")
+            raise UsageError(f"`keep_checkpoints` must be at least 1, got {keep}")
         from ddpkit.process_group import control_group
 
         self.folder = Path(folder)
@@ -695,8 +695,8 @@ class Checkpointer:
         if path.is_dir():
             found = find_resumable(path, self.warn)
             if found is None:
-                raise CheckpointError(f"--resume {path}: the folder holds no checkpoint (step-*.pt)")
+                raise CheckpointError(f"`resume` {path}: the folder holds no checkpoint (step-*.pt)")
             return found
         if not path.exists():
-            raise CheckpointError(f"--resume {path}: no such file or folder")
+            raise CheckpointError(f"`resume` {path}: no such file or folder")
         return path, load_file(path)

@@ -249,7 +249,7 @@ def _spawn_train_worker(rank: int, world_size: int, port: int, cfg) -> None:
     try:
         trainer.run(cfg, environment=environment)
     except UsageError as error:
-        sys.exit(report_usage_error(error))
+        sys.exit(report_usage_error(_in_flag_terms(error)))
     freeze_for_exit()
 
 
@@ -275,6 +275,16 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     if options.launcher == "spawn":
         return spawn(_spawn_train_worker, options.nproc_per_node, (cfg,))
     return elastic(options, ["-m", "ddpkit", *argv])
+
+
+def _in_flag_terms(error: UsageError) -> UsageError:
+    """The library's error with its parameter names said as this command's flags."""
+    if "`" not in str(error):
+        return error  # nothing to translate: no need to import the trainer (and torch) for it
+    from ddpkit.config import said_in_flags
+    from ddpkit.trainer import OTHER_FLAGS, TrainConfig
+
+    return said_in_flags(error, TrainConfig, OTHER_FLAGS)
 
 
 def _already_a_rank() -> bool:
@@ -391,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_doctor(ns, argv)
         return cmd_run(ns)
     except UsageError as error:
-        return report_usage_error(error)
+        return report_usage_error(_in_flag_terms(error))
     except SystemExit as stop:
         # ddpkit.distributed() reports a UsageError found inside the job and exits 2 (or a stop signal's
         # status): main() returns it, as it does every status.

@@ -11,14 +11,24 @@ line, the config object, their defaults and choices come from one definition and
     >>> add_flags(parser, Settings)
     >>> from_namespace(Settings, parser.parse_args(["--epochs", "3"]))
     Settings(epochs=3, amp='off')
+
+The library names its parameters in its errors (`` `amp` must be one of off, bf16``); a command line
+says them as its flags:
+
+    >>> in_flag_terms("`amp` must be one of off, bf16, got 'fp8'", Settings)
+    "--amp must be one of off, bf16, got 'fp8'"
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+from ddpkit.errors import UsageError
 
 
 def option(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,  # noqa: A002
@@ -59,3 +69,30 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
 def from_namespace(cls: type, ns: argparse.Namespace):
     """The ``cls`` the parsed flags describe."""
     return cls(**{field.name: getattr(ns, field.name) for field in dataclasses.fields(cls) if "help" in field.metadata})
+
+
+def flag_names(cls: type, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Parameter name -> flag, for ``cls``'s fields declared with ``option`` (and ``extra``'s)."""
+    names = {field.name: flag_name(field) for field in dataclasses.fields(cls) if "help" in field.metadata}
+    return {**names, **(extra or {})}
+
+
+def in_flag_terms(message: str, cls: type, extra: Mapping[str, str] | None = None) -> str:
+    """``message`` with each backquoted parameter name that is a flag of ``cls`` (or in ``extra``) said as
+    the flag; other names stay as they are."""
+    flags = flag_names(cls, extra)
+    return re.sub(r"`(\w+)`", lambda found: flags.get(found.group(1), found.group(0)), message)
+
+
+@contextlib.contextmanager
+def flag_terms(cls: type, extra: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Re-raise a UsageError from inside the block in flag terms (``in_flag_terms``), as the same class."""
+    try:
+        yield
+    except UsageError as error:
+        raise said_in_flags(error, cls, extra) from None
+
+
+def said_in_flags(error: UsageError, cls: type, extra: Mapping[str, str] | None = None) -> UsageError:
+    """The same error (its class, whether another rank says it) with its message ``in_flag_terms``."""
+    return type(error)(in_flag_terms(str(error), cls, extra), said_elsewhere=error.said_elsewhere)

@@ -224,13 +224,13 @@ def train_loader(
     ``accumulate``: micro-steps per optimizer step; each epoch ends at its last whole step.
     """
     if batch_size < 1:
-        raise UsageError(f"--batch-size must be at least 1, got {batch_size}")
+        raise UsageError(f"`batch_size` must be at least 1, got {batch_size}")
     index, count = replica or (runtime.rank, runtime.world_size)
     global_batch = batch_size * count
     if drop_last and len(dataset) < global_batch:
         raise UsageError(
             f"the training set has {len(dataset)} samples, fewer than one global batch of {global_batch} "
-            f"({batch_size} per process x {count} data-parallel processes); lower --batch-size"
+            f"({batch_size} per process x {count} data-parallel processes); lower `batch_size`"
         )
     sampler = ResumableSampler(
         dataset,

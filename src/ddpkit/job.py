@@ -63,11 +63,11 @@ class Job:
                  log_level: str | None = None, **strategy_settings):
         self.strategy = strategies.create(strategy, **strategy_settings)
         if amp not in AMP_DTYPES:
-            raise UsageError(f"amp must be one of {', '.join(AMP_DTYPES)}, got {amp!r}")
+            raise UsageError(f"`amp` must be one of {', '.join(AMP_DTYPES)}, got {amp!r}")
         if accumulate < 1:
-            raise UsageError(f"accumulate must be at least 1, got {accumulate}")
+            raise UsageError(f"`accumulate` must be at least 1, got {accumulate}")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise UsageError(f"clip_grad_norm must be positive, got {clip_grad_norm}")
+            raise UsageError(f"`clip_grad_norm` must be positive, got {clip_grad_norm}")
         self.strategy.check_training(accumulate=accumulate, amp=amp)
         self.amp, self.accumulate, self.seed, self.sync_bn = amp, accumulate, seed, sync_bn
         self.clip_grad_norm = clip_grad_norm

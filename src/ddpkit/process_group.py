@@ -74,16 +74,16 @@ def read_environment(environ: Mapping[str, str] | None = None, argv: Sequence[st
 def choose_device(requested: str, *, local_rank: int, local_world_size: int, cuda_count: int) -> str:
     """"cuda" or "cpu" for this process. ``auto`` takes the GPU when every local process gets its own."""
     if requested not in DEVICES:
-        raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {requested!r}")
+        raise UsageError(f"`device` must be one of {', '.join(DEVICES)}, got {requested!r}")
     if requested == "cpu":
         return "cpu"
     if requested == "cuda":
         if cuda_count == 0:
-            raise UsageError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+            raise UsageError("`device` cuda was asked for but no CUDA GPU is visible; use `device` cpu")
         if local_rank >= cuda_count:
             raise UsageError(
                 f"local rank {local_rank} has no GPU of its own: {cuda_count} visible for "
-                f"{local_world_size} processes on this node; lower --nproc-per-node to {cuda_count}"
+                f"{local_world_size} processes on this node; lower `nproc_per_node` to {cuda_count}"
             )
         return "cuda"
     return "cuda" if 0 < cuda_count and local_world_size <= cuda_count else "cpu"
@@ -92,15 +92,15 @@ def choose_device(requested: str, *, local_rank: int, local_world_size: int, cud
 def choose_backend(requested: str, *, device: str, local_world_size: int, cuda_count: int) -> str:
     """NCCL when each process has its own CUDA device, gloo otherwise; ``nccl`` without one is refused."""
     if requested not in BACKENDS:
-        raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
+        raise UsageError(f"`backend` must be one of {', '.join(BACKENDS)}, got {requested!r}")
     if requested == "nccl":
         if device != "cuda":
             raise UsageError(
-                f"--backend nccl needs one CUDA GPU per process, but {cuda_count} GPU(s) are visible for "
-                f"{local_world_size} process(es) on this node; use --backend gloo (or auto)"
+                f"`backend` nccl needs one CUDA GPU per process, but {cuda_count} GPU(s) are visible for "
+                f"{local_world_size} process(es) on this node; use `backend` gloo (or auto)"
             )
         if not dist.is_nccl_available():
-            raise UsageError("--backend nccl: this PyTorch build has no NCCL; use --backend gloo")
+            raise UsageError("`backend` nccl: this PyTorch build has no NCCL; use `backend` gloo")
         return "nccl"
     if requested == "gloo":
         return "gloo"
@@ -141,7 +141,7 @@ def setup(
     if timeout_s is None:
         timeout_s = _timeout_from(os.environ if environ is None else environ)
     if timeout_s <= 0:
-        raise UsageError(f"--timeout must be a positive number of seconds, got {timeout_s}")
+        raise UsageError(f"`timeout_s` must be a positive number of seconds, got {timeout_s}")
     if environment is None:
         environment = read_environment(environ, argv)
     logs.configure(rank=environment.rank, level=log_level)

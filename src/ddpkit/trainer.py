@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ddpkit import checkpoint, data, nccl, preempt, process_group, strategies, zoo
 from ddpkit.env import DistEnv
-from ddpkit.config import option
+from ddpkit.config import flag_terms, option
 from ddpkit.errors import UsageError
 from ddpkit.job import AMP_DTYPES, Job
 from ddpkit import logs
@@ -166,7 +166,8 @@ class TrainConfig:
             raise UsageError("--resume needs a value: auto, a checkpoint file, or a checkpoint folder")
         if self.resume not in (None, "auto") and not os.path.exists(self.resume):
             raise UsageError(f"--resume {self.resume}: no such file or folder (give a checkpoint file or folder, or auto)")
-        self._validate_parallelism()  # builds the strategy, which checks its own settings
+        with in_train_flags():
+            self._validate_parallelism()  # builds the strategy, which checks its own settings
         zoo.parse_data_spec(self.data)
         zoo.check_model_name(self.model)
 
@@ -233,10 +234,21 @@ def run(cfg: TrainConfig, environment: DistEnv | None = None) -> dict:
     ``environment`` is read from the launcher's variables when not given (``mp.spawn`` passes its own).
     """
     cfg.validate()
-    with Job(strategy_for(cfg), amp=cfg.amp, accumulate=cfg.accumulate, seed=cfg.seed, sync_bn=cfg.sync_bn,
-             backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout, environment=environment,
-             log_level="debug" if cfg.debug else cfg.log_level) as job:
+    with in_train_flags():  # the library's errors name its parameters; this command's user knows its flags
+        job = Job(strategy_for(cfg), amp=cfg.amp, accumulate=cfg.accumulate, seed=cfg.seed, sync_bn=cfg.sync_bn,
+                  backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout, environment=environment,
+                  log_level="debug" if cfg.debug else cfg.log_level)
+    with job, in_train_flags():  # translated before the job's exit reports them
         return train(cfg, job)
+
+
+# Library parameters that `ddpkit train` sets through flags of other names (TrainConfig's fields are flags).
+OTHER_FLAGS = {"nproc_per_node": "--nproc-per-node", "timeout_s": "--timeout"}
+
+
+def in_train_flags():
+    """A block whose UsageErrors say `ddpkit train`'s flags where the library names its parameters."""
+    return flag_terms(TrainConfig, OTHER_FLAGS)
 
 
 @dataclasses.dataclass

@@ -48,7 +48,7 @@ def create(name: str | Strategy, *, strict: bool = True, **settings) -> Strategy
     if not isinstance(name, str):
         return name
     if name not in STRATEGIES:
-        raise UsageError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")
+        raise UsageError(f"`strategy` must be one of {', '.join(STRATEGIES)}, got {name!r}")
     kind = STRATEGIES[name]
     own = {field.name for field in dataclasses.fields(kind)}
     foreign = [key for key in settings if key not in own]

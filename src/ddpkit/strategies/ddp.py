@@ -30,7 +30,7 @@ class DDP(Strategy):
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
-            raise UsageError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
+            raise UsageError(f"`bucket_cap_mb` must be positive, got {self.bucket_cap_mb}")
 
     def wrap(self, model: nn.Module, runtime: Runtime, *, example=None) -> nn.Module:  # noqa: ARG002
         if runtime.backend is None:

@@ -27,13 +27,13 @@ class DataParallel(Strategy):
 
     def check(self, *, world_size: int, cuda_count: int, batch_size: int | None = None, build_model=None) -> None:  # noqa: ARG002
         if cuda_count == 0:
-            raise UsageError("--strategy dp needs at least one CUDA GPU and none is visible; use --strategy ddp")
+            raise UsageError("`strategy` dp needs at least one CUDA GPU and none is visible; use `strategy` ddp")
         if world_size > 1:
-            raise UsageError(f"--strategy dp is one process driving all GPUs; use --nproc-per-node 1, not {world_size}")
+            raise UsageError(f"`strategy` dp is one process driving all GPUs; use `nproc_per_node` 1, not {world_size}")
         gpus = len(self.device_ids) if self.device_ids else cuda_count
         # DataParallel's batch is the global one; each GPU needs at least one sample of it.
         if batch_size is not None and batch_size < gpus:
-            raise UsageError(f"--strategy dp splits each batch across {gpus} GPUs, so --batch-size must be at least "
+            raise UsageError(f"`strategy` dp splits each batch across {gpus} GPUs, so `batch_size` must be at least "
                              f"{gpus}, got {batch_size}")
 
     def wrap(self, model: nn.Module, runtime: Runtime, *, example=None) -> nn.Module:  # noqa: ARG002

@@ -47,7 +47,7 @@ class FSDP(Strategy):
     def wrap(self, model: nn.Module, runtime: Runtime, *, example=None) -> nn.Module:  # noqa: ARG002
         """Shard ``model`` over every rank of the process group, block by block, then the rest at the root."""
         if runtime.backend is None:
-            raise UsageError("--strategy fsdp needs a process group; start it with a launcher (ddpkit run / torchrun)")
+            raise UsageError("`strategy` fsdp needs a process group; start it with a launcher (ddpkit run / torchrun)")
         from torch.distributed.fsdp import fully_shard  # imported on use: it adds 0.6 s to every ddpkit command
 
         model = model.to(runtime.device)

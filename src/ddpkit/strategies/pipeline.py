@@ -48,18 +48,18 @@ class PipelineLayout:
 
     def __post_init__(self) -> None:
         if self.stages < 1:
-            raise UsageError(f"--stages must be at least 1, got {self.stages}")
+            raise UsageError(f"`stages` must be at least 1, got {self.stages}")
         if self.world_size % self.stages:
             raise UsageError(
-                f"--stages {self.stages} does not divide the world size {self.world_size}: the world is "
-                f"stages x data-parallel replicas; use a --stages that divides {self.world_size}"
+                f"`stages` {self.stages} does not divide the world size {self.world_size}: the world is "
+                f"stages x data-parallel replicas; use a `stages` that divides {self.world_size}"
             )
         if self.microbatches < 1:
-            raise UsageError(f"--microbatches must be at least 1, got {self.microbatches}")
+            raise UsageError(f"`microbatches` must be at least 1, got {self.microbatches}")
         if self.batch_size % self.microbatches:
             raise UsageError(
-                f"--batch-size {self.batch_size} does not split into {self.microbatches} equal micro-batches; "
-                f"use a --batch-size that is a multiple of --microbatches {self.microbatches}"
+                f"`batch_size` {self.batch_size} does not split into {self.microbatches} equal micro-batches; "
+                f"use a `batch_size` that is a multiple of `microbatches` {self.microbatches}"
             )
 
     @property
@@ -152,11 +152,11 @@ class PipelineParallel(Strategy):
 
     def __post_init__(self) -> None:
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
-            raise UsageError(f"--pipeline-schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
+            raise UsageError(f"`pipeline_schedule` must be one of {', '.join(PIPELINE_SCHEDULES)}, "
                              f"got {self.pipeline_schedule!r}")
-        for flag, value in (("--stages", self.stages), ("--microbatches", self.microbatches)):
+        for name, value in (("`stages`", self.stages), ("`microbatches`", self.microbatches)):
             if value is not None and value < 1:
-                raise UsageError(f"{flag} must be at least 1, got {value}")
+                raise UsageError(f"{name} must be at least 1, got {value}")
 
     def layout(self, world_size: int, batch_size: int) -> PipelineLayout:
         stages = self.stages or world_size
@@ -174,10 +174,10 @@ class PipelineParallel(Strategy):
 
     def check_training(self, *, accumulate: int, amp: str) -> None:
         if accumulate > 1:
-            raise UsageError("--accumulate with --strategy pipeline: the pipeline accumulates over its micro-batches "
-                             "already; raise --microbatches and --batch-size instead")
+            raise UsageError("`accumulate` with `strategy` pipeline: the pipeline accumulates over its micro-batches "
+                             "already; raise `microbatches` and `batch_size` instead")
         if amp != "off":
-            raise UsageError(f"--amp {amp} is not supported with --strategy pipeline yet; use --amp off")
+            raise UsageError(f"`amp` {amp} is not supported with `strategy` pipeline yet; use `amp` off")
 
     def data_part(self, rank: int, world_size: int) -> tuple[int, int]:
         # The stages of one pipeline share their data; only the replicas split it.
@@ -190,7 +190,7 @@ class PipelineParallel(Strategy):
         ``example``: one batch of inputs (values unused), on the CPU, for the activations' shapes.
         """
         if runtime.backend is None:
-            raise UsageError("--strategy pipeline needs a process group; start it with a launcher (ddpkit run / torchrun)")
+            raise UsageError("`strategy` pipeline needs a process group; start it with a launcher (ddpkit run / torchrun)")
         if example is None:
             raise UsageError("a pipeline needs an example batch of inputs to size its stages: wrap(..., example=batch)")
         # Imported here: torch.distributed.pipelining takes a second to import, which every ddpkit command would pay.

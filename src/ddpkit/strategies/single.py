@@ -21,8 +21,8 @@ class Single(Strategy):
     def check(self, *, world_size: int, cuda_count: int, batch_size=None, build_model=None) -> None:  # noqa: ARG002
         # One unsynchronised model copy per process would train N different models and report one.
         if world_size > 1:
-            raise UsageError(f"--strategy single trains on one device; use --nproc-per-node 1 (not {world_size}) "
-                             "or --strategy ddp")
+            raise UsageError(f"`strategy` single trains on one device; use `nproc_per_node` 1 (not {world_size}) "
+                             "or `strategy` ddp")
 
     def wrap(self, model: nn.Module, runtime: Runtime, *, example=None) -> nn.Module:  # noqa: ARG002
         self.check(world_size=runtime.world_size, cuda_count=0)

@@ -128,12 +128,12 @@ def at_names(steps: list[tuple[str, nn.Module]], names: list[str]) -> list[list[
     for name in names:
         found = [i for i, step in enumerate(order) if step == name or step.startswith(name + ".")]
         if not found:
-            raise UsageError(f"--split-at {name}: no such piece; the model's pieces are {_listing(order)}")
+            raise UsageError(f"`split_at` {name}: no such piece; the model's pieces are {_listing(order)}")
         if found[0] == 0:
-            raise UsageError(f"--split-at {name}: that is the model's first piece; a cut there leaves an empty stage")
+            raise UsageError(f"`split_at` {name}: that is the model's first piece; a cut there leaves an empty stage")
         cuts.append(found[0])
     if cuts != sorted(set(cuts)):
-        raise UsageError(f"--split-at {','.join(names)}: the names must be distinct and in forward order")
+        raise UsageError(f"`split_at` {','.join(names)}: the names must be distinct and in forward order")
     bounds = [0, *cuts, len(steps)]
     return [steps[a:b] for a, b in zip(bounds, bounds[1:])]
 
@@ -143,12 +143,12 @@ def cut(model: nn.Module, parts: int, split_at: list[str] | None = None) -> list
     steps = pieces(model)
     if split_at:
         if len(split_at) != parts - 1:
-            raise UsageError(f"--split-at names {len(split_at)} cut(s), which makes {len(split_at) + 1} stages, "
+            raise UsageError(f"`split_at` names {len(split_at)} cut(s), which makes {len(split_at) + 1} stages, "
                              f"but there are {parts}; name {parts - 1}")
         runs = at_names(steps, split_at)
         for index, run in enumerate(runs):
             if parameter_count(run) == 0:  # nothing to train there: its optimizer would have no parameters
-                raise UsageError(f"--split-at {','.join(split_at)}: stage {index + 1} ({_listing([n for n, _ in run], 4)}) "
+                raise UsageError(f"`split_at` {','.join(split_at)}: stage {index + 1} ({_listing([n for n, _ in run], 4)}) "
                                  "holds no weights; move the cut to a layer with weights")
         return runs
     return balanced(steps, parts)
