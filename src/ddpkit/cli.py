@@ -16,10 +16,10 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit import env as env_mod
-from ddpkit.errors import UsageError
 from ddpkit import logs
-from ddpkit.logs import logger, report_usage_error
+from ddpkit.errors import UsageError
 from ddpkit.launch import LAUNCHERS, LaunchOptions, elastic, parse_nnodes, resolve_nproc, spawn
+from ddpkit.logs import logger, report_usage_error
 from ddpkit.process_group import freeze_for_exit, read_environment
 
 

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import env as env_mod
-from ddpkit.errors import UsageError, first_line
 from ddpkit import logs, signals
+from ddpkit.errors import UsageError, first_line
 from ddpkit.logs import logger, report_usage_error
 
 BACKENDS = ("auto", "nccl", "gloo")

@@ -24,12 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddpkit import checkpoint, data, nccl, preempt, process_group, strategies, zoo
+from ddpkit import checkpoint, data, logs, nccl, preempt, process_group, strategies, zoo
 from ddpkit.env import DistEnv
 from ddpkit.config import flag_terms, option
 from ddpkit.errors import UsageError
 from ddpkit.job import AMP_DTYPES, Job
-from ddpkit import logs
 from ddpkit.logs import logger
 from ddpkit.strategies import STRATEGIES, Strategy
 from ddpkit.strategies.pipeline import PIPELINE_SCHEDULES
