@@ -53,7 +53,7 @@ def test_a_handler_of_the_users_own_stays_and_ddpkits_is_never_doubled():
 
 
 def test_a_bad_level_is_a_usage_error_said_the_usual_way(monkeypatch, capsys):
-    with pytest.raises(UsageError, match="log_level must be one of debug, info, warning, error, got 'loud'"):
+    with pytest.raises(UsageError, match="`log_level` must be one of debug, info, warning, error, got 'loud'"):
         logs.configure(level="loud")
     monkeypatch.setenv(logs.LEVEL_ENV, "loud")
     with pytest.raises(UsageError, match="DDPKIT_LOG_LEVEL must be one of") as caught:

@@ -63,7 +63,7 @@ class RankHandler(logging.Handler):
             self.handleError(record)
 
 
-def check_level(level: str, name: str = "log_level") -> str:
+def check_level(level: str, name: str = "`log_level`") -> str:
     """``level`` lower-cased, or a UsageError that says which of ``LEVELS`` ``name`` may be."""
     if level.lower() not in LEVELS:
         raise UsageError(f"{name} must be one of {', '.join(LEVELS)}, got {level!r}")
