@@ -116,6 +116,20 @@ def ddp_digits(tmp_path_factory):
     return folder, torch.load(folder / "model.pt", weights_only=True), rows, result
 
 
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
+    """``ddpkit train`` with its defaults (net with BatchNorm, the digits, 2 processes on a machine without
+    GPUs) for 2 epochs, at --debug, which changes what is said, not what is trained: (result, folder).
+
+    test_train_multiprocess reads its output and files; test_resume compares its model with the same run
+    checkpointed and resumed.
+    """
+    folder = tmp_path_factory.mktemp("default")
+    result = run_ddpkit("train", "--epochs", "2", "--debug", "--output-dir", str(folder))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result, folder
+
+
 def max_relative_difference(a: dict, b: dict) -> float:
     """max over tensors of max|a - b| / max|b| (float tensors only; integer buffers must be equal)."""
     assert a.keys() == b.keys()

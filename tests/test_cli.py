@@ -145,36 +145,22 @@ LOCAL_RANK_STYLE = textwrap.dedent(
 )
 
 
-def test_run_starts_a_torchrun_style_script_unchanged(tmp_path):
+def test_run_starts_a_torchrun_style_script_unchanged_with_the_default_port_busy(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(TORCHRUN_STYLE)
-    result = run_ddpkit("run", "--nproc-per-node", "2", str(script), str(tmp_path), "--its-own", "flag", timeout=120)
-    assert result.returncode == 0, result.stderr
-    # 1 + 2 = 3 on both ranks: a real all-reduce went through; the script's own arguments arrived.
-    assert (tmp_path / "rank0.txt").read_text() == "0 2 3.0 --its-own flag"
-    assert (tmp_path / "rank1.txt").read_text() == "1 2 3.0 --its-own flag"
-
-
-def test_run_passes_local_rank_like_the_legacy_launcher(tmp_path):
-    script = tmp_path / "legacy.py"
-    script.write_text(LOCAL_RANK_STYLE)
-    result = run_ddpkit("run", "--nproc-per-node", "2", "--local-rank-arg", str(script), "--out", str(tmp_path),
-                        timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["0", "1"]
-
-
-def test_a_busy_default_port_does_not_break_a_single_node_run(tmp_path):
-    script = tmp_path / "script.py"
-    script.write_text(TORCHRUN_STYLE)
+    # A busy 29500 (torchrun's default) must not break a single-node run: its rendezvous picks a free port.
     with socket.socket() as busy:
         try:
             busy.bind(("127.0.0.1", 29500))
         except OSError:
             pass  # something else already holds it: just as good for this test
         busy.listen()
-        result = run_ddpkit("run", "--nproc-per-node", "2", str(script), str(tmp_path), timeout=120)
+        result = run_ddpkit("run", "--nproc-per-node", "2", str(script), str(tmp_path), "--its-own", "flag",
+                            timeout=120)
     assert result.returncode == 0, result.stderr
+    # 1 + 2 = 3 on both ranks: a real all-reduce went through; the script's own arguments arrived.
+    assert (tmp_path / "rank0.txt").read_text() == "0 2 3.0 --its-own flag"
+    assert (tmp_path / "rank1.txt").read_text() == "1 2 3.0 --its-own flag"
 
 
 def test_a_failing_script_reports_the_rank_and_fails(tmp_path):
@@ -190,12 +176,13 @@ def test_a_missing_module_is_bad_input(capsys):
     assert "module 'no_such_module_here.train' cannot be imported" in capsys.readouterr().err
 
 
-def test_run_of_a_module(tmp_path):
-    (tmp_path / "mytrain.py").write_text(TORCHRUN_STYLE)
-    result = run_ddpkit("run", "--nproc-per-node", "2", "-m", "mytrain", str(tmp_path), "x", cwd=tmp_path,
-                        PYTHONPATH=str(tmp_path), timeout=120)
+def test_run_of_a_module_that_takes_local_rank_like_the_legacy_launcher(tmp_path):
+    # -m: the module is found on the workers' path; --local-rank-arg: torch.distributed.launch's --local-rank=N.
+    (tmp_path / "legacy.py").write_text(LOCAL_RANK_STYLE)
+    result = run_ddpkit("run", "--nproc-per-node", "2", "--local-rank-arg", "-m", "legacy", "--out", str(tmp_path),
+                        cwd=tmp_path, PYTHONPATH=str(tmp_path), timeout=120)
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / "rank1.txt").read_text() == "1 2 3.0 x"
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["0", "1"]
 
 
 def test_a_busy_master_port_is_a_clear_error(tmp_path):

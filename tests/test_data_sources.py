@@ -2,6 +2,8 @@
 
 import json
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -85,6 +87,22 @@ def test_digits_fit_every_model(model, channels):
     sets = load_data(parse_data_spec("digits"), channels=c, image_size=size)
     assert c == channels and sets.train[0][0].shape == (c, size, size)
     assert (len(sets.train), len(sets.val)) == (1438, 359)
+
+
+def test_the_digits_are_scikit_learns_read_without_importing_it(monkeypatch):
+    from sklearn.datasets import load_digits
+
+    from ddpkit import zoo
+
+    script = "import sys; from ddpkit import zoo; zoo.load_digits(1, 28); print('sklearn' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout == "False\n"
+    expected = load_digits()
+    images, labels = zoo.digits_arrays()
+    assert np.array_equal(images, expected.images) and np.array_equal(labels, expected.target)
+    # A scikit-learn that keeps the file elsewhere: its load_digits, the same arrays.
+    monkeypatch.setattr(zoo, "DIGITS_FILE", ("no", "such", "digits.csv.gz"))
+    images, labels = zoo.digits_arrays()
+    assert np.array_equal(images, expected.images) and np.array_equal(labels, expected.target)
 
 
 def test_train_and_test_folders_are_train_and_validation(tmp_path):

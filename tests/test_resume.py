@@ -31,11 +31,14 @@ def identical(a: dict, b: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted run, with a checkpoint every 5 steps kept, and the same run without checkpoints."""
+def reference(tmp_path_factory, default_run):
+    """The uninterrupted run, with a checkpoint every 5 steps kept, and the same run without checkpoints
+    (conftest's default run: RUN's settings are ddpkit train's defaults, for 2 epochs)."""
     folder = tmp_path_factory.mktemp("reference")
     state, rows = train(folder, *RUN, "--checkpoint-every", "5", "--keep-checkpoints", "100")
-    plain, _ = train(tmp_path_factory.mktemp("plain"), *RUN)
+    plain_rows = [json.loads(line) for line in (default_run[1] / "metrics.jsonl").read_text().splitlines()]
+    assert plain_rows[-1]["world_size"] == 2 and len(plain_rows) == 2  # what RUN asks for
+    plain = torch.load(default_run[1] / "model.pt", weights_only=True)
     return folder, state, rows, plain
 
 
@@ -53,8 +56,9 @@ def test_checkpointing_does_not_change_the_run(reference):
     assert {"optimizer", "scheduler", "scaler"} <= saved.keys()
 
 
-# 22: an epoch boundary; 15 and 25: mid-epoch in the first and second epoch (25 in the slow target only).
-@pytest.mark.parametrize("step", [pytest.param(5, marks=pytest.mark.slow), 15, 22, pytest.param(25, marks=pytest.mark.slow)])
+# 15: mid-epoch in the first epoch; 22: an epoch boundary. Step 25 (mid-epoch in the second) is where the
+# fall-back below resumes, and step 5 where the kill -9 test starts; both end bit-identical too.
+@pytest.mark.parametrize("step", [15, 22])
 def test_resume_is_bit_identical(tmp_path, reference, step):
     folder, state, rows, _ = reference
     result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN,
@@ -69,7 +73,7 @@ def test_resume_is_bit_identical(tmp_path, reference, step):
 
 
 def test_resume_auto_falls_back_past_a_corrupt_newest_checkpoint(tmp_path, reference):
-    folder, state, _, _ = reference
+    folder, state, rows, _ = reference
     shutil.copytree(folder / "checkpoints", tmp_path / "checkpoints")
     for newer in ("step-00000044.pt", "step-00000040.pt", "step-00000035.pt"):
         (tmp_path / "checkpoints" / newer).unlink()
@@ -81,12 +85,16 @@ def test_resume_auto_falls_back_past_a_corrupt_newest_checkpoint(tmp_path, refer
     assert f"ddpkit: warning: skipping checkpoint {newest}" in result.stderr
     assert "resumed from" in result.stderr and "step-00000025.pt" in result.stderr
     assert identical(torch.load(tmp_path / "model.pt", weights_only=True), state)
+    resumed_rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert resumed_rows[-1]["train_loss"] == rows[-1]["train_loss"] and resumed_rows[-1]["val_acc"] == rows[-1]["val_acc"]
 
 
 def test_no_readable_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "step-00000003.pt").write_bytes(b"not a zip file")
-    result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN, "--resume", "auto")
+    # One process is enough to read it (that rank 0 alone says such an error: the next test).
+    result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN, "--nproc-per-node", "1",
+                        "--resume", "auto")
     assert result.returncode == 2
     assert "ddpkit: error: no usable checkpoint in" in result.stderr
     assert "Traceback" not in result.stderr
@@ -110,7 +118,8 @@ def test_the_tutorials_checkpoint_resumes_at_the_next_epoch(tmp_path):
     # What the tutorials write from rank 0: the DDP wrapper's state_dict, with its "module." prefix.
     torch.save({"epoch": 0, "model_state_dict": {f"module.{k}": v for k, v in model.state_dict().items()},
                 "optimizer_state_dict": optimizer.state_dict()}, tmp_path / "epoch_0.pt")
-    result = run_ddpkit("train", "--output-dir", str(tmp_path / "out"), "--no-progress", *RUN,
+    # The format matters here, not the world size: one process reads it as two would.
+    result = run_ddpkit("train", "--output-dir", str(tmp_path / "out"), "--no-progress", *RUN, "--nproc-per-node", "1",
                         "--resume", str(tmp_path / "epoch_0.pt"))
     assert result.returncode == 0, result.stderr
     assert "(tutorial): continuing at epoch 2" in result.stderr
@@ -129,17 +138,6 @@ def test_resuming_on_another_world_size_says_what_it_did_to_the_global_batch(tmp
     assert "after 192 samples (step 6 of 44)" in result.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["epoch"] == 1 and rows[-1]["resumed_at_step"] == 6
-
-
-def test_a_fresh_start_sets_the_earlier_checkpoints_aside(tmp_path, reference):
-    shutil.copytree(reference[0] / "checkpoints", tmp_path / "checkpoints")  # an earlier run's
-    (tmp_path / "metrics.jsonl").write_text("{}\n")
-    result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN, "--epochs", "1")
-    assert result.returncode == 0, result.stderr
-    assert "[rank0]: ddpkit: starting fresh (no --resume); the earlier run's checkpoints were moved to" in result.stderr
-    assert "[rank1]:" not in result.stderr  # at the default level, the messages of rank 0 alone
-    assert checkpoint.list_checkpoints(tmp_path / "checkpoints.prev")
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
 
 
 def _worker_pid(launcher: subprocess.Popen, rank: int) -> int | None:
@@ -219,7 +217,7 @@ def _signal_when(proc: subprocess.Popen, ready, signals: list[int]) -> tuple[str
             _finish(proc, timeout=1)
 
 
-LONG = ["--model", "net", "--data", "digits", "--epochs", "6", "--nproc-per-node", "2"]
+LONG = ["--model", "net", "--data", "digits", "--epochs", "3", "--nproc-per-node", "2"]
 
 
 @pytest.mark.slow  # a run stopped, then resumed to the end: about 35 s
@@ -235,7 +233,7 @@ def test_sigterm_checkpoints_at_one_step_on_every_rank_and_the_run_resumes_exact
     steps = {step for _, step in stops}
     assert len(steps) == 1  # both ranks stopped after the same step
     step = int(steps.pop())
-    assert 22 < step < 6 * 22
+    assert 22 < step < 3 * 22
     assert checkpoint.read_pointer(tmp_path / "checkpoints").name == checkpoint.checkpoint_name(step)
     assert not (tmp_path / "model.pt").exists()
 
@@ -244,16 +242,24 @@ def test_sigterm_checkpoints_at_one_step_on_every_rank_and_the_run_resumes_exact
     uninterrupted, _ = train(tmp_path_factory.mktemp("long"), *LONG)
     assert identical(torch.load(tmp_path / "model.pt", weights_only=True), uninterrupted)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [row["epoch"] for row in rows] == list(range(6))
+    assert [row["epoch"] for row in rows] == list(range(3))
 
 
-def test_a_second_ctrl_c_stops_at_once(tmp_path):
+def test_a_fresh_start_sets_the_earlier_checkpoints_aside_and_a_second_ctrl_c_stops_at_once(tmp_path, reference):
+    shutil.copytree(reference[0] / "checkpoints", tmp_path / "checkpoints")  # an earlier run's
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
     proc = _start(tmp_path, *LONG, "--epochs", "100")
-    stdout, stderr, took = _signal_when(proc, lambda: checkpoint.list_checkpoints(tmp_path / "checkpoints"),
-                                        [signal.SIGINT, signal.SIGINT])
+    # The folder is renamed in one step, so once checkpoints.prev exists, checkpoints/ holds this run's only.
+    saved_one = lambda: (tmp_path / "checkpoints.prev").exists() and checkpoint.list_checkpoints(tmp_path / "checkpoints")
+    stdout, stderr, took = _signal_when(proc, saved_one, [signal.SIGINT, signal.SIGINT])
     assert proc.returncode == 128 + signal.SIGINT, stdout + stderr
     assert took < 10
     assert "ddpkit: stopped by signal SIGINT" in stderr
+    assert "[rank0]: ddpkit: starting fresh (no --resume); the earlier run's checkpoints were moved to" in stderr
+    # At the default level, rank 1 says nothing but warnings and errors.
+    assert not re.search(r"\[rank1\]: ddpkit: (?!warning: |error: )", stderr), stderr
+    assert len(checkpoint.list_checkpoints(tmp_path / "checkpoints.prev")) == 10
+    assert "{}" not in (tmp_path / "metrics.jsonl").read_text().splitlines()  # the earlier run's lines are gone
 
 
 SLOW_SAVE = textwrap.dedent(

@@ -273,8 +273,14 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         freeze_for_exit()
         return 0
     if options.launcher == "spawn":
-        return spawn(_spawn_train_worker, options.nproc_per_node, (cfg,))
-    return elastic(options, ["-m", "ddpkit", *argv])
+        return _workers_done(spawn(_spawn_train_worker, options.nproc_per_node, (cfg,)))
+    return _workers_done(elastic(options, ["-m", "ddpkit", *argv]))
+
+
+def _workers_done(status: int) -> int:
+    """The launcher's work is over once its workers are: end it in a fraction of a second, not one."""
+    freeze_for_exit()
+    return status
 
 
 def _in_flag_terms(error: UsageError) -> UsageError:
@@ -329,7 +335,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
         local_rank = [f"--local-rank={environment.local_rank}"] if ns.local_rank_arg else []
         sys.stdout.flush()
         os.execv(sys.executable, [sys.executable, "-u", *script, *local_rank, *ns.script_args])
-    return elastic(_launch_options(ns), [*script, *ns.script_args], local_rank_arg=ns.local_rank_arg)
+    return _workers_done(elastic(_launch_options(ns), [*script, *ns.script_args], local_rank_arg=ns.local_rank_arg))
 
 
 FLIGHT_RECORDER_FOLDER = "ddpkit-flight-recorder"  # in the temporary folder of each machine

@@ -207,13 +207,38 @@ def _split(length: int, val_fraction: float) -> tuple[list[int], list[int]]:
     return order[n_val:], order[:n_val]
 
 
+# Where scikit-learn keeps the digits inside its package: one row per scan, 64 pixels (0-16), then the label.
+DIGITS_FILE = ("datasets", "data", "digits.csv.gz")
+
+
+def digits_arrays():
+    """scikit-learn's digits as numpy arrays: (images (1797, 8, 8) float64, labels (1797,) int64).
+
+    Read from the file scikit-learn ships, as its ``load_digits`` does, without importing scikit-learn:
+    that import (scipy.stats and more) takes 1.5 to 2 s on a small CPU, in every rank of every run on the
+    default data set, where reading the file takes a few milliseconds. If a scikit-learn keeps the file
+    elsewhere, its ``load_digits`` is used instead (tests/test_data_sources.py checks both agree).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")  # finds the package without running it
+    path = os.path.join(os.path.dirname(spec.origin), *DIGITS_FILE) if spec and spec.origin else None
+    if path is None or not os.path.isfile(path):
+        from sklearn.datasets import load_digits as sklearn_digits
+
+        bunch = sklearn_digits()
+        return bunch.images, bunch.target
+    import numpy as np
+
+    rows = np.loadtxt(path, delimiter=",")
+    return rows[:, :-1].reshape(-1, 8, 8), rows[:, -1].astype(np.int64)
+
+
 def load_digits(channels: int, image_size: int) -> Datasets:
     """scikit-learn's handwritten digits (1,797 real 8x8 scans), resized; 20% held out for validation."""
-    from sklearn.datasets import load_digits as sklearn_digits
-
-    bunch = sklearn_digits()
-    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(bunch.target, dtype=torch.long)
+    pixels, targets = digits_arrays()
+    images = torch.tensor(pixels, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(targets, dtype=torch.long)
     images = _fit_images(images, channels, image_size)
     train_idx, val_idx = _split(len(labels), 0.2)
     return Datasets(
