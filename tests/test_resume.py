@@ -89,15 +89,23 @@ def test_resume_auto_falls_back_past_a_corrupt_newest_checkpoint(tmp_path, refer
     assert resumed_rows[-1]["train_loss"] == rows[-1]["train_loss"] and resumed_rows[-1]["val_acc"] == rows[-1]["val_acc"]
 
 
-def test_no_readable_checkpoint_is_a_clear_error(tmp_path):
+def on_one_process(capsys, folder: Path, *args: str) -> tuple[int, str]:
+    """``ddpkit train`` with RUN's settings on one process, in this process (no launcher, no workers, the
+    same code): its exit status and what it said on stderr."""
+    from ddpkit.cli import main
+
+    capsys.readouterr()
+    status = main(["train", "--output-dir", str(folder), "--no-progress", *RUN, "--nproc-per-node", "1", *args])
+    return status, capsys.readouterr().err
+
+
+def test_no_readable_checkpoint_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "step-00000003.pt").write_bytes(b"not a zip file")
     # One process is enough to read it (that rank 0 alone says such an error: the next test).
-    result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN, "--nproc-per-node", "1",
-                        "--resume", "auto")
-    assert result.returncode == 2
-    assert "ddpkit: error: no usable checkpoint in" in result.stderr
-    assert "Traceback" not in result.stderr
+    status, said = on_one_process(capsys, tmp_path, "--resume", "auto")
+    assert status == 2
+    assert "ddpkit: error: no usable checkpoint in" in said
 
 
 def test_a_checkpoint_of_another_model_is_refused_with_what_differs(tmp_path, reference):
@@ -111,7 +119,7 @@ def test_a_checkpoint_of_another_model_is_refused_with_what_differs(tmp_path, re
     assert "18 unexpected key(s): conv1.weight" in errors[0] and "Traceback" not in result.stderr
 
 
-def test_the_tutorials_checkpoint_resumes_at_the_next_epoch(tmp_path):
+def test_the_tutorials_checkpoint_resumes_at_the_next_epoch(tmp_path, capsys):
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.Adam(model.parameters())
@@ -119,23 +127,21 @@ def test_the_tutorials_checkpoint_resumes_at_the_next_epoch(tmp_path):
     torch.save({"epoch": 0, "model_state_dict": {f"module.{k}": v for k, v in model.state_dict().items()},
                 "optimizer_state_dict": optimizer.state_dict()}, tmp_path / "epoch_0.pt")
     # The format matters here, not the world size: one process reads it as two would.
-    result = run_ddpkit("train", "--output-dir", str(tmp_path / "out"), "--no-progress", *RUN, "--nproc-per-node", "1",
-                        "--resume", str(tmp_path / "epoch_0.pt"))
-    assert result.returncode == 0, result.stderr
-    assert "(tutorial): continuing at epoch 2" in result.stderr
+    status, said = on_one_process(capsys, tmp_path / "out", "--resume", str(tmp_path / "epoch_0.pt"))
+    assert status == 0, said
+    assert "(tutorial): continuing at epoch 2" in said
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [row["epoch"] for row in rows] == [1]
 
 
-def test_resuming_on_another_world_size_says_what_it_did_to_the_global_batch(tmp_path, reference):
+def test_resuming_on_another_world_size_says_what_it_did_to_the_global_batch(tmp_path, reference, capsys):
     folder = reference[0]
-    result = run_ddpkit("train", "--output-dir", str(tmp_path), "--no-progress", *RUN, "--nproc-per-node", "1",
-                        "--resume", str(folder / "checkpoints" / "step-00000025.pt"))
-    assert result.returncode == 0, result.stderr
-    assert "written with global batch 64 (2 process(es)); this run's is 32 (1 x 32)" in result.stderr
-    assert "pass --batch-size 64" in result.stderr
+    status, said = on_one_process(capsys, tmp_path, "--resume", str(folder / "checkpoints" / "step-00000025.pt"))
+    assert status == 0, said
+    assert "written with global batch 64 (2 process(es)); this run's is 32 (1 x 32)" in said
+    assert "pass --batch-size 64" in said
     # Epoch 2 continues after the 192 samples the two processes had consumed: step 6 of 44 at batch 32.
-    assert "after 192 samples (step 6 of 44)" in result.stderr
+    assert "after 192 samples (step 6 of 44)" in said
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["epoch"] == 1 and rows[-1]["resumed_at_step"] == 6
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import max_relative_difference, train
+from conftest import max_relative_difference, train, train_here
 from ddpkit.zoo import Net
 
 # The real digits (1,438 train / 359 val, an odd number: the ranks hold 180 and 179) with convnet, which
@@ -16,7 +16,7 @@ DIGITS = ["--data", "digits", "--model", "convnet", "--optimizer", "sgd", "--lr"
 
 @pytest.fixture(scope="module")
 def one_process_batch_64(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("one"), *DIGITS, "--nproc-per-node", "1", "--batch-size", "64")
+    return train_here(tmp_path_factory.mktemp("one"), *DIGITS, "--batch-size", "64")
 
 
 def test_two_processes_equal_one_process_with_twice_the_batch(one_process_batch_64, ddp_digits):
@@ -56,7 +56,7 @@ def test_static_graph_with_accumulation(tmp_path, one_process_batch_64):
 
 def test_accumulation_on_one_process(tmp_path, one_process_batch_64):
     state_1, _ = one_process_batch_64
-    state_acc, _ = train(tmp_path, *DIGITS, "--nproc-per-node", "1", "--batch-size", "8", "--accumulate", "8")
+    state_acc, _ = train_here(tmp_path, *DIGITS, "--batch-size", "8", "--accumulate", "8")
     assert max_relative_difference(state_acc, state_1) <= 1e-5
 
 
@@ -88,7 +88,7 @@ def test_sync_batchnorm_on_cpu_makes_batchnorm_models_equivalent(tmp_path):
     # BatchNorm divides by the batch's spread, which magnifies float rounding from step to step; 4 steps
     # keep that below 1e-4 while unsynchronised BatchNorm is already ~5e-3 away.
     common = ["--data", "synthetic:256", "--model", "net", "--optimizer", "sgd", "--lr", "0.05", "--epochs", "1"]
-    state_1, rows_1 = train(tmp_path / "one", *common, "--nproc-per-node", "1", "--batch-size", "64")
+    state_1, rows_1 = train_here(tmp_path / "one", *common, "--batch-size", "64")
     state_2, rows_2 = train(tmp_path / "sync", *common, "--nproc-per-node", "2", "--batch-size", "32", "--sync-bn")
     assert rows_1[0]["steps"] == rows_2[0]["steps"] == 4
     assert max_relative_difference(state_2, state_1) <= 1e-4
