@@ -1,6 +1,7 @@
 """Checkpoint pieces in one process: files, layouts, mismatches, RNG, the sampler's resume arithmetic."""
 
 import collections
+import io
 import os
 import random
 import signal
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zipfile
 
 import numpy as np
 import pytest
@@ -155,10 +157,29 @@ def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint_intact(tmp_pat
 def test_a_truncated_file_is_a_one_line_error(tmp_path):
     path = tmp_path / "step-00000001.pt"
     checkpoint.atomic_save(Net().state_dict(), path)
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match="not a readable checkpoint") as caught:
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(CheckpointError, match="is not a checkpoint: torch.save writes a zip archive and this file "
+                                              r"is not one \(truncated, or another kind of file\)") as caught:
         checkpoint.load_file(path)
     assert "\n" not in str(caught.value)
+    # Still a zip, but a tensor's record cut short: torch.load's own reason, in one line.
+    records = zipfile.ZipFile(io.BytesIO(whole))
+    cut = io.BytesIO()
+    with zipfile.ZipFile(cut, "w") as damaged:
+        for info in records.infolist():
+            data = records.read(info)
+            damaged.writestr(info, data[: len(data) // 2] if info.filename.endswith("/data/0") else data)
+    path.write_bytes(cut.getvalue())
+    with pytest.raises(CheckpointError, match="is not a readable checkpoint") as caught:
+        checkpoint.load_file(path)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_file_of_another_kind_is_not_taken_for_a_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello\n")
+    with pytest.raises(CheckpointError, match="notes.txt is not a checkpoint: torch.save writes a zip archive"):
+        checkpoint.load_file(tmp_path / "notes.txt")
 
 
 class Payload:

@@ -19,7 +19,11 @@ NO_GPU = torch.cuda.device_count() == 0
         (["train", "--nproc-per-node", "0"], "--nproc-per-node must be at least 1"),
         (["train", "--nproc-per-node", "many"], "whole number or auto, got 'many'"),
         (["train", "--batch-size", "0"], "--batch-size must be at least 1, got 0"),
-        (["train", "--epochs", "-1"], "--epochs must be 0 or more, got -1"),
+        (["train", "--epochs", "0"], "--epochs must be at least 1, got 0"),
+        (["train", "--output-dir", ""], "--output-dir needs a folder, got an empty name"),
+        (["train", "--timeout", "nan"], "--timeout must be a finite number of seconds, at least 1, got nan"),
+        (["train", "--timeout", "inf"], "--timeout must be a finite number of seconds, at least 1, got inf"),
+        (["train", "--timeout", "1e-9"], "--timeout must be a finite number of seconds, at least 1, got 1e-09"),
         (["train", "--model", "resnet"], "unknown model 'resnet'"),
         (["train", "--data", "cifar"], "unknown data set 'cifar'"),
         (["train", "--data", "folder:/no/such/dir"], "folder '/no/such/dir' does not exist"),
@@ -58,7 +62,8 @@ NO_GPU = torch.cuda.device_count() == 0
          "--rdzv-endpoint numbers the nodes itself; drop --master-addr, --master-port and --node-rank"),
         (["run", "--nproc-per-node", "2", "/no/such/script.py"], "script '/no/such/script.py' does not exist"),
         (["run"], "the following arguments are required: SCRIPT"),
-        (["run", "--timeout", "0", "x.py"], "--timeout must be a positive number of seconds, got 0.0"),
+        (["run", "--timeout", "0", "x.py"], "--timeout must be a finite number of seconds, at least 1, got 0.0"),
+        (["run", "--timeout", "nan", "x.py"], "--timeout must be a finite number of seconds, at least 1, got nan"),
         (["bench", "--nproc", "0"], "--nproc takes whole numbers of at least 1, got 0"),
         (["bench", "--nproc", "one,two"], "--nproc takes a comma-separated list, got 'one,two'"),
         (["bench", "--strategies", "ddp,fsdp"], "--strategies takes a comma list of single, dp, ddp"),
@@ -107,6 +112,38 @@ def test_an_error_found_inside_the_workers_still_exits_2(tmp_path):
     assert "fewer than one global batch of 64" in result.stderr
     assert "; lower --batch-size" in result.stderr  # the library's `batch_size`, said as this command's flag
     assert "Traceback" not in result.stderr
+    # One line, from rank 0, and none from torchrun's agent about the workers it stopped or saw fail.
+    assert result.stderr.count("ddpkit: error:") == 1 and "[rank0]: ddpkit: error:" in result.stderr
+    assert "torch/distributed/elastic" not in result.stderr, result.stderr
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_before_anything_starts(tmp_path, capsys):
+    (tmp_path / "file").write_text("not a folder")
+    for folder, message in ((tmp_path / "file", f"--output-dir {tmp_path / 'file'} is a file, not a folder"),
+                            (tmp_path / "file" / "sub", f"--output-dir {tmp_path / 'file' / 'sub'}: cannot write there "
+                                                        "(Not a directory)")):
+        assert main(["train", "--output-dir", str(folder), "--data", "synthetic:64"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"ddpkit: error: {message}") and err.count("\n") == 1
+
+
+@pytest.mark.skipif(os.getuid() == 0, reason="root writes in a read-only folder")
+def test_a_read_only_output_folder_is_refused(tmp_path, capsys):
+    (tmp_path / "ro").mkdir(mode=0o500)
+    assert main(["train", "--output-dir", str(tmp_path / "ro"), "--data", "synthetic:64"]) == 2
+    assert "cannot write there (Permission denied)" in capsys.readouterr().err
+
+
+def test_a_diverged_run_stops_before_it_saves_anything(tmp_path, capsys):
+    # An absurd learning rate: the first step makes the weights infinite, so the checkpoint due after it
+    # must not be written, and neither must model.pt.
+    status = main(["train", "--nproc-per-node", "1", "--data", "synthetic:64", "--epochs", "2", "--lr", "1e308",
+                   "--checkpoint-every", "1", "--output-dir", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "ddpkit: error: training diverged: the model's parameters are not finite in epoch 1, by step 1; no " \
+           "checkpoint or model.pt was written from there on. Lower --lr (it is 1e+308 now)" in err
+    assert not (tmp_path / "model.pt").exists() and not list((tmp_path / "checkpoints").glob("step-*"))
 
 
 def test_list_models(capsys):
@@ -195,7 +232,7 @@ def test_a_busy_master_port_is_a_clear_error(tmp_path):
         result = run_ddpkit("run", "--nproc-per-node", "2", "--master-port", port, str(script), str(tmp_path),
                             timeout=120)
         # A stale MASTER_PORT in the environment of a one-process run: the same answer.
-        stale = run_ddpkit("train", "--nproc-per-node", "1", "--epochs", "0", "--output-dir", str(tmp_path / "o"),
+        stale = run_ddpkit("train", "--nproc-per-node", "1", "--epochs", "1", "--output-dir", str(tmp_path / "o"),
                            MASTER_PORT=port, timeout=120)
     for outcome in (result, stale):
         assert outcome.returncode == 2, outcome.stderr
@@ -217,6 +254,7 @@ def test_spawn_reports_a_worker_usage_error_as_status_2(tmp_path):
                         "--accumulate", "100", "--output-dir", str(tmp_path), timeout=120)
     assert result.returncode == 2, result.stderr
     assert "fewer than --accumulate 100" in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.count("ddpkit: error:") == 1, result.stderr  # every rank finds it; rank 0 says it
 
 
 @pytest.mark.slow  # the surviving rank waits out gloo's connection timeout: about 20 s

@@ -27,7 +27,8 @@ def test_doctor_json_names_versions_backends_variables_and_who_holds_the_port():
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        result = run_ddpkit("doctor", "--json", "-", "--port", str(port), NCCL_DEBUG="INFO", GLOO_SOCKET_IFNAME="lo")
+        result = run_ddpkit("doctor", "--json", "-", "--port", str(port), NCCL_DEBUG="INFO", GLOO_SOCKET_IFNAME="lo",
+                            NCCL_IB_PASSWORD="hunter2", NCCL_IB_PKEY="3")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert {"versions", "backends", "gpus", "cpu_cores", "topology", "variables", "port", "port_holders",
@@ -36,6 +37,9 @@ def test_doctor_json_names_versions_backends_variables_and_who_holds_the_port():
     names = {row["name"]: row for row in report["variables"]}
     assert names["NCCL_DEBUG"]["value"] == "INFO" and "log level" in names["NCCL_DEBUG"]["meaning"]
     assert names["GLOO_SOCKET_IFNAME"]["value"] == "lo"
+    # A secret's value is never printed (nor recorded in metrics.jsonl or a bench report: nccl.shown).
+    assert names["NCCL_IB_PASSWORD"]["value"] == "<hidden>" and "hunter2" not in result.stdout
+    assert names["NCCL_IB_PKEY"]["value"] == "3"  # an InfiniBand partition, not a key
     assert report["port"] == port and [h["pid"] for h in report["port_holders"]] == [os.getpid()]
 
 

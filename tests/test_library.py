@@ -57,6 +57,11 @@ def test_library_errors_name_its_parameters_and_the_command_line_says_its_flags(
     assert said == "--strategy single trains on one device; use --nproc-per-node 1 (not 2) or --strategy ddp"
     with pytest.raises(ddpkit.UsageError, match="--bucket-cap-mb must be positive, got 0"):
         TrainConfig(bucket_cap_mb=0).validate()
+    # A job's timeout, before any group starts: `timeout_s` in the library, --timeout on the command line.
+    with pytest.raises(ddpkit.UsageError) as caught:
+        ddpkit.Job("single", timeout_s=float("inf"))
+    assert str(caught.value) == "`timeout_s` must be a finite number of seconds, at least 1, got inf"
+    assert in_flag_terms(str(caught.value), TrainConfig, OTHER_FLAGS).startswith("--timeout must be a finite")
 
 
 def test_atomic_save_leaves_no_temporary_file_and_the_usual_permissions(tmp_path):

@@ -159,7 +159,7 @@ def test_launch_options_validation(options, message):
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"epochs": -1}, "--epochs must be 0 or more, got -1"),
+        ({"epochs": -1}, "--epochs must be at least 1, got -1"),
         ({"batch_size": 0}, "--batch-size must be at least 1, got 0"),
         ({"accumulate": 0}, "--accumulate must be at least 1"),
         ({"lr": -0.1}, "--lr must be a positive number"),
@@ -169,6 +169,8 @@ def test_launch_options_validation(options, message):
         ({"data": "folder:/nonexistent/x"}, "folder '/nonexistent/x' does not exist"),
         ({"sync_bn": True, "strategy": "single"}, "--sync-bn .* needs --strategy ddp"),
         ({"bucket_cap_mb": 0}, "--bucket-cap-mb must be positive"),
+        ({"timeout": float("nan")}, "--timeout must be a finite number of seconds, at least 1, got nan"),
+        ({"output_dir": ""}, "--output-dir needs a folder, got an empty name"),
     ],
 )
 def test_train_config_validation(fields, message):
@@ -203,3 +205,15 @@ def test_the_config_module_docstring_example_runs():
 
     failures, tried = doctest.testmod(config)
     assert tried >= 6 and failures == 0
+
+
+def test_secrets_in_the_environment_are_never_printed_or_recorded():
+    import doctest
+
+    from ddpkit import nccl
+
+    failures, tried = doctest.testmod(nccl)
+    assert tried >= 2 and failures == 0
+    environ = {"NCCL_IB_PASSWORD": "hunter2", "NCCL_ALGO": "Ring", "GLOO_AUTH_TOKEN": "t0k", "NCCL_IB_PKEY": "3"}
+    assert nccl.in_effect(environ) == {"NCCL_ALGO": "Ring", "NCCL_IB_PASSWORD": "<hidden>", "NCCL_IB_PKEY": "3"}
+    assert nccl.in_effect(environ, prefixes=("GLOO_",)) == {"GLOO_AUTH_TOKEN": "<hidden>"}

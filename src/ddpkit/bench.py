@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ddpkit import projection
+from ddpkit import nccl, projection
 from ddpkit.errors import EXIT_USAGE, UsageError
 from ddpkit.logs import report_usage_error
 from ddpkit.job import AMP_DTYPES, Job
@@ -450,7 +450,7 @@ def environment() -> dict:
         with contextlib.suppress(Exception):
             env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         env["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    env["variables"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "GLOO_", "OMP_NUM_THREADS"))}
+    env["variables"] = nccl.in_effect(prefixes=("NCCL_", "GLOO_", "OMP_NUM_THREADS"))
     return env
 
 

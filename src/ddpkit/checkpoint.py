@@ -42,6 +42,7 @@ import re
 import shutil
 import tempfile
 import threading
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -189,6 +190,9 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
+    if not zipfile.is_zipfile(path):  # torch.load's own error for these is a bare byte value ("101")
+        raise CheckpointError(f"{path} is not a checkpoint: torch.save writes a zip archive and this file is not "
+                              "one (truncated, or another kind of file)")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as error:  # torch.load raises many types for a torn or foreign file

@@ -261,6 +261,7 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         return 0
     cfg = _train_config(ns)
     cfg.validate()
+    trainer.check_output_dir(cfg.output_dir)
     if _already_a_rank():
         # Already one rank of a job (torchrun, Slurm's srun, the legacy launcher): train, launch nothing.
         trainer.run(cfg)
@@ -386,11 +387,9 @@ def _export_debug_settings(ns: argparse.Namespace) -> None:
         _flight_recorder()
     timeout = getattr(ns, "timeout", None)
     if ns.command == "run" and timeout is not None:
-        if timeout <= 0:
-            raise UsageError(f"--timeout must be a positive number of seconds, got {timeout}")
-        from ddpkit.process_group import TIMEOUT_ENV
+        from ddpkit.process_group import TIMEOUT_ENV, check_timeout
 
-        os.environ[TIMEOUT_ENV] = str(timeout)
+        os.environ[TIMEOUT_ENV] = str(check_timeout(timeout))  # its `timeout_s` is said as --timeout
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -230,7 +230,8 @@ def train_loader(
     if drop_last and len(dataset) < global_batch:
         raise UsageError(
             f"the training set has {len(dataset)} samples, fewer than one global batch of {global_batch} "
-            f"({batch_size} per process x {count} data-parallel processes); lower `batch_size`"
+            f"({batch_size} per process x {count} data-parallel processes); lower `batch_size`",
+            said_elsewhere=not runtime.is_main,  # every rank finds it: rank 0 says it
         )
     sampler = ResumableSampler(
         dataset,

@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from ddpkit import nccl
+
 DEFAULT_PORT = 29500
 
 # The variables the tutorials tune, and the ones that decide which network is used. One line each.
@@ -65,10 +67,11 @@ PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCHELASTIC
 
 
 def variables(environ: dict[str, str] | None = None) -> list[dict[str, str]]:
-    """Every distributed-related variable that is set, with what it does (or a note that ddpkit does not know it)."""
+    """Every distributed-related variable that is set, with what it does (or a note that ddpkit does not know it);
+    the values of secrets hidden (``nccl.shown``)."""
     environ = dict(os.environ if environ is None else environ)
     names = sorted(name for name in environ if name in VARIABLES or name.startswith(PREFIXES))
-    return [{"name": name, "value": environ[name],
+    return [{"name": name, "value": nccl.shown(name, environ[name]),
              "meaning": VARIABLES.get(name, "not one ddpkit knows; see the NCCL / PyTorch documentation")}
             for name in names]
 

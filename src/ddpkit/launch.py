@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import sys
@@ -153,6 +154,10 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     check_names(options)
     warn_leftovers(options)
+    # The agent logs each worker it stops and each one that failed ("failed (exitcode: 2) local_rank: 1 ...");
+    # report_failures says the same once per rank that failed of its own accord (none after a usage error,
+    # which rank 0 has said in one line already).
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     args = torchrun.parse_args(torchrun_argv(options, command))
     # The legacy torch.distributed.launch behaviour: pass --local-rank=N instead of only LOCAL_RANK.
     args.use_env = not local_rank_arg

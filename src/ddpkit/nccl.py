@@ -45,10 +45,26 @@ def apply(chosen: dict[str, str], *, echo: bool = True) -> None:
     """Put the settings into this process's environment (the workers inherit it) and say so once."""
     os.environ.update(chosen)
     if chosen and echo:
-        logger.info("NCCL settings: " + " ".join(f"{key}={value}" for key, value in chosen.items()))
+        logger.info("NCCL settings: " + " ".join(f"{key}={shown(key, value)}" for key, value in chosen.items()))
 
 
-def in_effect(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Every NCCL_* variable set, for the record (metrics.jsonl, bench JSON)."""
+# A variable whose name has one of these words (between underscores) holds a secret: its value is never
+# printed or recorded (NCCL_IB_PKEY, a partition number, has none of them).
+SECRET_WORDS = frozenset({"PASSWORD", "PASSWD", "PASS", "SECRET", "TOKEN", "KEY", "CREDENTIAL", "CREDENTIALS", "AUTH"})
+HIDDEN = "<hidden>"
+
+
+def shown(name: str, value: str) -> str:
+    """``value`` as ddpkit prints and records it: HIDDEN for a variable whose name says it is a secret.
+
+        >>> shown("NCCL_IB_PASSWORD", "hunter2"), shown("NCCL_ALGO", "Ring")
+        ('<hidden>', 'Ring')
+    """
+    return HIDDEN if SECRET_WORDS & set(name.upper().split("_")) else value
+
+
+def in_effect(environ: dict[str, str] | None = None, prefixes: tuple[str, ...] = ("NCCL_",)) -> dict[str, str]:
+    """Every variable set whose name starts with one of ``prefixes``, for the record (metrics.jsonl, bench
+    JSON), secrets hidden."""
     environ = os.environ if environ is None else environ
-    return {key: value for key, value in sorted(environ.items()) if key.startswith("NCCL_")}
+    return {key: shown(key, value) for key, value in sorted(environ.items()) if key.startswith(prefixes)}

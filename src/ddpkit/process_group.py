@@ -15,8 +15,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import gc
 import datetime
+import gc
+import math
 import os
 import re
 import signal
@@ -36,6 +37,7 @@ BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
 # PyTorch's own default collective timeout is 10 minutes (NCCL) / 30 minutes (gloo); one value for both.
 DEFAULT_TIMEOUT_S = 1800.0
+MIN_TIMEOUT_S = 1.0  # below this not even two processes on one machine can connect
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +142,7 @@ def setup(
     """
     if timeout_s is None:
         timeout_s = _timeout_from(os.environ if environ is None else environ)
-    if timeout_s <= 0:
-        raise UsageError(f"`timeout_s` must be a positive number of seconds, got {timeout_s}")
+    check_timeout(timeout_s)
     if environment is None:
         environment = read_environment(environ, argv)
     logs.configure(rank=environment.rank, level=log_level)
@@ -243,14 +244,23 @@ def control_group(runtime: Runtime):
 TIMEOUT_ENV = "DDPKIT_TIMEOUT_S"  # set by `ddpkit run --timeout`: the default for setup(timeout_s=None)
 
 
+def check_timeout(timeout_s: float) -> float:
+    """``timeout_s`` if a collective can be given it; else UsageError. NaN and infinity would end in
+    a traceback inside torch, and a timeout far below a second in a group that never forms."""
+    if not (math.isfinite(timeout_s) and timeout_s >= MIN_TIMEOUT_S):
+        raise UsageError(f"`timeout_s` must be a finite number of seconds, at least {MIN_TIMEOUT_S:g}, got {timeout_s}")
+    return timeout_s
+
+
 def _timeout_from(environ: Mapping[str, str]) -> float:
     value = environ.get(TIMEOUT_ENV)
     if value is None:
         return DEFAULT_TIMEOUT_S
     try:
-        return float(value)
-    except ValueError:
-        raise UsageError(f"{TIMEOUT_ENV} must be a number of seconds, got {value!r}") from None
+        return check_timeout(float(value))
+    except (ValueError, UsageError):
+        raise UsageError(f"{TIMEOUT_ENV} must be a finite number of seconds, at least {MIN_TIMEOUT_S:g}, "
+                         f"got {value!r}") from None
 
 
 _MISSING_RANKS = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier in (\d+) ms")

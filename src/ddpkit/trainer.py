@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -127,8 +128,10 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise UsageError for values no run could use (each message names the flag and the value)."""
-        if self.epochs < 0:
-            raise UsageError(f"--epochs must be 0 or more, got {self.epochs}")
+        if self.epochs < 1:
+            raise UsageError(f"--epochs must be at least 1, got {self.epochs}")
+        if not self.output_dir:
+            raise UsageError("--output-dir needs a folder, got an empty name")
         if self.batch_size < 1:
             raise UsageError(f"--batch-size must be at least 1, got {self.batch_size}")
         if self.accumulate < 1:
@@ -145,8 +148,8 @@ class TrainConfig:
             raise UsageError(f"--workers must be 0 or more, got {self.workers}")
         if self.image_size is not None and self.image_size < 1:
             raise UsageError(f"--image-size must be at least 1, got {self.image_size}")
-        if self.timeout <= 0:
-            raise UsageError(f"--timeout must be a positive number of seconds, got {self.timeout}")
+        with in_train_flags():
+            process_group.check_timeout(self.timeout)
         if self.sync_bn and self.strategy != "ddp":
             raise UsageError(f"--sync-bn synchronises BatchNorm across DDP processes; it needs --strategy ddp, not {self.strategy}")
         if self.schedule not in SCHEDULES:
@@ -169,6 +172,20 @@ class TrainConfig:
             self._validate_parallelism()  # builds the strategy, which checks its own settings
         zoo.parse_data_spec(self.data)
         zoo.check_model_name(self.model)
+
+
+def check_output_dir(folder: str) -> None:
+    """Create ``folder`` if needed and write a file in it, before any process starts training: a folder that is
+    a file, read-only or not permitted is one line at once, not a traceback from a worker after an epoch."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UsageError(f"--output-dir {folder} is a file, not a folder; give a folder (it is created if missing)")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise UsageError(f"--output-dir {folder}: cannot write there ({error.strerror}); give a folder you can "
+                         "write to") from None
 
 
 OPTIMIZER_CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adadelta": torch.optim.Adadelta}
@@ -327,9 +344,9 @@ def start(cfg: TrainConfig, job: Job) -> RunState:
     loader = job.train_loader(sets.train, cfg.batch_size, workers=cfg.workers)
     val_loader = job.eval_loader(sets.val, cfg.batch_size, workers=cfg.workers)
     steps_per_epoch = len(loader) // cfg.accumulate
-    if steps_per_epoch == 0 and cfg.epochs > 0:
+    if steps_per_epoch == 0:
         raise UsageError(f"one epoch has {len(loader.loader)} batches per process, fewer than --accumulate "
-                         f"{cfg.accumulate}; lower --accumulate or --batch-size")
+                         f"{cfg.accumulate}; lower --accumulate or --batch-size", said_elsewhere=not job.is_main)
     run_state = RunState(cfg, job, wrapped, optimizer, make_scheduler(cfg, optimizer, steps_per_epoch), loader, val_loader,
                     ckpt, steps_per_epoch, Position())
     announce(run_state, sets, sum(p.numel() for p in model.parameters()))
@@ -460,7 +477,11 @@ class EpochLoop:
 
     def save(self, epoch: int, samples: int, partial: list[float], *, if_idle: bool) -> None:
         run = self.run
-        totals = run.job.reduce_sums(partial) if samples else [0.0, 0.0]
+        # Every rank's non-finite parameters, summed with the epoch's partial loss: one all-reduce for both.
+        loss_total, seen, broken = run.job.reduce_sums([*partial, float(nonfinite_parameters(run.model))])
+        if samples:  # mid-epoch (an epoch's end was checked by run_epoch): never a checkpoint of a diverged model
+            self.check_finite(loss_total, broken, epoch)
+        totals = [loss_total, seen] if samples else [0.0, 0.0]
         run.ckpt.save(
             model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.job.scaler,
             loader=run.loader, epoch=epoch, samples=samples, global_step=run.job.global_step,
@@ -476,6 +497,7 @@ class EpochLoop:
         run.loader.load_state_dict({"epoch": epoch, "samples": start})
         started = time.perf_counter()
         train_loss, steps_run = self.steps(epoch, start, position.partial if start else [0.0, 0.0])
+        self.check_finite(train_loss, job.reduce_sums([float(nonfinite_parameters(run.model))])[0], epoch)
         if self.stop is not None and self.stop.requested(now=True):
             # Signalled late in the epoch: stop before a long evaluation eats the grace period.
             self.stop_now(epoch, self.last_samples, self.last_partial, None)
@@ -528,6 +550,18 @@ class EpochLoop:
         total, count = job.reduce_sums([loss_sum.item(), float(seen)])
         return total / max(count, 1.0), steps
 
+    def check_finite(self, loss: float, nonfinite: float, epoch: int) -> None:
+        """Stop a diverged run before it writes anything more. ``loss`` and ``nonfinite`` (the parameters
+        holding a NaN or infinity, summed over the ranks) are the same on every rank, so all stop together;
+        rank 0 says why."""
+        if math.isfinite(loss) and not nonfinite:
+            return
+        lr = self.run.optimizer.param_groups[0]["lr"]
+        what = f"the train loss is {loss}" if not math.isfinite(loss) else "the model's parameters are not finite"
+        raise UsageError(f"training diverged: {what} in epoch {epoch + 1}, by step {self.run.job.global_step}; "
+                         f"no checkpoint or model.pt was written from there on. Lower `lr` (it is {lr:g} now), or "
+                         "look for bad inputs", said_elsewhere=not self.run.job.is_main)
+
     def stop_now(self, epoch: int, samples: int, partial: list[float], progress) -> None:
         """Every rank got here at the same step: write one checkpoint, wait for it, leave."""
         if progress is not None:
@@ -538,6 +572,12 @@ class EpochLoop:
         logger.warning(f"stopped by {self.stop.signal_name} at epoch {epoch + 1}, step {self.run.job.global_step}; "
                        f"checkpoint {self.run.ckpt.last_path or 'written by rank 0'}")
         raise preempt.StopNow(self.stop.exit_code)
+
+
+def nonfinite_parameters(model: nn.Module) -> int:
+    """How many of this rank's parameters (or shards of them) hold a NaN or an infinity."""
+    flags = [torch.isfinite(p).all() for p in model.parameters()]
+    return int((~torch.stack(flags)).sum().item()) if flags else 0
 
 
 def progress_bar(run_state: RunState, steps: int, epoch: int):
