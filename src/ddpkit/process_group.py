@@ -353,8 +353,12 @@ def distributed(**kwargs) -> Iterator[Runtime]:
         # A user mistake ddpkit found inside the job (bad data, a checkpoint of another model): one line, exit 2.
         raise SystemExit(report_usage_error(error)) from None
     finally:
-        teardown()
+        # The handler that raises Terminated goes first: a SIGTERM that reaches a rank while its group is
+        # torn down (torchrun's agent sends one to the others as soon as one rank has exited, which after a
+        # usage error every rank does at once) must end it, not raise in the middle of destroy_process_group
+        # and leave a gloo thread running into the interpreter's exit (std::terminate, signal 6).
         signals.restore(previous)
+        teardown()
 
 
 def usable_cores() -> int:
