@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("how", ["sigterm-to-launcher", "ctrl-c-to-group"])
+@pytest.mark.parametrize("how", ["sigterm-to-launcher", "ctrl-c-to-group", "sigkill-to-launcher"])
 def test_signal_tears_down_every_rank_within_seconds(tmp_path, how):
     script = tmp_path / "loop.py"
     script.write_text(SCRIPT)
@@ -48,14 +48,22 @@ def test_signal_tears_down_every_rank_within_seconds(tmp_path, how):
         sent = time.monotonic()
         if how == "sigterm-to-launcher":
             proc.send_signal(signal.SIGTERM)
+        elif how == "sigkill-to-launcher":
+            proc.kill()  # the launcher can do nothing: each rank learns it from Linux (PR_SET_PDEATHSIG)
         else:
             os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+        # Returns once every process holding the output pipes has ended: the ranks too, not only the launcher.
         _, stderr = proc.communicate(timeout=30)
         assert time.monotonic() - sent < 30
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+    if how == "sigkill-to-launcher":
+        assert proc.returncode == -signal.SIGKILL
+        # Each rank got SIGTERM when its parent died and tore its group down as on any SIGTERM (below).
+        assert [(tmp_path / f"exit{r}").read_text() for r in (0, 1)] == ["False", "False"], stderr
+        return
     assert proc.returncode == 128 + (signal.SIGTERM if how == "sigterm-to-launcher" else signal.SIGINT)
     assert "ddpkit: stopped by signal" in stderr
     # The launcher prints no traceback of its own (a worker's KeyboardInterrupt is the script's, "[rankN]: ...").

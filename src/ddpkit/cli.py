@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit import env as env_mod
-from ddpkit import logs
+from ddpkit import logs, signals
 from ddpkit.errors import UsageError
 from ddpkit.launch import LAUNCHERS, LaunchOptions, elastic, parse_nnodes, resolve_nproc, spawn
 from ddpkit.logs import logger, report_usage_error
@@ -245,6 +245,7 @@ def _check_before_launch(cfg, options: LaunchOptions) -> None:
 def _spawn_train_worker(rank: int, world_size: int, port: int, cfg) -> None:
     from ddpkit import trainer
 
+    signals.end_with_parent()  # the launcher is the parent: if it is killed, this rank ends too
     environment = env_mod.from_spawn(rank, world_size, master_port=port)
     try:
         trainer.run(cfg, environment=environment)

@@ -36,6 +36,7 @@ from ddpkit.logs import logger, report_usage_error
 BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
 # PyTorch's own default collective timeout is 10 minutes (NCCL) / 30 minutes (gloo); one value for both.
+LAUNCHED_BY_TORCHRUN = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent in every worker it starts
 DEFAULT_TIMEOUT_S = 1800.0
 MIN_TIMEOUT_S = 1.0  # below this not even two processes on one machine can connect
 
@@ -160,6 +161,8 @@ def setup(
     else:
         bound = torch.device("cpu")
     signals.catch((signal.SIGTERM,), signals.raise_terminated)
+    if LAUNCHED_BY_TORCHRUN in (os.environ if environ is None else environ):
+        signals.end_with_parent()  # the agent is the parent: if it is killed, this rank ends too
     if not (environment.is_distributed or force_group or init_method):
         return Runtime(env=environment, backend=None, device=bound)
     if environment.world_size == 1 and environment.master_port is None and init_method is None:
