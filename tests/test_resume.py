@@ -142,6 +142,9 @@ def test_resuming_on_another_world_size_says_what_it_did_to_the_global_batch(tmp
     assert "pass --batch-size 64" in said
     # Epoch 2 continues after the 192 samples the two processes had consumed: step 6 of 44 at batch 32.
     assert "after 192 samples (step 6 of 44)" in said
+    # net has BatchNorm: even with --batch-size 64 the run would not go on as on 2 processes. Said as a warning.
+    assert "ddpkit: warning: the model has BatchNorm, which normalises each process's own batch: 1 process(es) " \
+           "of 32 now, 2 before" in said
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["epoch"] == 1 and rows[-1]["resumed_at_step"] == 6
 

@@ -217,3 +217,10 @@ def test_secrets_in_the_environment_are_never_printed_or_recorded():
     environ = {"NCCL_IB_PASSWORD": "hunter2", "NCCL_ALGO": "Ring", "GLOO_AUTH_TOKEN": "t0k", "NCCL_IB_PKEY": "3"}
     assert nccl.in_effect(environ) == {"NCCL_ALGO": "Ring", "NCCL_IB_PASSWORD": "<hidden>", "NCCL_IB_PKEY": "3"}
     assert nccl.in_effect(environ, prefixes=("GLOO_",)) == {"GLOO_AUTH_TOKEN": "<hidden>"}
+
+
+def test_batchnorm_is_found_where_it_is_and_only_there():
+    from ddpkit.trainer import has_batchnorm
+    from ddpkit.zoo import ConvNet, Net
+
+    assert has_batchnorm(Net()) and not has_batchnorm(ConvNet())

@@ -445,6 +445,17 @@ def say_what_changed(run_state: RunState, resumed) -> None:
         logger.info(f"the checkpoint was written by {resumed.world_size} process(es), now "
                     f"{job.world_size}: the same global batch {global_batch}; the ranks' random states are not "
                     "restored (they continue from the seed)")
+    if resumed.world_size is not None and not resumed.same_world_size and not cfg.sync_bn and has_batchnorm(run_state.model):
+        logger.warning(f"the model has BatchNorm, which normalises each process's own batch: {job.world_size} "
+                       f"process(es) of {cfg.batch_size} now, {resumed.world_size} before, so the run does not go on "
+                       "as it would have even with the same global batch; --sync-bn normalises over the global batch")
+
+
+BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(module, BATCHNORMS) for module in model.modules())
 
 
 # Fields that may change between an interrupted run and its resumption without comment.
