@@ -20,7 +20,7 @@ from ddpkit import logs, signals
 from ddpkit.errors import UsageError
 from ddpkit.launch import LAUNCHERS, LaunchOptions, elastic, parse_nnodes, resolve_nproc, spawn
 from ddpkit.logs import logger, report_usage_error
-from ddpkit.process_group import freeze_for_exit, read_environment
+from ddpkit.process_group import LAUNCHED_BY_TORCHRUN, freeze_for_exit, read_environment
 
 
 class _Parser(argparse.ArgumentParser):
@@ -346,7 +346,7 @@ FLIGHT_RECORDER_FOLDER = "ddpkit-flight-recorder"  # in the temporary folder of 
 def _says_it_once() -> bool:
     """Whether this process speaks for the job: ddpkit's launcher (not the workers torchrun starts with the
     same flags), or under srun, where every task is a rank, task 0."""
-    return "TORCHELASTIC_RUN_ID" not in os.environ and os.environ.get("SLURM_PROCID", "0") == "0"
+    return LAUNCHED_BY_TORCHRUN not in os.environ and os.environ.get("SLURM_PROCID", "0") == "0"
 
 
 def _flight_recorder() -> str | None:

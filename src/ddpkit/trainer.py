@@ -488,11 +488,12 @@ class EpochLoop:
 
     def save(self, epoch: int, samples: int, partial: list[float], *, if_idle: bool) -> None:
         run = self.run
-        # Every rank's non-finite parameters, summed with the epoch's partial loss: one all-reduce for both.
-        loss_total, seen, broken = run.job.reduce_sums([*partial, float(nonfinite_parameters(run.model))])
+        totals = [0.0, 0.0]
         if samples:  # mid-epoch (an epoch's end was checked by run_epoch): never a checkpoint of a diverged model
+            # Every rank's non-finite parameters, summed with the epoch's partial loss: one all-reduce for both.
+            loss_total, seen, broken = run.job.reduce_sums([*partial, float(nonfinite_parameters(run.model))])
             self.check_finite(loss_total, broken, epoch)
-        totals = [loss_total, seen] if samples else [0.0, 0.0]
+            totals = [loss_total, seen]
         run.ckpt.save(
             model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.job.scaler,
             loader=run.loader, epoch=epoch, samples=samples, global_step=run.job.global_step,
