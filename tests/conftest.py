@@ -155,6 +155,24 @@ def max_relative_difference(a: dict, b: dict) -> float:
     return worst
 
 
+def children_of(launcher: int) -> list[int]:
+    """Every process below ``launcher``."""
+    from ddpkit.launch import _children
+
+    return _children(launcher)
+
+
+def rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of the worker of ``launcher`` (torchrun's agent runs in it) that holds ``rank``."""
+    for pid in children_of(launcher):
+        try:
+            if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+        except OSError:
+            continue
+    return None
+
+
 def leftover_processes() -> list[str]:
     found = []
     for pid in _pids_with(MARKER_KEY, MARKER):

@@ -324,6 +324,9 @@ def test_ranks_stopped_after_another_ranks_usage_error_are_not_reported_as_failu
     # Without a usage error, every failure is reported.
     assert report_failures({0: (-15, 100), 1: (1, 101)}) == 1
     assert capsys.readouterr().err.splitlines() == [
-        "ddpkit: error: rank 0 (pid 100) killed by signal 15; its output is above",
+        "ddpkit: rank 0 (pid 100) was ended by the launcher (SIGTERM) when another rank failed",
         "ddpkit: error: rank 1 (pid 101) exited with status 1; its output is above",
     ]
+    # Every rank ended by SIGTERM (the job was stopped): each is said, as before.
+    assert report_failures({0: (-15, 100), 1: (-15, 101)}) == 1
+    assert capsys.readouterr().err.count("killed by signal 15; its output is above") == 2

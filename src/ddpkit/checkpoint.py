@@ -52,6 +52,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
+from ddpkit import pace
 from ddpkit.errors import UsageError, first_line
 from ddpkit.logs import logger
 from ddpkit.snapshot import snapshot
@@ -503,6 +504,7 @@ class Checkpointer:
         of making every rank wait for it; use it for frequent mid-epoch checkpoints.
         ``rank_state``: small per-rank values (gathered to rank 0 with the RNG states).
         """
+        pace.mark("checkpoint")
         model, optimizer, scheduler, scaler, loader = self._bound(model, optimizer, scheduler, scaler, loader)
         if global_step is None and self.progress is not None:
             global_step = self.progress.global_step

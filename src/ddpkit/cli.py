@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_log_flag(run)
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help="collective timeout for scripts using ddpkit.distributed() (default: 1800)")
+    run.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
+                     help="for scripts using ddpkit.Job: end the job, naming the rank that holds it up and its "
+                          "stack, once no rank has advanced for this long (0: off) (default: 60)")
     run.add_argument("--local-rank-arg", action="store_true",
                      help="also pass --local-rank=N, like the old `python -m torch.distributed.launch`")
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as in `python -m`")
@@ -391,6 +394,14 @@ def _export_debug_settings(ns: argparse.Namespace) -> None:
         from ddpkit.process_group import TIMEOUT_ENV, check_timeout
 
         os.environ[TIMEOUT_ENV] = str(check_timeout(timeout))  # its `timeout_s` is said as --timeout
+    stall = getattr(ns, "stall_timeout", None)
+    if ns.command == "run" and stall is not None:
+        from ddpkit import heartbeat
+
+        try:
+            os.environ[heartbeat.STALL_ENV] = str(heartbeat.stall_setting(stall))
+        except UsageError as error:
+            raise UsageError(str(error).replace("`stall_timeout_s`", "--stall-timeout")) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

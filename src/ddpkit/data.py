@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
-from ddpkit import signals
+from ddpkit import pace, signals
 from ddpkit.errors import UsageError
 from ddpkit.process_group import Runtime, usable_cores
 
@@ -115,7 +115,7 @@ class DeviceLoader:
     """
 
     def __init__(self, loader: DataLoader, device: torch.device, sampler: DistributedSampler | None = None,
-                 seed: int = 0, rank: int = 0, accumulate: int = 1):
+                 seed: int = 0, rank: int = 0, accumulate: int = 1, phase: str | None = None):
         if accumulate < 1:
             raise UsageError(f"accumulate must be at least 1, got {accumulate}")
         self.loader = loader
@@ -129,6 +129,7 @@ class DeviceLoader:
         self._running: tuple[int, int] | None = None  # (epoch, start) of the iteration in progress
         self._yielded = 0
         self._non_blocking = device.type == "cuda" and loader.pin_memory
+        self.phase = phase  # the heartbeat's phase once a batch is handed over ("forward" for training)
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
@@ -192,6 +193,8 @@ class DeviceLoader:
         whole = len(self.loader) - len(self.loader) % self.accumulate
         for batch in itertools.islice(self.loader, whole):
             self._yielded += 1  # counted as handed over: a checkpoint taken now is past this batch
+            if self.phase:
+                pace.mark(self.phase)
             yield to_device(batch, self.device, self._non_blocking)
         self._running = None
 
@@ -253,7 +256,7 @@ def train_loader(
         worker_init_fn=signals.ignore_stop_signals if workers > 0 else None,
         generator=torch.Generator(),
     )
-    return DeviceLoader(loader, runtime.device, sampler, seed=seed, rank=index, accumulate=accumulate)
+    return DeviceLoader(loader, runtime.device, sampler, seed=seed, rank=index, accumulate=accumulate, phase="forward")
 
 
 def eval_indices(length: int, rank: int, world_size: int) -> range:

@@ -36,8 +36,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddpkit import checkpoint, data, process_group, strategies
+from ddpkit import checkpoint, data, heartbeat, pace, process_group, strategies
 from ddpkit.errors import UsageError
+from ddpkit.logs import logger
 from ddpkit.snapshot import snapshot
 from ddpkit.strategies.sync_bn import convert_sync_batchnorm
 
@@ -53,14 +54,17 @@ class Job:
     ``accumulate``: micro-steps per optimizer step. ``seed``: seeds torch's RNG on every rank at start, so
     a model built next starts from the same weights everywhere. ``sync_bn``: BatchNorm statistics over the
     global batch. ``clip_grad_norm``: clip the gradients' total norm before each step.
-    ``backend``, ``device``, ``timeout_s``, ``environment``, ``log_level``: as ``ddpkit.setup``. Messages
+    ``backend``, ``device``, ``timeout_s``, ``environment``, ``log_level``: as ``ddpkit.setup``.
+    ``stall_timeout_s``: end the job, naming the rank that holds it up, once no rank has advanced for this
+    long (at least 20 typical steps, at most ``timeout_s``; ``ddpkit.heartbeat``); 0 turns it off. Default:
+    DDPKIT_STALL_TIMEOUT_S, else 60. Messages
     go to the ``ddpkit`` logger (``ddpkit.logs``): rank 0's, and every rank's warnings and errors.
     """
 
     def __init__(self, strategy: str | strategies.Strategy = "ddp", *, amp: str = "off", accumulate: int = 1,
                  seed: int | None = 0, sync_bn: bool = False, clip_grad_norm: float | None = None,
                  backend: str = "auto", device: str = "auto", timeout_s: float | None = None, environment=None,
-                 log_level: str | None = None, **strategy_settings):
+                 log_level: str | None = None, stall_timeout_s: float | None = None, **strategy_settings):
         self.strategy = strategies.create(strategy, **strategy_settings)
         if amp not in AMP_DTYPES:
             raise UsageError(f"`amp` must be one of {', '.join(AMP_DTYPES)}, got {amp!r}")
@@ -75,6 +79,11 @@ class Job:
         self.runtime = self._stack.enter_context(process_group.distributed(
             backend=backend, device=device, timeout_s=timeout_s, force_group=self.strategy.needs_group,
             environment=environment, log_level=log_level))
+        # This rank's phases and steps, marked as it trains: each rank's own step time, and its heartbeat.
+        self.pace = self._stack.enter_context(pace.kept(pace.Pace()))
+        self.heartbeat = self._stack.enter_context(heartbeat.watch(
+            self.runtime, pace=self.pace, stall_s=heartbeat.stall_setting(stall_timeout_s),
+            timeout_s=self.runtime.timeout_s))
         atexit.register(self.close)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=amp == "fp16")
         self.micro_step = 0  # micro-steps since the last optimizer step
@@ -122,6 +131,8 @@ class Job:
         if self.sync_bn:
             model = convert_sync_batchnorm(model, self.runtime)
         wrapped = self.strategy.wrap(model, self.runtime, example=example)
+        if pace.current() is not None:
+            self.strategy.mark_waits(wrapped)  # this rank's waits for the others apart from its own work
         if self.accumulate > 1:
             # Set before each forward (DDP reads it there): reduce gradients on the last micro-step only.
             wrapped.register_forward_pre_hook(lambda module, args: self.strategy.set_gradient_sync(
@@ -149,6 +160,7 @@ class Job:
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, divided over the micro-steps and scaled for fp16."""
+        pace.mark("backward")
         self.scaler.scale(loss / self.accumulate).backward()
         self._backward_done = True
 
@@ -160,8 +172,10 @@ class Job:
     def step(self, optimizer: torch.optim.Optimizer, scheduler=None) -> bool:
         """Count one micro-step; on the last of ``accumulate``, step the optimizer (unscaling and clipping
         first), the scaler and the scheduler, and zero the gradients. True when it stepped."""
+        pace.mark("optimizer")
         self.micro_step += 1
         if self.micro_step < self.accumulate:
+            pace.mark("data")
             return False
         self.micro_step = 0
         if self.clip_grad_norm is not None:
@@ -174,6 +188,7 @@ class Job:
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
+        pace.mark("data", self.global_step)
         return True
 
     # -- evaluation, output
@@ -181,9 +196,28 @@ class Job:
     def evaluate(self, model: nn.Module, loader, loss_fn=F.cross_entropy) -> tuple[float, float, int]:
         """Mean loss, accuracy and count over the whole validation set, each sample once, with rank 0's
         BatchNorm statistics on every rank (what ``save_model`` writes). Every rank calls it."""
+        pace.mark("evaluate")
         self.strategy.sync_buffers(model, self.runtime)
         return evaluate(self.strategy.eval_module(model), loader, self.runtime, self.amp,
                         lockstep=self.strategy.eval_lockstep, loss_fn=loss_fn)
+
+    def busy(self):
+        """``with job.busy():`` around work one rank does alone while the others wait (a large file written by
+        rank 0, say), so that the stall watch (``stall_timeout_s``) does not end the job for it."""
+        return pace.busy()
+
+    def compare_ranks(self) -> dict:
+        """Each rank's own step time since the last call (its data, forward, backward and optimizer time,
+        without its waits for the others) side by side: ``rank_step_time_s`` (one per rank), ``slowest_rank``,
+        its ``slowdown_pct`` against the median of the other ranks, and ``slow_phase``, where its extra time
+        goes (``ddpkit.pace.compare``). Rank 0 warns when the slowdown is over 20%. Every rank calls it (one
+        small all_gather), at the end of an epoch say; counting starts again."""
+        compared = pace.compare(pace.gather_rows(self.pace, self.runtime))
+        self.pace.reset()
+        warning = pace.slow_rank_warning(compared)
+        if warning is not None and self.is_main:
+            logger.warning(warning)
+        return compared
 
     def print(self, *args, **kwargs) -> None:
         """``print`` on global rank 0 only."""
@@ -200,6 +234,7 @@ class Job:
 
     def save_model(self, model: nn.Module, path: str | os.PathLike) -> None:
         """Write the bare model's state_dict atomically from rank 0 (every rank calls it)."""
+        pace.mark("checkpoint")
         state = self.full_model_state(model)
         if self.is_main:
             checkpoint.atomic_save(state, path)
@@ -232,6 +267,7 @@ def evaluate(model: nn.Module, loader, runtime: process_group.Runtime, amp: str 
     model.eval()
     loss_sum, correct, count = 0.0, 0.0, 0.0
     for images, labels in lockstep_batches(loader, runtime) if lockstep else loader:
+        pace.mark("evaluate")
         with autocast(runtime.device, amp):
             output = model(images)
         if output is None:  # a pipeline stage other than the last

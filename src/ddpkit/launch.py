@@ -283,13 +283,17 @@ def report_failures(failures: dict[int, tuple[int, int]]) -> int:
     """One line per failed rank; exit 2 if a rank rejected its input (it printed why), else 1.
 
     When a rank rejected its input, the ranks the agent then stopped with SIGTERM are not failures of
-    their own, and are not reported.
+    their own, and are not reported; after another failure they are said to have been ended (not an error).
     """
     codes = [exitcode for exitcode, _ in failures.values()]
+    # A rank that ended by SIGTERM while another failed otherwise was ended by the agent, after that one.
+    collateral = any(code != -signal.SIGTERM for code in codes)
     for rank, (exitcode, pid) in sorted(failures.items()):
         if EXIT_USAGE in codes and exitcode == -signal.SIGTERM:
             continue
-        if exitcode != EXIT_USAGE:
+        if collateral and exitcode == -signal.SIGTERM:
+            logger.info(f"rank {rank} (pid {pid}) was ended by the launcher (SIGTERM) when another rank failed")
+        elif exitcode != EXIT_USAGE:
             how = f"killed by signal {-exitcode}" if exitcode < 0 else f"exited with status {exitcode}"
             logger.error(f"rank {rank} (pid {pid}) {how}; its output is above")
     return EXIT_USAGE if EXIT_USAGE in codes else 1

@@ -48,6 +48,7 @@ class Runtime:
     env: env_mod.DistEnv
     backend: str | None  # None when no process group was started (one process, no DDP)
     device: torch.device
+    timeout_s: float = DEFAULT_TIMEOUT_S  # how long a collective waits (``setup``'s timeout_s)
 
     @property
     def rank(self) -> int:
@@ -164,7 +165,7 @@ def setup(
     if LAUNCHED_BY_TORCHRUN in (os.environ if environ is None else environ):
         signals.end_with_parent()  # the agent is the parent: if it is killed, this rank ends too
     if not (environment.is_distributed or force_group or init_method):
-        return Runtime(env=environment, backend=None, device=bound)
+        return Runtime(env=environment, backend=None, device=bound, timeout_s=timeout_s)
     if environment.world_size == 1 and environment.master_port is None and init_method is None:
         init_method = f"tcp://127.0.0.1:{free_port()}"
     init_method = init_method or default_init_method(environment)
@@ -184,7 +185,7 @@ def setup(
             f"cannot start the process group at {where} ({first_line(error)}); "
             "is the port already in use (a stale MASTER_PORT?) or the master address unreachable?"
         ) from None
-    return Runtime(env=environment, backend=chosen_backend, device=bound)
+    return Runtime(env=environment, backend=chosen_backend, device=bound, timeout_s=timeout_s)
 
 
 def collect_garbage_at_exit() -> None:

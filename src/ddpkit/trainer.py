@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddpkit import checkpoint, data, logs, nccl, preempt, process_group, strategies, zoo
+from ddpkit import checkpoint, data, heartbeat, logs, nccl, preempt, process_group, strategies, zoo
 from ddpkit.env import DistEnv
 from ddpkit.config import flag_terms, option
 from ddpkit.errors import UsageError
@@ -77,6 +77,9 @@ class TrainConfig:
                              metavar="DIR")
     timeout: float = option(process_group.DEFAULT_TIMEOUT_S, "how long a collective waits for the other ranks before "
                             "failing (default: 1800)", metavar="SECONDS")
+    stall_timeout: float = option(heartbeat.DEFAULT_STALL_S, "end the job, naming the rank that holds it up and its "
+                                  "stack, once no rank has advanced for this long (at least 20 typical steps, at most "
+                                  "--timeout; 0: off) (default: 60)", metavar="SECONDS")
     image_size: int | None = option(None, "side of the square input (default: 28 net, 32 convnet, 224 torchvision on "
                                           "folders)", metavar="PIXELS", kind=int)
     schedule: str = option("constant", "learning-rate schedule, stepped every optimizer step (default: constant)",
@@ -150,6 +153,7 @@ class TrainConfig:
             raise UsageError(f"--image-size must be at least 1, got {self.image_size}")
         with in_train_flags():
             process_group.check_timeout(self.timeout)
+            heartbeat.stall_setting(self.stall_timeout)
         if self.sync_bn and self.strategy != "ddp":
             raise UsageError(f"--sync-bn synchronises BatchNorm across DDP processes; it needs --strategy ddp, not {self.strategy}")
         if self.schedule not in SCHEDULES:
@@ -252,14 +256,14 @@ def run(cfg: TrainConfig, environment: DistEnv | None = None) -> dict:
     cfg.validate()
     with in_train_flags():  # the library's errors name its parameters; this command's user knows its flags
         job = Job(strategy_for(cfg), amp=cfg.amp, accumulate=cfg.accumulate, seed=cfg.seed, sync_bn=cfg.sync_bn,
-                  backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout, environment=environment,
-                  log_level="debug" if cfg.debug else cfg.log_level)
+                  backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout, stall_timeout_s=cfg.stall_timeout,
+                  environment=environment, log_level="debug" if cfg.debug else cfg.log_level)
     with job, in_train_flags():  # translated before the job's exit reports them
         return train(cfg, job)
 
 
 # Library parameters that `ddpkit train` sets through flags of other names (TrainConfig's fields are flags).
-OTHER_FLAGS = {"nproc_per_node": "--nproc-per-node", "timeout_s": "--timeout"}
+OTHER_FLAGS = {"nproc_per_node": "--nproc-per-node", "timeout_s": "--timeout", "stall_timeout_s": "--stall-timeout"}
 
 
 def in_train_flags():
@@ -459,7 +463,7 @@ def has_batchnorm(model: nn.Module) -> bool:
 
 
 # Fields that may change between an interrupted run and its resumption without comment.
-RESUME_FREE = {"resume", "epochs", "debug", "log_level", "progress", "workers", "output_dir", "timeout", "checkpoint_every",
+RESUME_FREE = {"resume", "epochs", "debug", "log_level", "progress", "workers", "output_dir", "timeout", "stall_timeout", "checkpoint_every",
                "keep_checkpoints"}
 
 
@@ -509,6 +513,7 @@ class EpochLoop:
         run.loader.load_state_dict({"epoch": epoch, "samples": start})
         started = time.perf_counter()
         train_loss, steps_run = self.steps(epoch, start, position.partial if start else [0.0, 0.0])
+        ranks = job.compare_ranks()  # each rank's own step time this epoch: the slowest named
         self.check_finite(train_loss, job.reduce_sums([float(nonfinite_parameters(run.model))])[0], epoch)
         if self.stop is not None and self.stop.requested(now=True):
             # Signalled late in the epoch: stop before a long evaluation eats the grace period.
@@ -520,7 +525,7 @@ class EpochLoop:
             "epoch": epoch, "train_loss": train_loss, "val_loss": val_loss, "val_acc": val_acc, "val_count": val_count,
             "images_per_sec": steps_run * run.global_batch / elapsed, "epoch_time_s": elapsed,
             "world_size": job.world_size, "global_batch": run.global_batch, "steps": run.steps_per_epoch,
-            "lr": run.optimizer.param_groups[0]["lr"], **memory(job, run.model, run.optimizer),
+            "lr": run.optimizer.param_groups[0]["lr"], **memory(job, run.model, run.optimizer), **ranks,
             "nccl": nccl.in_effect(),
         }
         if start:

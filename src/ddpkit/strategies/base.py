@@ -98,6 +98,10 @@ class Strategy(Protocol):
         backward(loss)
         return loss
 
+    def mark_waits(self, model: nn.Module) -> None:
+        """Hooks on the wrapped model that mark, for ``ddpkit.pace``, where this rank waits for the others
+        inside its forward and backward. The default marks none: a wait counts in the phase it happens in."""
+
     def eval_module(self, model: nn.Module) -> nn.Module:
         """What runs the validation forwards. The default, the bare replica: ranks may hold different numbers
         of validation batches, so no collective may run inside (DDP's forward broadcasts buffers)."""

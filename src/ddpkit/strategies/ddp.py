@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpkit import pace
 from ddpkit.errors import UsageError
 from ddpkit.process_group import Runtime, broadcast_buffers
 from ddpkit.strategies.base import Strategy, unwrap
@@ -46,6 +47,16 @@ class DDP(Strategy):
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             bucket_cap_mb=self.bucket_cap_mb,
         )
+
+    def mark_waits(self, model: nn.Module) -> None:
+        # DDP's forward broadcasts rank 0's buffers before the replica's own forward runs; its backward
+        # all-reduces the gradients bucket by bucket as they are computed, and waits at its end for the last
+        # all-reduce: from this rank's last gradient on, it waits for the others.
+        model.register_forward_pre_hook(lambda module, args: pace.switch("wait", after=("data", "forward")))
+        unwrap(model).register_forward_pre_hook(lambda module, args: pace.switch("forward", after=("wait",)))
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.register_post_accumulate_grad_hook(pace.grads_ready)
 
     def set_gradient_sync(self, model: nn.Module, enabled: bool, *, first_backward: bool) -> None:
         # What DDP's no_sync() sets; read by DDP's forward, so it must be set before the forward. With

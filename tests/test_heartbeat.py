@@ -1,0 +1,229 @@
+"""Heartbeats and the stall watch: which rank holds the job up, named with its stack, and the job ended."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from conftest import child_env, children_of, leftover_processes, rank_pid, run_ddpkit
+from ddpkit import checkpoint, heartbeat
+from ddpkit.errors import UsageError
+from ddpkit.heartbeat import Heartbeat, Seen, find_stall, stall_after
+
+
+def seen(rank: int, step: int = 10, phase: str = "backward", idle_s: float = 100.0, silent_s: float = 1.0,
+         step_s: float | None = 0.01) -> Seen:
+    return Seen(rank=rank, host="h", pid=100 + rank, step=step, phase=phase, idle_s=idle_s, silent_s=silent_s,
+                step_s=step_s)
+
+
+def test_no_stall_while_any_rank_moves_or_before_every_rank_began():
+    assert find_stall([seen(0), seen(1, idle_s=5.0)], after_s=60) is None
+    assert find_stall([seen(0), seen(1, phase="starting")], after_s=60) is None  # setup and downloads are not timed
+    assert find_stall([seen(0), None], after_s=60) is None  # rank 1 has not published yet
+    # A rank stopped before its first beat in training: the others began, it is silent.
+    stopped_early = seen(1, phase="starting", silent_s=60.0)
+    assert find_stall([seen(0), stopped_early], after_s=60) == stopped_early
+
+
+def test_the_rank_behind_is_named():
+    # Lower step first, then the earlier phase of one step, then the one idle longest.
+    assert find_stall([seen(0, step=11), seen(1, step=10), seen(2, step=11)], after_s=60).rank == 1
+    assert find_stall([seen(0, phase="backward"), seen(1, phase="forward")], after_s=60).rank == 1
+    assert find_stall([seen(0, idle_s=61.0), seen(1, idle_s=90.0)], after_s=60).rank == 1
+
+
+def test_a_rank_whose_beat_stopped_is_named_before_any_other():
+    # Rank 2's last beat, published before it was stopped, shows it ahead; its silence names it.
+    lost = seen(2, step=12, silent_s=heartbeat.LOST_BEATS * heartbeat.INTERVAL_S)
+    assert lost.lost
+    assert find_stall([seen(0), seen(1, step=9), lost], after_s=60).rank == 2
+
+
+def test_a_rank_working_alone_is_not_a_stall_while_it_lives():
+    for phase in heartbeat.WORKING_ALONE:
+        assert find_stall([seen(0, phase=phase, step=9), seen(1)], after_s=60) is None
+        stopped = seen(0, phase=phase, step=9, silent_s=60.0)
+        assert find_stall([stopped, seen(1)], after_s=60) == stopped
+
+
+def test_the_stall_threshold_adapts_to_the_step_time_and_never_passes_the_timeout():
+    fast = [seen(0, step_s=0.01), seen(1, step_s=0.02)]
+    assert stall_after(60, 1800, fast) == 60
+    assert stall_after(60, 1800, [seen(0, step_s=9.0), seen(1, step_s=None)]) == 20 * 9.0
+    assert stall_after(60, 100, [seen(0, step_s=9.0)]) == 100  # the collective timeout comes first
+    assert stall_after(60, 40, fast) == 0.8 * 40
+    # Never below the time a stopped beat takes to show.
+    assert stall_after(1, 1800, fast) == heartbeat.LOST_BEATS * heartbeat.INTERVAL_S
+
+
+def test_the_setting_comes_from_the_argument_or_the_environment(monkeypatch):
+    monkeypatch.delenv(heartbeat.STALL_ENV, raising=False)
+    assert heartbeat.stall_setting(None) == heartbeat.DEFAULT_STALL_S
+    assert heartbeat.stall_setting(0) == 0
+    monkeypatch.setenv(heartbeat.STALL_ENV, "12.5")
+    assert heartbeat.stall_setting(None) == 12.5
+    monkeypatch.setenv(heartbeat.STALL_ENV, "soon")
+    with pytest.raises(UsageError, match="DDPKIT_STALL_TIMEOUT_S must be a number of seconds"):
+        heartbeat.stall_setting(None)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(UsageError, match="`stall_timeout_s` must be a finite number of seconds"):
+            heartbeat.stall_setting(bad)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--stall-timeout", "nan"], "--stall-timeout must be a finite number of seconds, 0 (off) or more, got nan"),
+    (["train", "--stall-timeout", "-1"], "--stall-timeout must be a finite number of seconds, 0 (off) or more, got -1.0"),
+    (["run", "--stall-timeout", "inf", "x.py"], "--stall-timeout must be a finite number of seconds, 0 (off) or more, "
+                                                "got inf"),
+])
+def test_bad_stall_timeouts_are_one_line_errors(argv, message, capsys):
+    from ddpkit.cli import main
+
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"ddpkit: error: {message}\n"
+
+
+def test_two_heartbeats_through_a_real_store(monkeypatch):
+    """Ranks 0 and 1 of one job in this process, publishing through a real TCPStore: rank 0's watch sees
+    rank 1 alive but not advancing, then, its beat stopped, lost."""
+    monkeypatch.setattr(heartbeat, "INTERVAL_S", 0.05)  # LOST_BEATS intervals: 0.15 s
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    beats = [Heartbeat(store, rank=rank, world_size=2, stall_s=0.1, timeout_s=1800) for rank in (0, 1)]
+    for beat in beats:
+        beat._publish()
+    assert beats[0]._check() is None  # both still "starting"
+    beats[0].pace.mark("data", 1)
+    beats[1].pace.mark("forward", 1)
+    beats[0].pace.mark("backward")  # rank 0 went on into the all-reduce; rank 1 stays in its forward
+    for beat in beats:
+        beat._publish()
+    assert beats[0]._check() is None  # they just moved
+    time.sleep(0.1)
+    for _ in range(2):
+        for beat in beats:
+            beat._publish()
+        time.sleep(0.06)
+    culprit = beats[0]._check()
+    assert (culprit.rank, culprit.pid, culprit.phase, culprit.step, culprit.lost) == (1, os.getpid(), "forward", 1, False)
+    assert beats[1]._check() is None  # the culprit does not report itself
+    time.sleep(0.2)
+    beats[0]._publish()  # rank 1 publishes no more
+    culprit = beats[0]._check()
+    assert culprit.rank == 1 and culprit.lost
+    # The verdict, once called, reaches every rank through the store.
+    store.set(f"{heartbeat.KEY}/verdict", "rank 1 stalled")
+    assert beats[1].stalled() == "rank 1 stalled"
+
+
+SLEEPER = """
+import time, torch, torch.nn as nn, torch.nn.functional as F, ddpkit
+from torch.utils.data import TensorDataset
+
+def deep_in_user_code():
+    time.sleep(600)
+
+data = TensorDataset(torch.randn(2048, 8), torch.randint(0, 4, (2048,)))
+with ddpkit.Job("ddp") as job:
+    model, optimizer = job.setup(nn.Linear(8, 4), torch.optim.SGD, lr=0.1)
+    loader = job.train_loader(data, batch_size=8)
+    for epoch in range(1000):
+        for x, y in loader:
+            if job.rank == 1 and job.global_step == 30:
+                deep_in_user_code()
+            job.backward(F.cross_entropy(model(x), y))
+            job.step(optimizer)
+"""
+
+
+def test_a_rank_asleep_in_a_library_script_is_named_with_its_stack(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    started = time.monotonic()
+    result = run_ddpkit("run", "--stall-timeout", "15", "--nproc-per-node", "2", str(script), timeout=120)
+    took = time.monotonic() - started
+    assert result.returncode == 1, result.stderr
+    err = result.stderr
+    assert err.count("stalled:") == 1, err  # one error for the job
+    assert "[rank0]: ddpkit: error: rank 1 (host " in err
+    assert "in phase forward at step 30, while its heartbeat goes on: it is alive but not advancing" in err
+    assert "The other ranks wait for it: 0 at step 30 (backward)" in err
+    assert "deep_in_user_code (sleeper.py:6)" in err  # its stack, read by py-spy
+    assert "Traceback" not in err
+    assert "rank 0 (pid" in err and "was ended by the launcher (SIGTERM) when another rank failed" in err
+    assert took < 90, f"took {took:.0f} s"
+    assert not leftover_processes()
+
+
+def _stop_a_rank_of_ddpkit_train(out: Path, rank: int, *flags: str) -> tuple[int, str, float, int]:
+    """Start ``ddpkit train`` on 2 processes, SIGSTOP ``rank`` once two epochs are done, and wait for the
+    job to end: (its exit status, its stderr, seconds from the stop to the end, the stopped pid)."""
+    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--nproc-per-node", "2", "--epochs", "400",
+                             "--output-dir", str(out), "--no-progress", *flags], env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 90
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        stopped_pid = rank_pid(proc.pid, rank)
+        assert stopped_pid is not None, f"rank {rank} not found"
+        os.kill(stopped_pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = proc.communicate(timeout=150)
+        return proc.returncode, err, time.monotonic() - stopped, stopped_pid
+    finally:
+        if proc.poll() is None:  # not ended: end the ranks (each in a session of its own), then the launcher
+            for pid in children_of(proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+def _last_checkpoint_kept(out: Path, *, writer_killed: bool = False) -> None:
+    """The last epoch's checkpoint is complete and loads; nothing half-written was left, unless the writer
+    (rank 0) was the stalled rank: stopped, then killed (SIGKILL), maybe in the middle of writing its
+    temporary file, which was never renamed into place and which the next run removes."""
+    checkpoints = out / "checkpoints"
+    latest = (checkpoints / "latest").read_text().strip()
+    assert checkpoint.load_file(checkpoints / latest)[checkpoint.KEY_PROGRESS]["samples"] == 0  # an epoch's end
+    partial = sorted(path for path in checkpoints.iterdir() if path.name.startswith(checkpoint.TEMP_PREFIX))
+    if writer_killed:
+        assert sorted(checkpoint.remove_partial_writes(checkpoints)) == partial
+    else:
+        assert not partial
+
+
+@pytest.mark.slow  # the default stall timeout is a minute
+def test_a_stopped_rank_of_ddpkit_train_is_named_within_two_minutes_at_default_settings(tmp_path):
+    returncode, err, took, pid = _stop_a_rank_of_ddpkit_train(tmp_path / "run", 1)
+    assert returncode == 1, err
+    assert took < 120, f"named and ended {took:.0f} s after the stop"
+    assert err.count("stalled:") == 1, err
+    assert f"rank 1 (host {os.uname().nodename}, pid {pid}) stalled: its heartbeat stopped" in err
+    assert "the process is stopped (SIGSTOP, a debugger) or frozen in C code" in err
+    assert "EpochLoop.steps (ddpkit/trainer.py" in err  # its stack, read from outside while it is stopped
+    _last_checkpoint_kept(tmp_path / "run")
+    assert not leftover_processes()
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_0_which_serves_the_store_is_named_by_rank_1(tmp_path):
+    returncode, err, took, pid = _stop_a_rank_of_ddpkit_train(tmp_path / "run", 0, "--stall-timeout", "15")
+    assert returncode == 1, err
+    assert took < 60, f"named and ended {took:.0f} s after the stop"
+    assert err.count("stalled:") == 1, err
+    assert (f"[rank1]: ddpkit: error: rank 0 (host {os.uname().nodename}, pid {pid}) stalled: the job's store, which "
+            "its process serves, has not answered for") in err
+    assert "EpochLoop.steps (ddpkit/trainer.py" in err
+    _last_checkpoint_kept(tmp_path / "run", writer_killed=True)
+    assert not leftover_processes()

@@ -1,0 +1,137 @@
+"""Each rank's own step time, and the slow rank named: the accounting, the DDP hooks on a real 2-process
+job, and `ddpkit train` with one rank slowed on purpose."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import child_env, leftover_processes, rank_pid
+from ddpkit import pace
+from ddpkit.pace import Pace, compare, slow_rank_warning
+
+
+def test_the_time_between_marks_goes_to_the_phase_that_was_marked(monkeypatch):
+    clock = iter([0.0, 1.0, 1.5, 3.5, 4.0, 4.25, 10.0]).__next__
+    monkeypatch.setattr(pace.time, "monotonic", clock)
+    p = Pace()  # 0.0, starting
+    p.mark("data")  # 1.0: a second of starting
+    p.mark("forward")  # 1.5
+    p.mark("backward")  # 3.5
+    p.grads_at = 3.75  # the last gradient came a quarter second before backward returned
+    p.mark("optimizer")  # 4.0
+    p.mark("data", step=1)  # 4.25
+    assert p.seconds["starting"] == 1.0
+    assert (p.seconds["data"], p.seconds["forward"], p.seconds["backward"], p.seconds["wait"],
+            p.seconds["optimizer"]) == (0.5, 2.0, 0.25, 0.25, 0.25)
+    assert p.steps == 1 and p.step == 1
+    assert p.per_step() == [0.5 + 5.75, 2.0, 0.25, 0.25, 0.25]  # the data phase in progress counts up to now
+
+
+def test_a_backward_without_gradients_here_is_all_backward(monkeypatch):
+    clock = iter([0.0, 1.0, 2.0]).__next__
+    monkeypatch.setattr(pace.time, "monotonic", clock)
+    p = Pace()
+    p.grads_at = 0.5  # from an earlier backward
+    p.mark("backward")
+    p.mark("optimizer")
+    assert (p.seconds["backward"], p.seconds["wait"]) == (1.0, 0.0)
+
+
+def test_marks_reach_the_pace_that_is_kept_and_busy_restores_the_phase():
+    p = Pace()
+    pace.mark("data")  # no pace kept: nothing happens
+    assert p.phase == "starting"
+    with pace.kept(p):
+        pace.mark("forward", step=3)
+        with pace.busy():
+            assert p.phase == "busy"
+        assert (p.phase, p.step) == ("forward", 3)
+        pace.grads_ready()
+        assert p.grads_at > 0
+    assert pace.current() is None
+
+
+def test_the_slowest_rank_against_the_median_of_the_others():
+    # Rows: data, forward, backward, optimizer, wait (seconds per step).
+    rows = [[0.01, 0.02, 0.04, 0.01, 0.05],
+            [0.01, 0.02, 0.05, 0.01, 0.04],
+            [0.06, 0.02, 0.04, 0.01, 0.00],  # its data loading holds the job back
+            [0.01, 0.02, 0.04, 0.01, 0.05]]
+    compared = compare(rows)
+    assert compared["rank_step_time_s"] == [0.08, 0.09, 0.13, 0.08]
+    assert compared["slowest_rank"] == 2
+    assert compared["slowdown_pct"] == 62.5  # 0.13 against the others' median, 0.08
+    assert (compared["slow_phase"], compared["slow_phase_excess_s"]) == ("data", 0.05)
+    warning = slow_rank_warning(compared)
+    assert warning.startswith("rank 2 is 62% slower than the median of the other ranks: 0.1300 s of its own work "
+                              "per step against 0.0800 s, most of the difference in data (+0.0500 s per step)")
+
+
+def test_a_healthy_job_and_a_single_rank_get_no_warning():
+    assert slow_rank_warning(compare([[0.01, 0.02, 0.04, 0.01, 0.0], [0.01, 0.02, 0.045, 0.01, 0.0]])) is None
+    single = compare([[0.01, 0.02, 0.04, 0.01, 0.0]])
+    assert (single["slowest_rank"], single["slowdown_pct"]) == (0, 0.0)
+    assert slow_rank_warning(single) is None
+
+
+def _duty_cycle(pid: int, done: threading.Event, stopped_s: float = 0.08, running_s: float = 0.04) -> None:
+    """Slow ``pid`` down as a busy machine would: stopped for ``stopped_s`` of every ``stopped_s + running_s``."""
+    while not done.is_set():
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stopped_s)
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return
+        time.sleep(running_s)
+
+
+@pytest.fixture(scope="module")
+def slowed_run(tmp_path_factory):
+    """`ddpkit train` on 2 processes whose rank 1 is slowed from its start: (metrics records, stderr)."""
+    out = tmp_path_factory.mktemp("slowed")
+    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--nproc-per-node", "2", "--epochs", "2",
+                             "--output-dir", str(out), "--no-progress"], env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done = threading.Event()
+    slower = None
+    try:
+        deadline = time.monotonic() + 60
+        pid = None
+        while pid is None and time.monotonic() < deadline and proc.poll() is None:
+            pid = rank_pid(proc.pid, 1)
+            time.sleep(0.1)
+        assert pid is not None, "rank 1 not found"
+        slower = threading.Thread(target=_duty_cycle, args=(pid, done), daemon=True)
+        slower.start()
+        _, err = proc.communicate(timeout=240)
+    finally:
+        done.set()
+        if slower is not None:
+            slower.join()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return records, err
+
+
+def test_a_slowed_rank_is_named_in_metrics_and_in_a_warning(slowed_run):
+    records, err = slowed_run
+    assert len(records) == 2
+    for record in records:
+        assert len(record["rank_step_time_s"]) == 2
+        assert record["slowest_rank"] == 1, record
+        assert record["slowdown_pct"] > pace.SLOW_PCT, record
+    assert err.count("ddpkit: warning: rank 1 is ") == 2, err  # once per epoch, from rank 0 only
+    assert "slower than the median of the other ranks" in err
+    assert not leftover_processes()
