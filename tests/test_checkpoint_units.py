@@ -5,11 +5,13 @@ import io
 import os
 import random
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
 import time
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -174,6 +176,61 @@ def test_a_truncated_file_is_a_one_line_error(tmp_path):
     with pytest.raises(CheckpointError, match="is not a readable checkpoint") as caught:
         checkpoint.load_file(path)
     assert "\n" not in str(caught.value)
+
+
+def flip_a_byte_of(path: Path, record_suffix: str, at: int = 100) -> None:
+    """Invert one byte of the record whose name ends with ``record_suffix``, in place (bit rot, a bad copy)."""
+    with zipfile.ZipFile(path) as archive:
+        info = next(info for info in archive.infolist() if info.filename.endswith(record_suffix))
+    data = bytearray(path.read_bytes())
+    name_length, extra_length = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    data[info.header_offset + 30 + name_length + extra_length + at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_checkpoint_whose_bytes_changed_is_refused_by_name(tmp_path):
+    path = tmp_path / checkpoint.checkpoint_name(1)
+    checkpoint.atomic_save({"weights": torch.arange(1000, dtype=torch.float32)}, path)
+    flip_a_byte_of(path, "/data/0")
+    # torch.load alone takes it: one weight is now wrong, silently.
+    assert not torch.equal(torch.load(path, weights_only=True)["weights"], torch.arange(1000, dtype=torch.float32))
+    with pytest.raises(CheckpointError) as caught:
+        checkpoint.load_file(path)
+    assert str(caught.value) == (f"{path} is damaged and was not loaded: its record "
+                                 "archive/data/0 (a tensor's data) fails its CRC-32 checksum or header check (changed "
+                                 "on disk or in a copy after it was written)")
+
+
+@pytest.mark.parametrize("where, says", [
+    ("record", "its record archive/data/0 (a tensor's data) fails its CRC-32 checksum or header check"),
+    ("table", "its table of records is damaged (Bad magic number for central directory)"),
+])
+def test_a_checkpoint_with_a_damaged_header_is_refused_in_one_line(tmp_path, where, says):
+    path = tmp_path / "model.pt"
+    checkpoint.atomic_save({"weights": torch.arange(10)}, path)
+    with zipfile.ZipFile(path) as archive:
+        record = next(info for info in archive.infolist() if info.filename.endswith("/data/0")).header_offset
+        table = archive.start_dir
+    data = bytearray(path.read_bytes())
+    at = record if where == "record" else table
+    data[at:at + 4] = b"XXXX"  # the signature of the record's header, or of the table's first entry
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as caught:
+        checkpoint.load_file(path)
+    assert str(caught.value).startswith(f"{path} is damaged and was not loaded: {says}")
+    assert "\n" not in str(caught.value)
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_good_one(tmp_path):
+    for step in (1, 2):
+        checkpoint.atomic_save({checkpoint.KEY_FORMAT: checkpoint.FORMAT, checkpoint.KEY_MODEL: {"w": torch.full((64,), step)}},
+                               tmp_path / checkpoint.checkpoint_name(step))
+    checkpoint.write_pointer(tmp_path, tmp_path / checkpoint.checkpoint_name(2))
+    flip_a_byte_of(tmp_path / checkpoint.checkpoint_name(2), "/data/0", at=10)
+    warnings = []
+    path, obj = checkpoint.find_resumable(tmp_path, warnings.append)
+    assert path.name == "step-00000001.pt" and torch.equal(obj["model"]["w"], torch.full((64,), 1))
+    assert len(warnings) == 1 and "step-00000002.pt is damaged and was not loaded" in warnings[0]
 
 
 def test_a_file_of_another_kind_is_not_taken_for_a_checkpoint(tmp_path):

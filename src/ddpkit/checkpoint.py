@@ -194,6 +194,9 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     if not zipfile.is_zipfile(path):  # torch.load's own error for these is a bare byte value ("101")
         raise CheckpointError(f"{path} is not a checkpoint: torch.save writes a zip archive and this file is not "
                               "one (truncated, or another kind of file)")
+    damage = damaged_record(path)
+    if damage is not None:
+        raise CheckpointError(f"{path} is damaged and was not loaded: {damage}")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as error:  # torch.load raises many types for a torn or foreign file
@@ -206,6 +209,22 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
                 "them could run any code; ddpkit reads only tensors, numbers, strings, lists and dicts"
             ) from None
         raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt?): {text}") from None
+
+
+def damaged_record(path: str | os.PathLike) -> str | None:
+    """Why the zip archive at ``path`` is damaged, or None when every record's bytes match the CRC-32
+    checksum that ``torch.save`` wrote beside them (torch.load does not check them: a flipped bit in a
+    tensor loads as a wrong weight)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()  # reads every record and compares its CRC-32
+    except (zipfile.BadZipFile, EOFError, ValueError) as error:  # its table of records overwritten
+        return f"its table of records is damaged ({first_line(error)})"
+    if bad is None:
+        return None
+    what = " (a tensor's data)" if "/data/" in bad else ""
+    return (f"its record {bad}{what} fails its CRC-32 checksum or header check (changed on disk or in a copy "
+            "after it was written)")
 
 
 @dataclasses.dataclass
