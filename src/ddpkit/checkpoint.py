@@ -53,7 +53,7 @@ import torch.nn as nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from ddpkit import pace
-from ddpkit.errors import UsageError, first_line
+from ddpkit.errors import DiskFull, UsageError, disk_full, first_line
 from ddpkit.logs import logger
 from ddpkit.snapshot import snapshot
 from ddpkit.strategies import Strategy, strategy_of, unwrap
@@ -106,8 +106,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         os.unlink(tmp)
+        full = disk_full(error, writing=path)
+        if full is not None:  # not torch's "unexpected pos": say what happened, and that path is untouched
+            raise full.and_("nothing was written to it") from None
         raise
     # The rename itself is durable only once the folder's entry is on disk.
     dir_fd = os.open(folder, os.O_RDONLY)
@@ -604,8 +607,11 @@ class Checkpointer:
             dist.broadcast(flag, src=0, group=self.group)
             failed = bool(flag.item())
         if failed:
+            kept = f"the last complete checkpoint, {read_pointer(self.folder) or 'none yet'}, is kept"
+            if isinstance(error, DiskFull):
+                raise error.and_(kept)
             what = first_line(error) if error is not None else "see rank 0's message"
-            raise CheckpointError(f"writing checkpoint {self.last_path or ''} failed: {what}",
+            raise CheckpointError(f"writing checkpoint {self.last_path or ''} failed: {what}; {kept}",
                                   said_elsewhere=not self.runtime.is_main)
 
     # -- resuming

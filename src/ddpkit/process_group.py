@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ddpkit import env as env_mod
 from ddpkit import logs, signals
-from ddpkit.errors import UsageError, first_line
+from ddpkit.errors import UsageError, disk_full, first_line
 from ddpkit.logs import logger, report_usage_error
 
 BACKENDS = ("auto", "nccl", "gloo")
@@ -356,6 +356,11 @@ def distributed(**kwargs) -> Iterator[Runtime]:
     except UsageError as error:
         # A user mistake ddpkit found inside the job (bad data, a checkpoint of another model): one line, exit 2.
         raise SystemExit(report_usage_error(error)) from None
+    except OSError as error:
+        full = disk_full(error)  # metrics, a log, the user's own file: one line that says the disk is full
+        if full is None:
+            raise
+        raise SystemExit(report_usage_error(full)) from None
     finally:
         # The handler that raises Terminated goes first: a SIGTERM that reaches a rank while its group is
         # torn down (torchrun's agent sends one to the others as soon as one rank has exited, which after a

@@ -28,7 +28,7 @@ import torch.nn as nn
 from ddpkit import checkpoint, data, heartbeat, logs, nccl, preempt, process_group, strategies, zoo
 from ddpkit.env import DistEnv
 from ddpkit.config import flag_terms, option
-from ddpkit.errors import UsageError
+from ddpkit.errors import UsageError, disk_full
 from ddpkit.job import AMP_DTYPES, Job
 from ddpkit.logs import logger
 from ddpkit.strategies import STRATEGIES, Strategy
@@ -313,8 +313,7 @@ def train(cfg: TrainConfig, job: Job) -> dict:
         for epoch in range(run_state.position.epoch, cfg.epochs):
             record = loop.run_epoch(epoch)
             if job.is_main:
-                with open(metrics_path, "a") as handle:
-                    handle.write(json.dumps(record) + "\n")
+                append_record(metrics_path, record)
             job.print(f"epoch {epoch + 1}/{cfg.epochs}: train_loss {record['train_loss']:.4f}  val_loss "
                       f"{record['val_loss']:.4f}  val_acc {record['val_acc']:.2%} ({record['val_count']} samples)  "
                       f"{record['images_per_sec']:.0f} images/s")
@@ -465,6 +464,18 @@ def has_batchnorm(model: nn.Module) -> bool:
 # Fields that may change between an interrupted run and its resumption without comment.
 RESUME_FREE = {"resume", "epochs", "debug", "log_level", "progress", "workers", "output_dir", "timeout", "stall_timeout", "checkpoint_every",
                "keep_checkpoints"}
+
+
+def append_record(path: str, record: dict) -> None:
+    """``record`` as one more JSON line of ``path``; a full disk is said as such, naming the file."""
+    try:
+        with open(path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+    except OSError as error:
+        full = disk_full(error, writing=path)
+        if full is None:
+            raise
+        raise full from None
 
 
 def keep_metrics_before(path: str, epoch: int) -> None:
