@@ -330,3 +330,40 @@ def test_ranks_stopped_after_another_ranks_usage_error_are_not_reported_as_failu
     # Every rank ended by SIGTERM (the job was stopped): each is said, as before.
     assert report_failures({0: (-15, 100), 1: (-15, 101)}) == 1
     assert capsys.readouterr().err.count("killed by signal 15; its output is above") == 2
+
+
+def test_a_run_in_a_folder_whose_earlier_run_is_still_alive_names_its_processes(tmp_path):
+    """The earlier run's workers, frozen (SIGSTOP) as by a stuck file system after their launcher died:
+    the next run in the same folder says they are alive and names them, then trains."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import child_env, children_of, leftover_processes, rank_pid
+
+    out = tmp_path / "run"
+    earlier = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--nproc-per-node", "2", "--epochs", "400",
+                                "--output-dir", str(out), "--no-progress"], env=child_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, pids = time.monotonic() + 60, [None, None]
+        while None in pids and time.monotonic() < deadline:
+            pids = [rank_pid(earlier.pid, rank) for rank in (0, 1)]
+            time.sleep(0.2)
+        assert None not in pids, "the earlier run's ranks did not start"
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        result = run_ddpkit("train", "--nproc-per-node", "2", "--epochs", "1", "--output-dir", str(out),
+                            "--no-progress")
+    finally:
+        for pid in children_of(earlier.pid):
+            os.kill(pid, signal.SIGKILL)
+        earlier.kill()
+        earlier.wait()
+    assert result.returncode == 0, result.stderr
+    named = ", ".join(map(str, sorted(pids)))
+    assert (f"ddpkit: warning: processes of an earlier run writing {out} are still alive: pid {named} (launched by "
+            f"{earlier.pid}); they write the same checkpoints and metrics as this run. End them (kill "
+            f"{named.replace(', ', ' ')}) or give this run another --output-dir") in result.stderr
+    assert not leftover_processes()

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from ddpkit import env as env_mod
 from ddpkit import logs, signals
 from ddpkit.errors import UsageError
-from ddpkit.launch import LAUNCHERS, LaunchOptions, elastic, parse_nnodes, resolve_nproc, spawn
+from ddpkit.launch import LAUNCHERS, LaunchOptions, elastic, parse_nnodes, resolve_nproc, spawn, warn_earlier_run
 from ddpkit.logs import logger, report_usage_error
 from ddpkit.process_group import LAUNCHED_BY_TORCHRUN, freeze_for_exit, read_environment
 
@@ -273,6 +273,7 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
         return 0
     options = _launch_options(ns, ns.launcher, one_process=trainer.strategy_for(cfg).one_process)
     _check_before_launch(cfg, options)
+    warn_earlier_run(cfg.output_dir)
     if options.world_size == 1 and options.rdzv_endpoint is None:
         trainer.run(cfg)
         freeze_for_exit()

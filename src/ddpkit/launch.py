@@ -227,6 +227,60 @@ def warn_leftovers(options: LaunchOptions) -> list[str]:
     return found
 
 
+RUN_DIR_ENV = "DDPKIT_RUN_DIR"  # set by `ddpkit train`'s launcher for its workers: the folder they write
+
+
+def warn_earlier_run(output_dir: str) -> list[int]:
+    """Before a run writing ``output_dir`` starts its workers: warn when processes of an earlier run writing the
+    same folder are alive on this machine (a launcher killed with SIGKILL whose workers did not end, a job
+    still running); return their pids. Then mark this run's workers (RUN_DIR_ENV) for the next one to find."""
+    folder = os.path.abspath(output_dir)
+    marker = f"{RUN_DIR_ENV}={folder}".encode()
+    workers = [pid for pid in _pids() if pid != os.getpid() and _owned_here(pid) and marker in _environ(pid)]
+    # Their launcher, while it lives (an orphan's parent is init or a subreaper, which is not ddpkit).
+    launchers = sorted({parent for pid in workers if (parent := _parent(pid)) is not None and parent != os.getpid()
+                        and b"ddpkit" in _command(parent)} - set(workers))
+    if workers:
+        named = ", ".join(map(str, workers)) + (f" (launched by {', '.join(map(str, launchers))})" if launchers else "")
+        logger.warning(f"processes of an earlier run writing {folder} are still alive: pid {named}; they write the "
+                       f"same checkpoints and metrics as this run. End them (kill {' '.join(map(str, workers))}) or "
+                       "give this run another --output-dir")
+    os.environ[RUN_DIR_ENV] = folder
+    return workers
+
+
+def _pids() -> list[int]:
+    try:
+        return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:  # no /proc (not Linux)
+        return []
+
+
+def _environ(pid: int) -> list[bytes]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            return handle.read().split(b"\0")
+    except OSError:
+        return []
+
+
+def _command(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read()
+    except OSError:
+        return b""
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            # The command name (field 2) may hold spaces; the parent pid is the second field after it.
+            return int(handle.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _owned_here(pid: int) -> bool:
     try:
         return os.stat(f"/proc/{pid}").st_uid == os.getuid()
@@ -235,19 +289,7 @@ def _owned_here(pid: int) -> bool:
 
 
 def _children(pid: int) -> list[int]:
-    children = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                # The command name (field 2) may hold spaces; the parent pid is the second field after it.
-                parent = int(handle.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == pid:
-            children.append(int(entry))
-    return children
+    return [child for child in _pids() if _parent(child) == pid]
 
 
 def kill_children(grace_s: float = 5.0) -> int:
