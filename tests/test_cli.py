@@ -367,3 +367,17 @@ def test_a_run_in_a_folder_whose_earlier_run_is_still_alive_names_its_processes(
             f"{earlier.pid}); they write the same checkpoints and metrics as this run. End them (kill "
             f"{named.replace(', ', ' ')}) or give this run another --output-dir") in result.stderr
     assert not leftover_processes()
+
+
+def test_a_node_whose_master_never_starts_ends_in_one_line_after_the_rendezvous_timeout(tmp_path):
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = run_ddpkit("train", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port",
+                        str(port), "--rdzv-timeout", "3", "--output-dir", str(tmp_path), timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"ddpkit: waiting for node 0 at 127.0.0.1:{port} (up to 3 s: --rdzv-timeout)",
+        f"ddpkit: error: node 0 at 127.0.0.1:{port} did not answer in 3 s (last try: Connection refused); check "
+        "--master-addr and --master-port, that node 0 has started, and that the machines reach each other on that "
+        "port (--rdzv-timeout waits longer)"], result.stderr

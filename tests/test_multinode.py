@@ -72,7 +72,10 @@ def _run_on_nodes(commands: list[tuple[str, str, list[str]]], timeout: float) ->
     marker = uuid.uuid4().hex
     procs = [subprocess.Popen(["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c",
                                f'hostname {host} && exec "$@"', "node", *argv],
-                              env=child_env(DDPKIT_TEST_RUN=marker), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              # One thread per process, as the one-node reference's 2 processes on 2 cores have
+                              # (ddpkit gives each process its share of the cores): the same sums, to the bit.
+                              env=child_env(DDPKIT_TEST_RUN=marker, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE,
                               text=True) for name, host, argv in commands]
     results = []
     deadline = time.monotonic() + timeout  # one deadline for all nodes
@@ -135,3 +138,18 @@ def test_two_nodes_with_static_ranks_train_like_one_node(tmp_path, two_nodes, si
                              (b, host_b, [*common, "--node-rank", "1", "--output-dir", str(tmp_path / "node1")])],
                             timeout=180)
     _check(results, tmp_path, single_node)
+
+
+def test_a_node_whose_master_is_unreachable_ends_in_one_line_within_the_rendezvous_timeout(tmp_path, two_nodes):
+    (_, _), (node_b, host_b) = two_nodes
+    started = time.monotonic()
+    [result] = _run_on_nodes([(node_b, host_b, [sys.executable, "-m", "ddpkit", "train", *RUN, "--nnodes", "2",
+                                                "--node-rank", "1", "--master-addr", "10.232.0.1",  # no route there
+                                                "--rdzv-timeout", "5", "--output-dir", str(tmp_path / "b")])],
+                             timeout=60)
+    took = time.monotonic() - started
+    assert result.returncode == 2, result.stderr
+    assert ("ddpkit: error: node 0 at 10.232.0.1:29500 did not answer in 5 s (last try: Network is unreachable); "
+            "check --master-addr and --master-port") in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) <= 3, result.stderr
+    assert took < 30, f"took {took:.0f} s"

@@ -129,7 +129,11 @@ def test_torchrun_command_line_single_node_uses_a_free_port():
 def test_torchrun_command_line_multi_node_passes_flags_through():
     argv = torchrun_argv(LaunchOptions(nproc_per_node=4, nnodes=2, node_rank=1, master_addr="10.0.0.1"), ["-m", "m"])
     assert argv == ["--nproc-per-node", "4", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
-                    "--master-port", "29500", "--max-restarts", "0", "-m", "m"]
+                    "--master-port", "29500", "--rdzv-conf", "timeout=900", "--max-restarts", "0", "-m", "m"]
+    waiting = LaunchOptions(nnodes=2, master_addr="h", rdzv_timeout_s=30.5)
+    assert torchrun_argv(waiting, ["x.py"])[-5:-3] == ["--rdzv-conf", "timeout=31"]
+    elastic = LaunchOptions(nnodes=2, rdzv_endpoint="h:29400", rdzv_timeout_s=60)
+    assert torchrun_argv(elastic, ["x.py"])[-5:-3] == ["--rdzv-conf", "join_timeout=60"]
 
 
 def test_nproc_auto():
@@ -149,6 +153,8 @@ def test_nproc_auto():
         ({"launcher": "spawn", "nnodes": 2, "master_addr": "h"}, "spawn starts processes on this machine only"),
         ({"launcher": "spawn", "max_restarts": 1}, "--max-restarts needs torchrun's elastic agent"),
         ({"nnodes": 2}, "--nnodes 2 needs --master-addr"),
+        ({"rdzv_timeout_s": float("nan")}, "--rdzv-timeout must be a finite number of seconds above 0, got nan"),
+        ({"rdzv_timeout_s": 0.0}, "--rdzv-timeout must be a finite number of seconds above 0, got 0.0"),
     ],
 )
 def test_launch_options_validation(options, message):

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from ddpkit import env as env_mod
 from ddpkit import logs, signals
 from ddpkit.errors import UsageError
-from ddpkit.launch import LAUNCHERS, LaunchOptions, elastic, parse_nnodes, resolve_nproc, spawn, warn_earlier_run
+from ddpkit.launch import (DEFAULT_RDZV_TIMEOUT_S, LAUNCHERS, LaunchOptions, elastic, parse_nnodes, resolve_nproc, spawn,
+                           warn_earlier_run)
 from ddpkit.logs import logger, report_usage_error
 from ddpkit.process_group import LAUNCHED_BY_TORCHRUN, freeze_for_exit, read_environment
 
@@ -60,6 +61,9 @@ def _add_launch_flags(parser: argparse.ArgumentParser, *, with_launcher: bool = 
     group.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                        help="torchrun's c10d rendezvous instead of --master-addr/--node-rank: the same command on "
                             "every node, HOST one of them; the nodes are numbered as they join")
+    group.add_argument("--rdzv-timeout", type=float, default=DEFAULT_RDZV_TIMEOUT_S, metavar="SECONDS",
+                       help="on several machines: how long one waits for node 0 (or the rendezvous) and the others "
+                            "to join before it ends with one line (default: 900)")
     group.add_argument("--rdzv-id", default=None, metavar="ID",
                        help="the job's name at the rendezvous; jobs sharing an endpoint need their own (default: ddpkit)")
     _add_nccl_flag(group)
@@ -217,7 +221,7 @@ def _launch_options(ns: argparse.Namespace, launcher: str = "torchrun", one_proc
     return LaunchOptions(
         nproc_per_node=nproc, nnodes=nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
         master_port=ns.master_port, max_restarts=ns.max_restarts, launcher=launcher, rdzv_endpoint=ns.rdzv_endpoint,
-        rdzv_id=ns.rdzv_id, min_nodes=min_nodes,
+        rdzv_id=ns.rdzv_id, min_nodes=min_nodes, rdzv_timeout_s=ns.rdzv_timeout,
     )
 
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -27,6 +29,9 @@ from ddpkit.logs import logger
 DEFAULT_MULTINODE_PORT = 29500
 DEFAULT_RDZV_ID = "ddpkit"  # jobs that share a rendezvous endpoint need different --rdzv-id values
 LAUNCHERS = ("torchrun", "spawn")
+
+
+DEFAULT_RDZV_TIMEOUT_S = 900.0  # torchrun's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +46,7 @@ class LaunchOptions:
     rdzv_endpoint: str | None = None  # HOST:PORT of torchrun's c10d rendezvous; the nodes number themselves
     rdzv_id: str | None = None  # None: DEFAULT_RDZV_ID, with an endpoint
     min_nodes: int | None = None  # elastic: start once this many nodes joined (None: nnodes)
+    rdzv_timeout_s: float = DEFAULT_RDZV_TIMEOUT_S  # how long a node waits for the others to join
 
     def __post_init__(self) -> None:
         if self.rdzv_endpoint is not None:
@@ -63,6 +69,8 @@ class LaunchOptions:
             raise UsageError(f"--node-rank must be in 0..{self.nnodes - 1} for --nnodes {self.nnodes}, got {self.node_rank}")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise UsageError(f"--master-port must be in 1..65535, got {self.master_port}")
+        if not (math.isfinite(self.rdzv_timeout_s) and self.rdzv_timeout_s > 0):
+            raise UsageError(f"--rdzv-timeout must be a finite number of seconds above 0, got {self.rdzv_timeout_s}")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         if self.launcher not in LAUNCHERS:
@@ -118,6 +126,7 @@ def torchrun_argv(options: LaunchOptions, command: Sequence[str]) -> list[str]:
             "--nnodes", f"{options.min_nodes or options.nnodes}:{options.nnodes}",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", options.rdzv_endpoint,
             "--rdzv-id", options.rdzv_id or DEFAULT_RDZV_ID,
+            "--rdzv-conf", f"join_timeout={math.ceil(options.rdzv_timeout_s)}",
         ]
     elif options.nnodes == 1 and options.master_port is None:
         argv.append("--standalone")
@@ -127,6 +136,7 @@ def torchrun_argv(options: LaunchOptions, command: Sequence[str]) -> list[str]:
             "--node-rank", str(options.node_rank),
             "--master-addr", options.master_addr or "127.0.0.1",
             "--master-port", str(options.master_port or DEFAULT_MULTINODE_PORT),
+            "--rdzv-conf", f"timeout={math.ceil(options.rdzv_timeout_s)}",
         ]
     argv += ["--max-restarts", str(options.max_restarts)]
     return argv + list(command)
@@ -154,6 +164,8 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     check_names(options)
     warn_leftovers(options)
+    if options.nnodes > 1 and options.rdzv_endpoint is None and options.node_rank > 0:
+        wait_for_node_0(options.master_addr, options.master_port or DEFAULT_MULTINODE_PORT, options.rdzv_timeout_s)
     # The agent logs each worker it stops and each one that failed ("failed (exitcode: 2) local_rank: 1 ...");
     # report_failures says the same once per rank that failed of its own accord (none after a usage error,
     # which rank 0 has said in one line already).
@@ -189,6 +201,28 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
             "check --master-addr, and that --master-port is free on node 0 (or omit it on one node)"
         ) from None
     return 0
+
+
+def wait_for_node_0(host: str, port: int, timeout_s: float) -> None:
+    """On a node other than 0 of a static launch: wait until node 0's store accepts a connection, or end with one
+    line after ``timeout_s``. (torchrun's own client would retry for its whole timeout, logging a C++ stack
+    trace at each try, and an unreachable address would never be named.)"""
+    import socket
+
+    logger.info(f"waiting for node 0 at {host}:{port} (up to {timeout_s:g} s: --rdzv-timeout)")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(5.0, left))):
+                return
+        except OSError as error:
+            last = error.strerror or type(error).__name__  # "Connection refused", "Network is unreachable", ...
+        if time.monotonic() + 1.0 > deadline:
+            raise UsageError(f"node 0 at {host}:{port} did not answer in {timeout_s:g} s (last try: {last}); check "
+                             "--master-addr and --master-port, that node 0 has started, and that the machines reach "
+                             "each other on that port (--rdzv-timeout waits longer)")
+        time.sleep(1.0)
 
 
 def check_names(options: LaunchOptions) -> None:
