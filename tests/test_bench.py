@@ -99,7 +99,6 @@ def test_a_tiny_cpu_bench_writes_json_csv_and_png_from_its_own_rows(tmp_path):
     assert "sweep" not in report
 
 
-@pytest.mark.slow  # seven more 2-process timings: about 30 s
 def test_the_sweep_times_every_bucket_size_and_hook(tmp_path):
     result = run_ddpkit("bench", "--model", "convnet", "--nproc", "2", "--strategies", "ddp", "--batch-size", "8",
                         "--steps", "3", "--warmup", "1", "--repeats", "1", "--json", str(tmp_path / "b.json"),

@@ -257,7 +257,6 @@ def test_spawn_reports_a_worker_usage_error_as_status_2(tmp_path):
     assert result.stderr.count("ddpkit: error:") == 1, result.stderr  # every rank finds it; rank 0 says it
 
 
-@pytest.mark.slow  # the surviving rank waits out gloo's connection timeout: about 20 s
 def test_spawn_shows_a_worker_exception_and_fails(tmp_path):
     # A model that cannot run is caught before training (exit 2); a crash needs a data folder that vanishes.
     from PIL import Image
@@ -289,7 +288,7 @@ SLURM_TASK = textwrap.dedent(
 )
 
 
-@pytest.mark.slow  # tests/test_slurm.py runs the same under a real Slurm where one is installed
+# tests/test_slurm.py runs the same under a real Slurm where one is installed
 def test_run_under_srun_makes_each_task_one_rank(tmp_path):
     # What `srun -n 2 ddpkit run script.py` gives each task: Slurm's variables, no torchrun ones.
     import subprocess

@@ -164,29 +164,71 @@ def test_a_rank_asleep_in_a_library_script_is_named_with_its_stack(tmp_path):
     assert not leftover_processes()
 
 
-def _stop_a_rank_of_ddpkit_train(out: Path, rank: int, *flags: str) -> tuple[int, str, float, int]:
-    """Start ``ddpkit train`` on 2 processes, SIGSTOP ``rank`` once two epochs are done, and wait for the
-    job to end: (its exit status, its stderr, seconds from the stop to the end, the stopped pid)."""
-    proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--nproc-per-node", "2", "--epochs", "400",
-                             "--output-dir", str(out), "--no-progress", *flags], env=child_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        metrics = out / "metrics.jsonl"
+class StoppedRank:
+    """``ddpkit train`` on 2 processes whose ``rank`` is stopped (SIGSTOP) once two epochs are done;
+    once the job ended, ``result()`` is (its exit status, its stderr, seconds from the stop to the end, the
+    stopped pid)."""
+
+    def __init__(self, out: Path, rank: int, *flags: str):
+        self.out, self.rank = out, rank
+        self.err = out.with_name("stderr.txt")  # a file, not a pipe: nobody reads it while another job is awaited
+        with self.err.open("w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--nproc-per-node", "2", "--epochs",
+                                          "400", "--output-dir", str(out), "--no-progress", *flags], env=child_env(),
+                                         stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        self.pid, self.stopped, self.ended = None, None, None
+
+    def stop_after_two_epochs(self) -> None:
+        metrics = self.out / "metrics.jsonl"
         deadline = time.monotonic() + 90
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
             time.sleep(0.5)
-        stopped_pid = rank_pid(proc.pid, rank)
-        assert stopped_pid is not None, f"rank {rank} not found"
-        os.kill(stopped_pid, signal.SIGSTOP)
-        stopped = time.monotonic()
-        _, err = proc.communicate(timeout=150)
-        return proc.returncode, err, time.monotonic() - stopped, stopped_pid
-    finally:
-        if proc.poll() is None:  # not ended: end the ranks (each in a session of its own), then the launcher
-            for pid in children_of(proc.pid):
+        self.pid = rank_pid(self.proc.pid, self.rank)
+        assert self.pid is not None, f"rank {self.rank} not found"
+        os.kill(self.pid, signal.SIGSTOP)
+        self.stopped = time.monotonic()
+
+    def ended_by_now(self) -> bool:
+        if self.ended is None and self.proc.poll() is not None:
+            self.ended = time.monotonic()
+        return self.ended is not None
+
+    def result(self) -> tuple[int, str, float, int]:
+        return self.proc.returncode, self.err.read_text(), self.ended - self.stopped, self.pid
+
+    def kill(self) -> None:
+        """Not ended: end the ranks (each in a session of its own), then the launcher."""
+        if self.proc.poll() is None:
+            for pid in children_of(self.proc.pid):
                 os.kill(pid, signal.SIGKILL)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def stopped_ranks(tmp_path_factory):
+    """The two stopped-rank runs, side by side: each spends most of its time waiting for the stall watch.
+    rank -> (StoppedRank, its result). Rank 1 is stopped at default settings, rank 0 with --stall-timeout 15."""
+    jobs = {1: StoppedRank(tmp_path_factory.mktemp("rank1") / "run", 1),
+            0: StoppedRank(tmp_path_factory.mktemp("rank0") / "run", 0, "--stall-timeout", "15")}
+    try:
+        for job in jobs.values():
+            job.stop_after_two_epochs()
+        deadline = time.monotonic() + 150
+        while not all([job.ended_by_now() for job in jobs.values()]) and time.monotonic() < deadline:  # each polled
+            time.sleep(0.2)
+        assert all(job.ended_by_now() for job in jobs.values()), "a job with a stopped rank did not end in 150 s"
+        yield {rank: (job, job.result()) for rank, job in jobs.items()}
+    finally:
+        for job in jobs.values():
+            job.kill()
+
+
+def _stack_shown(err: str, pid: int) -> None:
+    """The stalled process's stack, read from outside while it is stopped: inside the trainer, wherever in
+    the epoch (its steps, evaluation, a checkpoint) the stop found it."""
+    assert f"its stack (py-spy dump --pid {pid}):" in err, err
+    assert "train (ddpkit/trainer.py:" in err.split("its stack", 1)[1], err
 
 
 def _last_checkpoint_kept(out: Path, *, writer_killed: bool = False) -> None:
@@ -204,26 +246,26 @@ def _last_checkpoint_kept(out: Path, *, writer_killed: bool = False) -> None:
 
 
 @pytest.mark.slow  # the default stall timeout is a minute
-def test_a_stopped_rank_of_ddpkit_train_is_named_within_two_minutes_at_default_settings(tmp_path):
-    returncode, err, took, pid = _stop_a_rank_of_ddpkit_train(tmp_path / "run", 1)
+def test_a_stopped_rank_of_ddpkit_train_is_named_within_two_minutes_at_default_settings(stopped_ranks):
+    job, (returncode, err, took, pid) = stopped_ranks[1]
     assert returncode == 1, err
     assert took < 120, f"named and ended {took:.0f} s after the stop"
     assert err.count("stalled:") == 1, err
     assert f"rank 1 (host {os.uname().nodename}, pid {pid}) stalled: its heartbeat stopped" in err
     assert "the process is stopped (SIGSTOP, a debugger) or frozen in C code" in err
-    assert "EpochLoop.steps (ddpkit/trainer.py" in err  # its stack, read from outside while it is stopped
-    _last_checkpoint_kept(tmp_path / "run")
+    _stack_shown(err, pid)
+    _last_checkpoint_kept(job.out)
     assert not leftover_processes()
 
 
 @pytest.mark.slow
-def test_a_stopped_rank_0_which_serves_the_store_is_named_by_rank_1(tmp_path):
-    returncode, err, took, pid = _stop_a_rank_of_ddpkit_train(tmp_path / "run", 0, "--stall-timeout", "15")
+def test_a_stopped_rank_0_which_serves_the_store_is_named_by_rank_1(stopped_ranks):
+    job, (returncode, err, took, pid) = stopped_ranks[0]
     assert returncode == 1, err
     assert took < 60, f"named and ended {took:.0f} s after the stop"
     assert err.count("stalled:") == 1, err
     assert (f"[rank1]: ddpkit: error: rank 0 (host {os.uname().nodename}, pid {pid}) stalled: the job's store, which "
             "its process serves, has not answered for") in err
-    assert "EpochLoop.steps (ddpkit/trainer.py" in err
-    _last_checkpoint_kept(tmp_path / "run", writer_killed=True)
+    _stack_shown(err, pid)
+    _last_checkpoint_kept(job.out, writer_killed=True)
     assert not leftover_processes()

@@ -129,7 +129,6 @@ def test_two_nodes_through_the_c10d_rendezvous_train_like_one_node(tmp_path, two
     _check(results, tmp_path, single_node)
 
 
-@pytest.mark.slow
 def test_two_nodes_with_static_ranks_train_like_one_node(tmp_path, two_nodes, single_node):
     (a, host_a), (b, host_b) = two_nodes
     common = [sys.executable, "-m", "ddpkit", "train", *RUN, "--nproc-per-node", "1", "--nnodes", "2",
