@@ -116,12 +116,12 @@ DIGITS_CONVNET = ["--data", "digits", "--model", "convnet", "--optimizer", "sgd"
 def ddp_digits(tmp_path_factory):
     """One 2-process DDP run of DIGITS_CONVNET that several modules compare against: (folder, state, rows, result).
 
-    It checkpoints every 5 steps, and sets NCCL variables (which gloo ignores) to show they are said once
-    and recorded.
+    It checkpoints every 5 steps, compares the replicas' weights at every step (which a healthy run passes),
+    and sets NCCL variables (which gloo ignores) to show they are said once and recorded.
     """
     folder = tmp_path_factory.mktemp("ddp_digits")
     result = run_ddpkit("train", *DIGITS_CONVNET, "--nproc-per-node", "2", "--no-progress", "--output-dir", str(folder),
-                        "--checkpoint-every", "5", "--keep-checkpoints", "10",
+                        "--checkpoint-every", "5", "--keep-checkpoints", "10", "--check-replicas", "1",
                         "--nccl", "NCCL_ALGO=Ring", "--nccl", "no-ib", "--nccl", "NCCL_ALGO=Tree")
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]

@@ -36,6 +36,7 @@ NO_GPU = torch.cuda.device_count() == 0
         (["train", "--schedule", "linear"], "invalid choice: 'linear'"),
         (["train", "--lr-gamma", "2"], "--lr-gamma must be in (0, 1], got 2.0"),
         (["train", "--warmup-steps", "-1"], "--warmup-steps must be 0 or more, got -1"),
+        (["train", "--check-replicas", "-1"], "--check-replicas must be 0 (off) or a number of optimizer steps, got -1"),
         (["train", "--strategy", "pipeline", "--nproc-per-node", "2", "--stages", "3"],
          "--stages 3 does not divide the world size 2"),
         (["train", "--strategy", "pipeline", "--nproc-per-node", "2", "--model", "densenet121"],

@@ -200,8 +200,10 @@ def test_fsdp_resumes_its_own_checkpoint_exactly_and_ddp_resumes_it_too(tmp_path
 
 def test_zero_trains_the_same_weights_as_ddp_with_less_optimizer_state(tmp_path, ddp_run):
     folder, state_ddp, rows_ddp = ddp_run
-    # Resumed from DDP's checkpoint at step 10: ZeRO takes a plain optimizer state, and writes its own.
-    state_zero, rows = train(tmp_path, *DIGITS, "--zero", "--resume", str(folder / "checkpoints" / "step-00000010.pt"))
+    # Resumed from DDP's checkpoint at step 10: ZeRO takes a plain optimizer state, and writes its own. Its
+    # replicas, each updating a share of the parameters and broadcasting them, are compared at every step.
+    state_zero, rows = train(tmp_path, *DIGITS, "--zero", "--check-replicas", "1", "--resume",
+                             str(folder / "checkpoints" / "step-00000010.pt"))
     assert max_relative_difference(state_zero, state_ddp) <= 1e-5
     # SGD's momentum buffers are split between the ranks (by whole parameters, so not evenly).
     for zero, whole in zip(rows[-1]["train_state_mb"], rows_ddp[-1]["train_state_mb"]):

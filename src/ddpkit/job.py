@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddpkit import checkpoint, data, heartbeat, pace, process_group, strategies
+from ddpkit import checkpoint, data, heartbeat, pace, process_group, replicas, strategies
 from ddpkit.errors import UsageError
 from ddpkit.logs import logger
 from ddpkit.snapshot import snapshot
@@ -57,14 +57,17 @@ class Job:
     ``backend``, ``device``, ``timeout_s``, ``environment``, ``log_level``: as ``ddpkit.setup``.
     ``stall_timeout_s``: end the job, naming the rank that holds it up, once no rank has advanced for this
     long (at least 20 typical steps, at most ``timeout_s``; ``ddpkit.heartbeat``); 0 turns it off. Default:
-    DDPKIT_STALL_TIMEOUT_S, else 60. Messages
+    DDPKIT_STALL_TIMEOUT_S, else 60. ``check_replicas``: every this many optimizer steps, compare an exact
+    checksum of every rank's weights where the strategy replicates them (ddp, zero) and stop the job, naming
+    the rank that differs (``ddpkit.replicas``); 0 turns it off. Default: 1000. Messages
     go to the ``ddpkit`` logger (``ddpkit.logs``): rank 0's, and every rank's warnings and errors.
     """
 
     def __init__(self, strategy: str | strategies.Strategy = "ddp", *, amp: str = "off", accumulate: int = 1,
                  seed: int | None = 0, sync_bn: bool = False, clip_grad_norm: float | None = None,
                  backend: str = "auto", device: str = "auto", timeout_s: float | None = None, environment=None,
-                 log_level: str | None = None, stall_timeout_s: float | None = None, **strategy_settings):
+                 log_level: str | None = None, stall_timeout_s: float | None = None, check_replicas: int | None = None,
+                 **strategy_settings):
         self.strategy = strategies.create(strategy, **strategy_settings)
         if amp not in AMP_DTYPES:
             raise UsageError(f"`amp` must be one of {', '.join(AMP_DTYPES)}, got {amp!r}")
@@ -75,6 +78,8 @@ class Job:
         self.strategy.check_training(accumulate=accumulate, amp=amp)
         self.amp, self.accumulate, self.seed, self.sync_bn = amp, accumulate, seed, sync_bn
         self.clip_grad_norm = clip_grad_norm
+        self.check_replicas = replicas.check_every(check_replicas)
+        self._weights_compared: list[tuple[str, torch.Tensor]] | None = None  # the weights compared: set by setup
         self._stack = contextlib.ExitStack()
         self.runtime = self._stack.enter_context(process_group.distributed(
             backend=backend, device=device, timeout_s=timeout_s, force_group=self.strategy.needs_group,
@@ -131,6 +136,8 @@ class Job:
         if self.sync_bn:
             model = convert_sync_batchnorm(model, self.runtime)
         wrapped = self.strategy.wrap(model, self.runtime, example=example)
+        if self.strategy.replicated and self.world_size > 1:
+            self._weights_compared = list(strategies.unwrap(wrapped).named_parameters())
         if pace.current() is not None:
             self.strategy.mark_waits(wrapped)  # this rank's waits for the others apart from its own work
         if self.accumulate > 1:
@@ -188,6 +195,8 @@ class Job:
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
+        if self._weights_compared and self.check_replicas and self.global_step % self.check_replicas == 0:
+            replicas.check(self._weights_compared, self.runtime, step=self.global_step)
         pace.mark("data", self.global_step)
         return True
 

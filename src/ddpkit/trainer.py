@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddpkit import checkpoint, data, heartbeat, logs, nccl, preempt, process_group, strategies, zoo
+from ddpkit import checkpoint, data, heartbeat, logs, nccl, preempt, process_group, replicas, strategies, zoo
 from ddpkit.env import DistEnv
 from ddpkit.config import flag_terms, option
 from ddpkit.errors import UsageError, disk_full
@@ -80,6 +80,9 @@ class TrainConfig:
     stall_timeout: float = option(heartbeat.DEFAULT_STALL_S, "end the job, naming the rank that holds it up and its "
                                   "stack, once no rank has advanced for this long (at least 20 typical steps, at most "
                                   "--timeout; 0: off) (default: 60)", metavar="SECONDS")
+    check_replicas: int = option(replicas.DEFAULT_EVERY, "every N optimizer steps, compare an exact checksum of every "
+                                 "rank's weights (ddp, zero) and stop the job naming a rank whose weights differ (0: "
+                                 "off) (default: 1000)", metavar="N")
     image_size: int | None = option(None, "side of the square input (default: 28 net, 32 convnet, 224 torchvision on "
                                           "folders)", metavar="PIXELS", kind=int)
     schedule: str = option("constant", "learning-rate schedule, stepped every optimizer step (default: constant)",
@@ -154,6 +157,7 @@ class TrainConfig:
         with in_train_flags():
             process_group.check_timeout(self.timeout)
             heartbeat.stall_setting(self.stall_timeout)
+            replicas.check_every(self.check_replicas)
         if self.sync_bn and self.strategy != "ddp":
             raise UsageError(f"--sync-bn synchronises BatchNorm across DDP processes; it needs --strategy ddp, not {self.strategy}")
         if self.schedule not in SCHEDULES:
@@ -257,7 +261,8 @@ def run(cfg: TrainConfig, environment: DistEnv | None = None) -> dict:
     with in_train_flags():  # the library's errors name its parameters; this command's user knows its flags
         job = Job(strategy_for(cfg), amp=cfg.amp, accumulate=cfg.accumulate, seed=cfg.seed, sync_bn=cfg.sync_bn,
                   backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout, stall_timeout_s=cfg.stall_timeout,
-                  environment=environment, log_level="debug" if cfg.debug else cfg.log_level)
+                  check_replicas=cfg.check_replicas, environment=environment,
+                  log_level="debug" if cfg.debug else cfg.log_level)
     with job, in_train_flags():  # translated before the job's exit reports them
         return train(cfg, job)
 
@@ -462,8 +467,8 @@ def has_batchnorm(model: nn.Module) -> bool:
 
 
 # Fields that may change between an interrupted run and its resumption without comment.
-RESUME_FREE = {"resume", "epochs", "debug", "log_level", "progress", "workers", "output_dir", "timeout", "stall_timeout", "checkpoint_every",
-               "keep_checkpoints"}
+RESUME_FREE = {"resume", "epochs", "debug", "log_level", "progress", "workers", "output_dir", "timeout", "stall_timeout",
+               "check_replicas", "checkpoint_every", "keep_checkpoints"}
 
 
 def append_record(path: str, record: dict) -> None:

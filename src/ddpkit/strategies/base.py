@@ -63,6 +63,9 @@ class Strategy(Protocol):
     shards_model: ClassVar[bool] = False
     # Evaluation forwards are collectives: every rank must run as many as the rank with the most batches.
     eval_lockstep: ClassVar[bool] = False
+    # Every rank holds the whole model, the same weights after each step (ddp, zero): ``ddpkit.replicas``
+    # compares them. Not where ranks hold different parts (fsdp, pipelines) or there is one process.
+    replicated: ClassVar[bool] = False
 
     def check(self, *, world_size: int, cuda_count: int, batch_size: int | None = None,
               build_model: Callable[[], nn.Module] | None = None) -> None:

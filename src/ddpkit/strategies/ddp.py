@@ -28,6 +28,7 @@ class DDP(Strategy):
     bucket_cap_mb: float | None = None
 
     name: ClassVar[str] = "ddp"
+    replicated: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
