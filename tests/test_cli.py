@@ -72,6 +72,8 @@ NO_GPU = torch.cuda.device_count() == 0
         (["bench", "--model", "resnet"], "unknown model 'resnet'"),
         (["bench", "--link-gbps", "0"], "--link-gbps takes positive numbers"),
         (["bench", "--precision", "fp8"], "invalid choice: 'fp8'"),
+        (["status", "/no/such/dir"], "ddpkit status /no/such/dir: no such folder (give a run's --output-dir)"),
+        (["status", "/tmp", "--every", "0"], "--every must be a number of seconds above 0, got 0.0"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(argv, message, capsys):

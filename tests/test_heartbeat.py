@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import os
 import signal
 import subprocess
@@ -177,6 +179,7 @@ class StoppedRank:
                                           "400", "--output-dir", str(out), "--no-progress", *flags], env=child_env(),
                                          stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         self.pid, self.stopped, self.ended = None, None, None
+        self.status: subprocess.Popen | None = None  # `ddpkit status` while the rank is stopped
 
     def stop_after_two_epochs(self) -> None:
         metrics = self.out / "metrics.jsonl"
@@ -188,6 +191,17 @@ class StoppedRank:
         os.kill(self.pid, signal.SIGSTOP)
         self.stopped = time.monotonic()
 
+    def look_while_stopped(self) -> None:
+        """Once the job's status shows the stopped rank silent for 10 s, run `ddpkit status` on it (once)."""
+        if self.status is not None or self.ended is not None:
+            return
+        with contextlib.suppress(OSError, ValueError):  # not written yet
+            beats = json.loads((self.out / "status.json").read_text())["ranks"]
+            if beats[self.rank]["silent_s"] >= 10:
+                self.status = subprocess.Popen([sys.executable, "-m", "ddpkit", "status", str(self.out)],
+                                               env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                               text=True)
+
     def ended_by_now(self) -> bool:
         if self.ended is None and self.proc.poll() is not None:
             self.ended = time.monotonic()
@@ -198,6 +212,9 @@ class StoppedRank:
 
     def kill(self) -> None:
         """Not ended: end the ranks (each in a session of its own), then the launcher."""
+        if self.status is not None and self.status.poll() is None:
+            self.status.kill()
+            self.status.communicate()
         if self.proc.poll() is None:
             for pid in children_of(self.proc.pid):
                 os.kill(pid, signal.SIGKILL)
@@ -216,6 +233,7 @@ def stopped_ranks(tmp_path_factory):
             job.stop_after_two_epochs()
         deadline = time.monotonic() + 150
         while not all([job.ended_by_now() for job in jobs.values()]) and time.monotonic() < deadline:  # each polled
+            jobs[1].look_while_stopped()
             time.sleep(0.2)
         assert all(job.ended_by_now() for job in jobs.values()), "a job with a stopped rank did not end in 150 s"
         yield {rank: (job, job.result()) for rank, job in jobs.items()}
@@ -255,6 +273,16 @@ def test_a_stopped_rank_of_ddpkit_train_is_named_within_two_minutes_at_default_s
     assert "the process is stopped (SIGSTOP, a debugger) or frozen in C code" in err
     _stack_shown(err, pid)
     _last_checkpoint_kept(job.out)
+    # `ddpkit status` while the rank was stopped: rank 0 kept writing; rank 1's last beat grew old.
+    assert job.status is not None, "the status never showed rank 1 silent for 10 s"
+    shown, _ = job.status.communicate(timeout=60)
+    lines = shown.splitlines()
+    assert lines[0].startswith("running: status written "), shown
+    rank_0, rank_1 = (line.split() for line in lines[2:4])
+    assert rank_1[:3] == ["1", os.uname().nodename, str(pid)] and int(rank_1[5]) >= 10 > int(rank_0[5]), shown
+    # Then the job's last status: stalled, and why.
+    saved = json.loads((job.out / "status.json").read_text())
+    assert saved["state"] == "stalled" and saved["verdict"].startswith(f"rank 1 (host {os.uname().nodename}, pid {pid}) stalled")
     assert not leftover_processes()
 
 
@@ -268,4 +296,9 @@ def test_a_stopped_rank_0_which_serves_the_store_is_named_by_rank_1(stopped_rank
             "its process serves, has not answered for") in err
     _stack_shown(err, pid)
     _last_checkpoint_kept(job.out, writer_killed=True)
+    # Rank 0 wrote the status; killed, it left it "running": `ddpkit status` says its process is gone.
+    shown = run_ddpkit("status", str(job.out))
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("running: status written ") and (
+        "; its process is gone: the job died without ending") in shown.stdout.splitlines()[0], shown.stdout
     assert not leftover_processes()

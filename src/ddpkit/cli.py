@@ -11,6 +11,7 @@ where the mistake can be seen from the command line.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -152,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
     bench.add_argument("--csv", default=None, metavar="FILE", help="write the result rows as CSV")
     bench.add_argument("--plot", default=None, metavar="FILE.png", help="plot throughput and efficiency (matplotlib)")
+    status = commands.add_parser(
+        "status", help="every rank's step, phase, last heartbeat, step time and memory",
+        description="Show a run of `ddpkit train` from its output folder, while it runs or after it ended: how it "
+                    "stands (running, ended, failed, stopped, stalled), each rank's step, phase, last heartbeat, "
+                    "step time and memory, and its last epoch's metrics.")
+    status.add_argument("output_dir", metavar="OUTPUT_DIR", help="the run's --output-dir")
+    status.add_argument("--watch", action="store_true", help="show it again every --every seconds while it runs")
+    status.add_argument("--every", type=float, default=5.0, metavar="SECONDS", help="with --watch (default: 5)")
     return parser
 
 
@@ -186,6 +195,14 @@ def cmd_doctor(ns: argparse.Namespace, argv: Sequence[str]) -> int:
             with open(ns.json, "w") as handle:
                 json.dump(report, handle, indent=2)
     return 0 if check is None or check["ok"] else 1
+
+
+def cmd_status(ns: argparse.Namespace) -> int:
+    from ddpkit import status
+
+    if not (math.isfinite(ns.every) and ns.every > 0):
+        raise UsageError(f"--every must be a number of seconds above 0, got {ns.every}")
+    return status.show(ns.output_dir, watch=ns.watch, every_s=ns.every)
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
@@ -385,7 +402,7 @@ def _export_debug_settings(ns: argparse.Namespace) -> None:
     """Settings the workers read from their environment (they inherit the launcher's)."""
     from ddpkit import nccl
 
-    level = "debug" if getattr(ns, "debug", False) else ns.log_level
+    level = "debug" if getattr(ns, "debug", False) else getattr(ns, "log_level", None)
     if level is not None:
         os.environ[logs.LEVEL_ENV] = level
     logs.configure(level=level)  # this process's lines; each worker configures its own, with its rank
@@ -421,6 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_bench(ns)
         if ns.command == "doctor":
             return cmd_doctor(ns, argv)
+        if ns.command == "status":
+            return cmd_status(ns)
         return cmd_run(ns)
     except UsageError as error:
         return report_usage_error(_in_flag_terms(error))

@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 
+from ddpkit import status
 from ddpkit.pace import PHASES, WORKING_ALONE, Pace
 
 INTERVAL_S = 5.0  # how often a rank publishes its beat, and a watcher reads everyone's
@@ -46,6 +47,7 @@ LOST_BEATS = 3  # a rank whose beat did not change for this many intervals is st
 WATCHERS = 2  # ranks 0 and 1 watch: one of them is always not the culprit
 STALL_ENV = "DDPKIT_STALL_TIMEOUT_S"  # the default for Job(stall_timeout_s=None); set by `ddpkit run --stall-timeout`
 STACK_TIMEOUT_S = 15.0
+CLOSE_WAIT_S = 2.0  # at a job's normal end, how long rank 0 waits for the others' last beats for its status
 STORE_TIMEOUT_S = 30.0  # the heartbeat's store calls; the job's own store waits as long as --timeout
 EXIT_STALLED = 1  # a job ended for a stalled rank failed: not a usage error
 KEY = "ddpkit/heartbeat"
@@ -83,6 +85,7 @@ class Seen:
     idle_s: float  # since this rank last moved (its own clock at publishing, plus the watcher's since then)
     silent_s: float  # since its beat last changed, on the watcher's clock
     step_s: float | None  # its typical step time, once measured
+    memory_mb: float | None = None  # its process's resident memory, and its GPU's allocated memory (MiB)
 
     @property
     def lost(self) -> bool:
@@ -123,8 +126,10 @@ class Heartbeat:
     """This rank's progress and, on a watcher, everyone's. ``start()`` begins, ``close()`` ends its thread."""
 
     def __init__(self, store, *, rank: int, world_size: int, stall_s: float, timeout_s: float,
-                 pace: Pace | None = None, interval_s: float = INTERVAL_S):
+                 pace: Pace | None = None, interval_s: float = INTERVAL_S, status_path: str | None = None):
         self.store, self.rank, self.world_size = store, rank, world_size
+        # Rank 0 writes everyone's last beats there (``ddpkit status`` reads it); None: nowhere.
+        self.status_path = status_path if rank == 0 else None
         self.stall_s, self.timeout_s, self.interval_s = stall_s, timeout_s, interval_s
         self.pace = pace if pace is not None else Pace()  # the training thread's marks: its phase and step
         self.host, self.pid = socket.gethostname(), os.getpid()
@@ -148,15 +153,43 @@ class Heartbeat:
             with contextlib.suppress(RuntimeError):
                 self.store.wait([f"{KEY}/{rank}" for rank in range(self.world_size)])
                 self._check()
+            self._write_status("running")  # rank 0: a status from the start
         for thread in self._threads:
             thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, state: str = "ended") -> None:
+        """End the threads; rank 0 writes the job's last status: ``state`` ("ended", "failed", "stopped"), or
+        "stalled" when a watcher called a stall."""
         self._done.set()
         for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(timeout=1.0)  # a thread stuck in a store call to a stopped rank 0 is a daemon
+        if any(thread.is_alive() for thread in self._threads):
+            return
+        with contextlib.suppress(RuntimeError, OSError, ValueError):  # the store may be gone with rank 0
+            self._publish()  # the last beat, where each rank ended, for rank 0's last status
+            self.store.set(f"{KEY}/closed/{self.rank}", "1")
+            if self.status_path is not None:
+                if state == "ended":  # every rank closes within moments of the others: wait for their last beats
+                    self.store.wait([f"{KEY}/closed/{rank}" for rank in range(self.world_size)],
+                                    datetime.timedelta(seconds=CLOSE_WAIT_S))
+                self._check()
+        if self.status_path is not None:
+            self._write_status("stalled" if self.stalled() is not None else state)
+
+    def _write_status(self, state: str) -> None:
+        if self.status_path is None or not self.seen:
+            return
+        mine = dataclasses.replace(self.seen[0], step=self.pace.step, phase=self.pace.phase, silent_s=0.0,
+                                   step_s=self.pace.step_s, memory_mb=status.memory_mb())  # its own, as of now
+        try:
+            status.write(self.status_path, state=state, interval_s=self.interval_s, verdict=self.stalled(),
+                         ranks=[dataclasses.asdict(beat) for beat in [mine, *self.seen[1:]]])
+        except OSError as error:  # a full or read-only disk: the run goes on; its checkpoints will say so
+            from ddpkit.logs import logger
+
+            logger.debug(f"could not write {self.status_path}: {error}")
 
     def _run(self) -> None:
         while not self._done.wait(self.interval_s):
@@ -167,6 +200,8 @@ class Heartbeat:
                     culprit = self._check()
                     if culprit is not None:
                         self._end(culprit)
+                    else:
+                        self._write_status("running")
             except (RuntimeError, OSError, ValueError) as error:
                 if self._done.is_set() or "timeout" not in str(error).lower():
                     # Refused or reset: the store went with rank 0's process, and the job is ending.
@@ -190,7 +225,8 @@ class Heartbeat:
         self.beats += 1
         pace = self.pace
         record = {"host": self.host, "pid": self.pid, "step": pace.step, "phase": pace.phase,
-                  "idle_s": round(time.monotonic() - pace.moved, 3), "beats": self.beats, "step_s": pace.step_s}
+                  "idle_s": round(time.monotonic() - pace.moved, 3), "beats": self.beats, "step_s": pace.step_s,
+                  "memory_mb": status.memory_mb()}
         self.store.set(f"{KEY}/{self.rank}", json.dumps(record))
 
     def _check(self) -> Seen | None:
@@ -209,7 +245,7 @@ class Heartbeat:
             silent = now - since
             seen.append(Seen(rank=rank, host=record["host"], pid=record["pid"], step=record["step"],
                              phase=record["phase"], idle_s=record["idle_s"] + silent, silent_s=silent,
-                             step_s=record["step_s"]))
+                             step_s=record["step_s"], memory_mb=record.get("memory_mb")))
         self.seen = seen
         culprit = find_stall(seen, stall_after(self.stall_s, self.timeout_s, seen))
         if culprit is None or culprit.rank == self.rank:
@@ -245,6 +281,7 @@ class Heartbeat:
                 self.store.set(f"{KEY}/verdict", self.verdict)
         logger.error("%s\n%s", self.verdict, stack_of(culprit))
         sys.stderr.flush()
+        self._write_status("stalled")
         if culprit.host == self.host:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(culprit.pid, signal.SIGKILL)  # its launcher sees it fail and ends the job
@@ -278,9 +315,9 @@ def stack_of(beat: Seen) -> str:
 
 
 @contextlib.contextmanager
-def watch(runtime, *, pace: Pace, stall_s: float | None, timeout_s: float):
+def watch(runtime, *, pace: Pace, stall_s: float | None, timeout_s: float, status_path: str | None = None):
     """Heartbeats for this block, publishing ``pace`` (the job's), when the job has more than one rank and
-    ``stall_s`` is not 0 or None.
+    ``stall_s`` is not 0 or None. ``status_path``: rank 0 writes every rank's last beat there (``ddpkit.status``).
 
     Yields the Heartbeat (None when off). An error out of the block after a stall was called ends the
     process with EXIT_STALLED and without a second report: the one that matters was said."""
@@ -292,12 +329,15 @@ def watch(runtime, *, pace: Pace, stall_s: float | None, timeout_s: float):
     store = dist.distributed_c10d._get_default_store().clone()  # its own connection: the thread never waits on ours
     store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
     beat = Heartbeat(store, rank=runtime.rank, world_size=runtime.world_size, stall_s=stall_s,
-                     timeout_s=timeout_s, pace=pace).start()
+                     timeout_s=timeout_s, pace=pace, status_path=status_path).start()
+    ended = "stopped"  # by a signal, or SystemExit: what the block raised that is not an Exception
     try:
         yield beat
+        ended = "ended"
     except Exception:
+        ended = "failed"
         if beat.stalled() is not None:
             raise SystemExit(EXIT_STALLED) from None
         raise
     finally:
-        beat.close()
+        beat.close(ended)

@@ -59,7 +59,9 @@ class Job:
     long (at least 20 typical steps, at most ``timeout_s``; ``ddpkit.heartbeat``); 0 turns it off. Default:
     DDPKIT_STALL_TIMEOUT_S, else 60. ``check_replicas``: every this many optimizer steps, compare an exact
     checksum of every rank's weights where the strategy replicates them (ddp, zero) and stop the job, naming
-    the rank that differs (``ddpkit.replicas``); 0 turns it off. Default: 1000. Messages
+    the rank that differs (``ddpkit.replicas``); 0 turns it off. Default: 1000. ``status_file``: rank 0
+    writes every rank's step, phase, last heartbeat, step time and memory there every few seconds, and how
+    the job ended (``ddpkit status`` reads it from a folder's ``status.json``). Messages
     go to the ``ddpkit`` logger (``ddpkit.logs``): rank 0's, and every rank's warnings and errors.
     """
 
@@ -67,7 +69,7 @@ class Job:
                  seed: int | None = 0, sync_bn: bool = False, clip_grad_norm: float | None = None,
                  backend: str = "auto", device: str = "auto", timeout_s: float | None = None, environment=None,
                  log_level: str | None = None, stall_timeout_s: float | None = None, check_replicas: int | None = None,
-                 **strategy_settings):
+                 status_file: str | os.PathLike | None = None, **strategy_settings):
         self.strategy = strategies.create(strategy, **strategy_settings)
         if amp not in AMP_DTYPES:
             raise UsageError(f"`amp` must be one of {', '.join(AMP_DTYPES)}, got {amp!r}")
@@ -88,7 +90,7 @@ class Job:
         self.pace = self._stack.enter_context(pace.kept(pace.Pace()))
         self.heartbeat = self._stack.enter_context(heartbeat.watch(
             self.runtime, pace=self.pace, stall_s=heartbeat.stall_setting(stall_timeout_s),
-            timeout_s=self.runtime.timeout_s))
+            timeout_s=self.runtime.timeout_s, status_path=None if status_file is None else os.fspath(status_file)))
         atexit.register(self.close)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=amp == "fp16")
         self.micro_step = 0  # micro-steps since the last optimizer step

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddpkit import checkpoint, data, heartbeat, logs, nccl, preempt, process_group, replicas, strategies, zoo
+from ddpkit import checkpoint, data, heartbeat, logs, nccl, preempt, process_group, replicas, status, strategies, zoo
 from ddpkit.env import DistEnv
 from ddpkit.config import flag_terms, option
 from ddpkit.errors import UsageError, disk_full
@@ -36,7 +36,7 @@ from ddpkit.strategies.pipeline import PIPELINE_SCHEDULES
 
 OPTIMIZERS = ("sgd", "adam", "adadelta")
 DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3, "adadelta": 1.0}
-METRICS_FILE = "metrics.jsonl"
+METRICS_FILE = status.METRICS_FILE
 SCHEDULES = ("constant", "step", "cosine")
 
 
@@ -261,7 +261,8 @@ def run(cfg: TrainConfig, environment: DistEnv | None = None) -> dict:
     with in_train_flags():  # the library's errors name its parameters; this command's user knows its flags
         job = Job(strategy_for(cfg), amp=cfg.amp, accumulate=cfg.accumulate, seed=cfg.seed, sync_bn=cfg.sync_bn,
                   backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout, stall_timeout_s=cfg.stall_timeout,
-                  check_replicas=cfg.check_replicas, environment=environment,
+                  check_replicas=cfg.check_replicas, status_file=os.path.join(cfg.output_dir, status.STATUS_FILE),
+                  environment=environment,
                   log_level="debug" if cfg.debug else cfg.log_level)
     with job, in_train_flags():  # translated before the job's exit reports them
         return train(cfg, job)
