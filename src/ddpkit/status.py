@@ -50,7 +50,10 @@ def memory_mb() -> float | None:
 
 
 def write(path: str, *, state: str, interval_s: float, ranks: list[dict], verdict: str | None = None) -> None:
-    """``path`` replaced in one piece by the job's status (never read half-written)."""
+    """``path`` replaced in one piece by the job's status (never read half-written). Not
+    ``checkpoint.atomic_write``: the heartbeat thread writes this every few seconds, and an fsync on a slow
+    shared file system could hold its beats back long enough to look like a stall; a status lost to a
+    crash is rewritten by the next run."""
     record = {"state": state, "updated": time.time(), "interval_s": interval_s, "world_size": len(ranks),
               "verdict": verdict, "ranks": ranks}
     folder = os.path.dirname(os.path.abspath(path))
