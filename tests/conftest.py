@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -23,9 +25,43 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "SLURM_", "TORCHELASTIC", "DDPKIT_LOG"))}
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "SLURM_", "TORCHELASTIC", "DDPKIT_LOG", "DDPKIT_CONFIG"))}
     env.update({MARKER_KEY: MARKER, "PYTHONUNBUFFERED": "1"}, **extra)
     return env
+
+
+@contextlib.contextmanager
+def _locked(path: Path, mode: int):
+    with path.open("a") as handle:
+        fcntl.flock(handle, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist's workers, a test marked ``alone`` has the machine to itself, its fixtures' runs
+    included: it waits for the test the other worker is running, and the other worker waits for it.
+
+    Every test holds the machine's lock shared, an ``alone`` test exclusively; both pass a turnstile first, so a
+    waiting ``alone`` test is not starved by the other worker's next tests. In one process nothing is locked.
+    """
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"ddpkit-tests-{run}"
+    turnstile, machine = base.with_suffix(".turnstile"), base.with_suffix(".machine")
+    if item.get_closest_marker("alone") is not None:
+        with _locked(turnstile, fcntl.LOCK_EX), _locked(machine, fcntl.LOCK_EX):
+            yield
+        return
+    with _locked(turnstile, fcntl.LOCK_EX):
+        pass
+    with _locked(machine, fcntl.LOCK_SH):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,8 @@ import json
 import os
 import socket
 
+import pytest
+
 from conftest import run_ddpkit
 from ddpkit import doctor
 
@@ -138,6 +140,7 @@ with ddpkit.distributed(device="cpu") as rt:
 """
 
 
+@pytest.mark.alone  # beside another worker's runs, rank 1 once ended in SIGABRT at its exit (not understood yet)
 def test_unequal_batch_counts_neither_hang_nor_pass_silently(tmp_path):
     script = tmp_path / "uneven.py"
     script.write_text(UNEVEN)

@@ -82,6 +82,10 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
 
     add_flags(parser, TrainConfig)  # flags, defaults, choices and help: TrainConfig's fields declare them
     parser.add_argument("--list-models", action="store_true", help="print the model names and exit")
+    parser.add_argument("--config", default=None, metavar="FILE.toml",
+                        help="settings from a TOML file whose keys are these flags' long names (batch-size = 64); "
+                             "flags given on the command line override them. Every run writes its own to "
+                             "OUTPUT_DIR/config.toml, which --config takes back to repeat it")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -278,7 +282,22 @@ def _spawn_train_worker(rank: int, world_size: int, port: int, cfg) -> None:
     freeze_for_exit()
 
 
-def cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
+CONFIG_WRITTEN_ENV = "DDPKIT_CONFIG_WRITTEN"  # set by the launcher that wrote config.toml, for its workers
+
+
+def _write_resolved_config(ns: argparse.Namespace, parser: argparse.ArgumentParser, cfg, nproc_per_node: int) -> None:
+    """OUTPUT_DIR/config.toml: every setting of this run, with what ``auto`` and the defaults came to, so that
+    ``ddpkit train --config OUTPUT_DIR/config.toml`` repeats it (on a machine with other device counts too)."""
+    from ddpkit import checkpoint, config, trainer
+
+    resolved = {"nproc-per-node": nproc_per_node, "lr": trainer.optimizer_settings(cfg.optimizer, cfg.lr)[1]["lr"]}
+    settings, unset = config.resolved_settings(ns, parser, resolved)
+    text = config.config_text(settings, unset, "ddpkit train")
+    path = os.path.join(cfg.output_dir, config.CONFIG_FILE)
+    checkpoint.atomic_write(path, lambda handle: handle.write(text.encode()))
+
+
+def cmd_train(ns: argparse.Namespace, argv: Sequence[str], parser: argparse.ArgumentParser) -> int:
     from ddpkit import trainer, zoo
 
     if ns.list_models:
@@ -289,18 +308,23 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     trainer.check_output_dir(cfg.output_dir)
     if _already_a_rank():
         # Already one rank of a job (torchrun, Slurm's srun, the legacy launcher): train, launch nothing.
+        environment = read_environment(argv=())
+        if environment.rank == 0 and CONFIG_WRITTEN_ENV not in os.environ:  # no launcher of ours wrote it
+            _write_resolved_config(ns, parser, cfg, environment.local_world_size)
         trainer.run(cfg)
         freeze_for_exit()  # done, and the group is down: end in a fraction of a second, not two
         return 0
     options = _launch_options(ns, ns.launcher, one_process=trainer.strategy_for(cfg).one_process)
     _check_before_launch(cfg, options)
     warn_earlier_run(cfg.output_dir)
+    _write_resolved_config(ns, parser, cfg, options.nproc_per_node)
     if options.world_size == 1 and options.rdzv_endpoint is None:
         trainer.run(cfg)
         freeze_for_exit()
         return 0
     if options.launcher == "spawn":
         return _workers_done(spawn(_spawn_train_worker, options.nproc_per_node, (cfg,)))
+    os.environ[CONFIG_WRITTEN_ENV] = "1"  # its workers run this command again: they need not write it again
     return _workers_done(elastic(options, ["-m", "ddpkit", *argv]))
 
 
@@ -426,14 +450,32 @@ def _export_debug_settings(ns: argparse.Namespace) -> None:
             raise UsageError(str(error).replace("`stall_timeout_s`", "--stall-timeout")) from None
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))  # noqa: SLF001
+    return commands.choices[name]
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The command line, with a ``train --config FILE``'s settings put before the command line's own flags
+    (which therefore override them)."""
+    ns = parser.parse_args(argv)
+    if ns.command == "train" and ns.config is not None:
+        from ddpkit.config import read_config_file
+
+        flags = read_config_file(ns.config, _subcommand(parser, "train"))
+        ns = parser.parse_args([argv[0], *flags, *argv[1:]])
+    return ns
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         logs.configure()
-        ns = build_parser().parse_args(argv)
+        parser = build_parser()
+        ns = _parse(parser, argv)
         _export_debug_settings(ns)
         if ns.command == "train":
-            return cmd_train(ns, argv)
+            return cmd_train(ns, argv, _subcommand(parser, "train"))
         if ns.command == "bench":
             return cmd_bench(ns)
         if ns.command == "doctor":
