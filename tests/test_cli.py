@@ -329,6 +329,12 @@ def test_ranks_stopped_after_another_ranks_usage_error_are_not_reported_as_failu
         "ddpkit: rank 0 (pid 100) was ended by the launcher (SIGTERM) when another rank failed",
         "ddpkit: error: rank 1 (pid 101) exited with status 1; its output is above",
     ]
+    # A rank whose own SIGTERM handler ran exits 128 + 15: ended by the launcher all the same.
+    assert report_failures({0: (143, 100), 1: (-9, 101)}) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "ddpkit: rank 0 (pid 100) was ended by the launcher (SIGTERM) when another rank failed",
+        "ddpkit: error: rank 1 (pid 101) killed by signal 9; its output is above",
+    ]
     # Every rank ended by SIGTERM (the job was stopped): each is said, as before.
     assert report_failures({0: (-15, 100), 1: (-15, 101)}) == 1
     assert capsys.readouterr().err.count("killed by signal 15; its output is above") == 2

@@ -7,6 +7,7 @@ from ddpkit.env import (
     DistEnv,
     detect,
     expand_nodelist,
+    from_mpi,
     from_slurm,
     from_spawn,
     is_launched,
@@ -92,6 +93,43 @@ def test_slurm_single_task_is_not_a_launched_rank():
 def test_torchrun_variables_win_over_slurm():
     # torchrun started inside an allocation: its RANK is the truth, not SLURM_PROCID.
     assert detect({**SLURM, **TORCHRUN}).launcher == "torchrun"
+
+
+OPEN_MPI = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "OMPI_COMM_WORLD_NODE_RANK": "1", "PMIX_NAMESPACE": "prterun-h-4242@1",
+            "MASTER_ADDR": "node0"}
+MPICH = {"PMI_RANK": "6", "PMI_SIZE": "8", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "4", "PMI_KVSNAME": "kvs_77_0",
+         "MASTER_ADDR": "node0"}
+
+
+def test_open_mpi_and_mpich_environments():
+    import zlib
+
+    port = SLURM_PORT_BASE + zlib.crc32(b"prterun-h-4242@1") % 20000
+    assert detect(OPEN_MPI) == DistEnv(rank=5, local_rank=1, world_size=8, local_world_size=4, node_rank=1,
+                                       master_addr="node0", master_port=port, launcher="mpi")
+    e = detect(MPICH)
+    assert (e.rank, e.local_rank, e.world_size, e.local_world_size, e.node_rank, e.launcher) == (6, 2, 8, 4, 1, "mpi")
+    assert e.master_port == SLURM_PORT_BASE + zlib.crc32(b"kvs_77_0") % 20000
+    assert is_launched(OPEN_MPI) and is_launched(MPICH)
+
+
+def test_mpi_on_one_machine_needs_no_master_address_and_takes_a_given_port():
+    one_node = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_PORT": "4000"}
+    e = from_mpi(one_node)
+    assert (e.master_addr, e.master_port, e.node_rank) == ("127.0.0.1", 4000, 0)
+
+
+def test_mpi_across_machines_without_a_master_address_says_what_to_pass():
+    with pytest.raises(ValueError, match="pass node 0's address, mpirun -x MASTER_ADDR=HOST"):
+        from_mpi({key: value for key, value in OPEN_MPI.items() if key != "MASTER_ADDR"})
+
+
+def test_mpirun_inside_a_slurm_allocation_is_read_as_mpi_and_one_process_is_not_launched():
+    assert detect({**SLURM, **OPEN_MPI}).launcher == "mpi"  # the allocation's SLURM_PROCID describes the batch script
+    single = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"}
+    assert not is_launched(single)  # `mpirun -np 1 ddpkit train --nproc-per-node 2`: ddpkit launches the 2
 
 
 @pytest.mark.parametrize(

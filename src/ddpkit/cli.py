@@ -11,10 +11,11 @@ where the mistake can be seen from the command line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from ddpkit import env as env_mod
 from ddpkit import logs, signals
@@ -165,7 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("output_dir", metavar="OUTPUT_DIR", help="the run's --output-dir")
     status.add_argument("--watch", action="store_true", help="show it again every --every seconds while it runs")
     status.add_argument("--every", type=float, default=5.0, metavar="SECONDS", help="with --watch (default: 5)")
+    plot = commands.add_parser(
+        "plot", help="draw a run's metrics per epoch to a PNG",
+        description="Draw the metrics.jsonl of a `ddpkit train` run per epoch: losses, validation accuracy, "
+                    "images per second and each rank's own step time (needs matplotlib: ddpkit[bench]).")
+    plot.add_argument("output_dir", metavar="OUTPUT_DIR", help="the run's --output-dir")
+    plot.add_argument("--output", default=None, metavar="FILE.png", help="default: OUTPUT_DIR/metrics.png")
     return parser
+
+
+def cmd_plot(ns: argparse.Namespace) -> int:
+    from ddpkit import plot
+
+    print(f"wrote {plot.draw(ns.output_dir, ns.output)}")
+    return 0
 
 
 def cmd_doctor(ns: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -260,14 +274,18 @@ def _check_before_launch(cfg, options: LaunchOptions) -> None:
     device = choose_device(cfg.device, local_rank=nproc - 1, local_world_size=nproc, cuda_count=cuda_count)
     choose_backend(cfg.backend, device=device, local_world_size=nproc, cuda_count=cuda_count)
 
-    def build_model():
-        channels, image_size = zoo.model_input(cfg.model, zoo.parse_data_spec(cfg.data).kind, cfg.image_size)
-        return zoo.build_model(cfg.model, in_channels=channels, num_classes=10, image_size=image_size)
+    data_kind = zoo.parse_data_spec(cfg.data).kind
 
-    # An elastic job may run at any size from its least to its most nodes.
+    def build_model():
+        channels, image_size = zoo.model_input(cfg.model, data_kind, cfg.image_size)
+        return zoo.build_model(cfg.model, in_channels=channels, num_classes=10, image_size=image_size,
+                               arguments=cfg.model_arguments())
+
+    # An elastic job may run at any size from its least to its most nodes. A data set of the user's own decides
+    # the model's input only once loaded, by the workers: they check what needs the model.
     for nodes in sorted({options.min_nodes or options.nnodes, options.nnodes}):
         strategy.check(world_size=nodes * nproc, cuda_count=cuda_count, batch_size=cfg.batch_size,
-                       build_model=build_model)
+                       build_model=None if data_kind == zoo.USER_DATA else build_model)
 
 
 def _spawn_train_worker(rank: int, world_size: int, port: int, cfg) -> None:
@@ -303,9 +321,10 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str], parser: argparse.Argu
     if ns.list_models:
         print("\n".join(["net", "convnet", *zoo.torchvision_classifiers()]))
         return 0
-    cfg = _train_config(ns)
-    cfg.validate()
-    trainer.check_output_dir(cfg.output_dir)
+    with _same_on_every_rank():
+        cfg = _train_config(ns)
+        cfg.validate()
+        trainer.check_output_dir(cfg.output_dir)
     if _already_a_rank():
         # Already one rank of a job (torchrun, Slurm's srun, the legacy launcher): train, launch nothing.
         environment = read_environment(argv=())
@@ -342,6 +361,24 @@ def _in_flag_terms(error: UsageError) -> UsageError:
     from ddpkit.trainer import OTHER_FLAGS, TrainConfig
 
     return said_in_flags(error, TrainConfig, OTHER_FLAGS)
+
+
+@contextlib.contextmanager
+def _same_on_every_rank() -> Iterator[None]:
+    """A mistake in the command line is the same on every rank that another launcher (srun, mpirun, torchrun)
+    started with it: rank 0 says it, the others end with status 2 in silence."""
+    try:
+        yield
+    except UsageError as error:
+        if error.said_elsewhere or not env_mod.is_launched(os.environ):
+            raise
+        try:
+            rank = env_mod.detect(os.environ).rank
+        except ValueError:  # the launcher's variables are the mistake: every rank says so
+            raise error from None
+        if rank == 0:
+            raise
+        raise type(error)(str(error), said_elsewhere=True) from None
 
 
 def _already_a_rank() -> bool:
@@ -472,8 +509,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         logs.configure()
         parser = build_parser()
-        ns = _parse(parser, argv)
-        _export_debug_settings(ns)
+        with _same_on_every_rank():
+            ns = _parse(parser, argv)
+            _export_debug_settings(ns)
         if ns.command == "train":
             return cmd_train(ns, argv, _subcommand(parser, "train"))
         if ns.command == "bench":
@@ -482,6 +520,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_doctor(ns, argv)
         if ns.command == "status":
             return cmd_status(ns)
+        if ns.command == "plot":
+            return cmd_plot(ns)
         return cmd_run(ns)
     except UsageError as error:
         return report_usage_error(_in_flag_terms(error))

@@ -32,14 +32,17 @@ from ddpkit.errors import UsageError
 
 
 def option(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,  # noqa: A002
-           group: str = "training", kind: Callable | None = None, flag: str | None = None) -> Any:
+           group: str = "training", kind: Callable | None = None, flag: str | None = None,
+           repeat: bool = False) -> Any:
     """A dataclass field that is also a command-line flag.
 
     ``kind``: the type a value is read as (default: the default's type; give it when the default is None).
     ``flag``: the flag's name when it is not ``--`` + the field's name with dashes; a bool whose flag starts
-    with ``--no-`` stores False. ``group``: the section of ``--help`` it is listed in.
+    with ``--no-`` stores False. ``group``: the section of ``--help`` it is listed in. ``repeat``: the flag may
+    be given several times; the field is the tuple of its values (default ``()``).
     """
-    metadata = {"help": help, "choices": choices, "metavar": metavar, "group": group, "kind": kind, "flag": flag}
+    metadata = {"help": help, "choices": choices, "metavar": metavar, "group": group, "kind": kind, "flag": flag,
+                "repeat": repeat}
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -60,6 +63,10 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             action = "store_false" if name.startswith("--no-") else "store_true"
             group.add_argument(name, dest=field.name, action=action, help=meta["help"])
             continue
+        if meta.get("repeat"):
+            group.add_argument(name, dest=field.name, action="append", default=None, metavar=meta["metavar"],
+                               choices=meta["choices"], help=meta["help"] + " (repeatable)")
+            continue
         kind = meta["kind"] or type(field.default)
         shown = f" (default: {field.default})" if field.default is not None and "default:" not in meta["help"] else ""
         group.add_argument(name, dest=field.name, type=kind, default=field.default, choices=meta["choices"],
@@ -68,7 +75,12 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
 
 def from_namespace(cls: type, ns: argparse.Namespace):
     """The ``cls`` the parsed flags describe."""
-    return cls(**{field.name: getattr(ns, field.name) for field in dataclasses.fields(cls) if "help" in field.metadata})
+    values = {}
+    for field in dataclasses.fields(cls):
+        if "help" in field.metadata:
+            value = getattr(ns, field.name)
+            values[field.name] = tuple(value or ()) if field.metadata.get("repeat") else value
+    return cls(**values)
 
 
 def flag_names(cls: type, extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -38,7 +38,7 @@ class DistEnv:
     master_port: int | None = None
     # How many times torchrun's elastic agent has restarted this worker group.
     restart_count: int = 0
-    # "single", "torchrun", "torch.distributed.launch", "env", "slurm" or "spawn".
+    # "single", "torchrun", "torch.distributed.launch", "env", "slurm", "mpi" or "spawn".
     launcher: str = "single"
 
     def __post_init__(self) -> None:
@@ -233,6 +233,62 @@ def from_slurm(environ: Mapping[str, str]) -> DistEnv:
     )
 
 
+# mpirun: Open MPI names its variables OMPI_COMM_WORLD_*, MPICH's (and Intel MPI's) Hydra PMI_* and MPI_LOCAL*.
+OPEN_MPI = {"rank": "OMPI_COMM_WORLD_RANK", "size": "OMPI_COMM_WORLD_SIZE", "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",
+            "local_size": "OMPI_COMM_WORLD_LOCAL_SIZE", "node_rank": "OMPI_COMM_WORLD_NODE_RANK"}
+MPICH = {"rank": "PMI_RANK", "size": "PMI_SIZE", "local_rank": "MPI_LOCALRANKID", "local_size": "MPI_LOCALNRANKS",
+         "node_rank": None}
+# What every rank of one mpirun shares and another mpirun does not: the job's name, for a port all agree on.
+MPI_JOB_IDS = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "PMI_KVSNAME", "PMI_JOBID")
+
+
+def _mpi_names(environ: Mapping[str, str]) -> dict[str, str | None] | None:
+    for names in (OPEN_MPI, MPICH):
+        if names["rank"] in environ and names["size"] in environ:
+            return names
+    return None
+
+
+def is_mpi_task(environ: Mapping[str, str]) -> bool:
+    """True in a process of ``mpirun -np N`` with N > 1 (Open MPI or MPICH): each is already one rank."""
+    names = _mpi_names(environ)
+    return names is not None and _int(environ, names["size"], 1) > 1
+
+
+def from_mpi(environ: Mapping[str, str]) -> DistEnv:
+    """One rank per MPI process (``mpirun -np N ...``). MPI says nothing of a master: on one machine it is this
+    one; across machines MASTER_ADDR must name node 0 (``mpirun -x MASTER_ADDR=node0``). The port is
+    MASTER_PORT, else derived from the job's name, so that every rank agrees on it without talking."""
+    import zlib
+
+    names = _mpi_names(environ)
+    if names is None:
+        raise ValueError("not an MPI process: no OMPI_COMM_WORLD_RANK/SIZE or PMI_RANK/SIZE")
+    rank, world_size = _int(environ, names["rank"]), _int(environ, names["size"])
+    local_rank = _int(environ, names["local_rank"], 0)
+    local_world_size = _int(environ, names["local_size"], world_size)
+    if not 0 <= rank < world_size or not 0 <= local_rank < local_world_size:
+        raise ValueError(f"{names['rank']}={rank} with {names['size']}={world_size}, {names['local_rank']}={local_rank} "
+                         f"with {names['local_size']}={local_world_size}")
+    if names["node_rank"] and names["node_rank"] in environ:
+        node_rank = _int(environ, names["node_rank"])
+    else:
+        node_rank = rank // local_world_size  # mpirun's default: ranks placed node after node
+    master_addr = environ.get("MASTER_ADDR")
+    if not master_addr:
+        if local_world_size < world_size:
+            raise ValueError(f"mpirun runs {world_size} ranks on several machines ({local_world_size} on this one) and "
+                             "MPI does not say where rank 0 is: pass node 0's address, mpirun -x MASTER_ADDR=HOST")
+        master_addr = DEFAULT_MASTER_ADDR
+    if environ.get("MASTER_PORT"):
+        master_port = _int(environ, "MASTER_PORT")
+    else:
+        job = next((environ[key] for key in MPI_JOB_IDS if environ.get(key)), None)
+        master_port = SLURM_PORT_BASE + zlib.crc32(job.encode()) % SLURM_PORT_SPAN if job else DEFAULT_MASTER_PORT
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size,
+                   node_rank=node_rank, master_addr=master_addr, master_port=master_port, launcher="mpi")
+
+
 def from_spawn(rank: int, world_size: int, master_addr: str = DEFAULT_MASTER_ADDR, master_port: int | None = None) -> DistEnv:
     """A process started by ``torch.multiprocessing.spawn``: the rank arrives as an argument."""
     return DistEnv(
@@ -253,13 +309,17 @@ def is_slurm_task(environ: Mapping[str, str]) -> bool:
 
 def is_launched(environ: Mapping[str, str]) -> bool:
     """True when some launcher has already made this process one rank of a group."""
-    return ("RANK" in environ and "WORLD_SIZE" in environ) or is_slurm_task(environ)
+    return ("RANK" in environ and "WORLD_SIZE" in environ) or is_mpi_task(environ) or is_slurm_task(environ)
 
 
 def detect(environ: Mapping[str, str], argv: Sequence[str] = ()) -> DistEnv:
-    """Read the environment of whichever launcher started this process (torchrun first, then Slurm)."""
+    """Read the environment of whichever launcher started this process: torchrun first, then mpirun, then
+    Slurm (an mpirun inside a Slurm allocation inherits the allocation's SLURM_* variables, which describe
+    the batch script, not this rank)."""
     if "RANK" in environ and "WORLD_SIZE" in environ:
         return from_torchrun(environ, argv)
+    if is_mpi_task(environ):
+        return from_mpi(environ)
     if is_slurm_task(environ):
         return from_slurm(environ)
     local_rank = local_rank_from_argv(argv)

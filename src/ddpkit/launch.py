@@ -362,12 +362,14 @@ def report_failures(failures: dict[int, tuple[int, int]]) -> int:
     their own, and are not reported; after another failure they are said to have been ended (not an error).
     """
     codes = [exitcode for exitcode, _ in failures.values()]
+    # Ended by SIGTERM: killed by it, or (ddpkit's own handler, when the rank was in Python) exited 128 + 15.
+    ended = (-signal.SIGTERM, 128 + signal.SIGTERM)
     # A rank that ended by SIGTERM while another failed otherwise was ended by the agent, after that one.
-    collateral = any(code != -signal.SIGTERM for code in codes)
+    collateral = any(code not in ended for code in codes)
     for rank, (exitcode, pid) in sorted(failures.items()):
-        if EXIT_USAGE in codes and exitcode == -signal.SIGTERM:
+        if EXIT_USAGE in codes and exitcode in ended:
             continue
-        if collateral and exitcode == -signal.SIGTERM:
+        if collateral and exitcode in ended:
             logger.info(f"rank {rank} (pid {pid}) was ended by the launcher (SIGTERM) when another rank failed")
         elif exitcode != EXIT_USAGE:
             how = f"killed by signal {-exitcode}" if exitcode < 0 else f"exited with status {exitcode}"

@@ -148,6 +148,8 @@ def setup(
     if environment is None:
         environment = read_environment(environ, argv)
     logs.configure(rank=environment.rank, level=log_level)
+    if environment.launcher == "mpi":
+        share_cores(environment.local_world_size, os.environ if environ is None else environ)
     cuda_count = torch.cuda.device_count()
     device_type = choose_device(
         device, local_rank=environment.local_rank, local_world_size=environment.local_world_size, cuda_count=cuda_count
@@ -376,6 +378,16 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def share_cores(local_world_size: int, environ: Mapping[str, str]) -> None:
+    """Give this rank its share of the machine's cores for torch's threads, as torchrun and ddpkit's launcher
+    do through OMP_NUM_THREADS, for launchers that set none (mpirun): otherwise every rank starts a thread per
+    core, and the ranks of one machine slow each other down many times over. A rank that mpirun bound to
+    fewer cores than its share keeps its own. OMP_NUM_THREADS, where set, decides."""
+    if environ.get("OMP_NUM_THREADS"):
+        return
+    torch.set_num_threads(max(1, min(usable_cores(), (os.cpu_count() or 1) // local_world_size)))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

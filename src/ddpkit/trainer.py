@@ -11,6 +11,7 @@ are all-reduced only on the last micro-step (DDP's ``no_sync`` on the others).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -19,13 +20,15 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddpkit import checkpoint, data, heartbeat, logs, nccl, preempt, process_group, replicas, status, strategies, zoo
+from ddpkit import (checkpoint, data, heartbeat, logs, nccl, preempt, process_group, replicas, status, strategies,
+                    trackers, user_code, zoo)
 from ddpkit.env import DistEnv
 from ddpkit.config import flag_terms, option
 from ddpkit.errors import UsageError, disk_full
@@ -51,10 +54,20 @@ class TrainConfig:
     """Everything one training run depends on. Each field is also ``ddpkit train``'s flag of the same name
     (``--batch-size`` for ``batch_size``): its help, choices and default are declared here only."""
 
-    model: str = option("net", "net (MNIST CNN with BatchNorm), convnet (conv+linear, no BatchNorm) or a torchvision "
-                               "classifier such as resnet18 (default: net)")
-    data: str = option("digits", "digits (built in), synthetic[:N], mnist[:DIR] or folder:PATH (default: digits)",
-                       metavar="SPEC")
+    model: str = option("net", "net (MNIST CNN with BatchNorm), convnet (conv+linear, no BatchNorm), a torchvision "
+                               "classifier such as resnet18, or your own: package.module:function, returning an "
+                               "nn.Module (default: net)")
+    data: str = option("digits", "digits (built in), synthetic[:N], mnist[:DIR], folder:PATH, or your own: "
+                                 "package.module:function, returning (train, validation[, classes]) data sets of "
+                                 "(input, class) pairs (default: digits)", metavar="SPEC")
+    model_arg: tuple = option((), "a keyword argument for --model's function; VALUE is read as JSON where it can "
+                                  "be (3, 0.5, true, [1, 2]), else as a string", metavar="KEY=VALUE", repeat=True)
+    data_arg: tuple = option((), "a keyword argument for --data's function, as --model-arg", metavar="KEY=VALUE",
+                             repeat=True)
+    tracker: tuple = option((), "also send each epoch's metrics and the run's settings, from rank 0, to TensorBoard "
+                                "(OUTPUT_DIR/tensorboard), MLflow (MLFLOW_TRACKING_URI or OUTPUT_DIR/mlruns), Weights "
+                                "& Biases (offline without a key) or OUTPUT_DIR/metrics.csv", choices=trackers.TRACKERS,
+                            metavar="{" + ",".join(trackers.TRACKERS) + "}", repeat=True)
     epochs: int = option(8, "default: 8")
     batch_size: int = option(32, "per process (with --strategy pipeline: per pipeline); the global batch is B x world "
                                  "size (pipelines) x accumulate (default: 32)", metavar="B")
@@ -122,6 +135,29 @@ class TrainConfig:
     bucket_cap_mb: float | None = option(None, "all-reduce bucket size (default: PyTorch's, 25 MiB after a small first "
                                                "bucket)", metavar="MB", kind=float, group=DDP_KNOBS)
 
+    def _validate_own_code(self) -> None:
+        """The model and data names, and the user's functions importable and callable with their arguments."""
+        spec = zoo.parse_data_spec(self.data)
+        zoo.check_model_name(self.model)
+        own_model, own_data = user_code.is_spec(self.model), spec.kind == zoo.USER_DATA
+        if self.model_arg and not own_model:
+            raise UsageError(f"--model-arg is for a --model package.module:function of your own, not {self.model}")
+        if self.data_arg and not own_data:
+            raise UsageError(f"--data-arg is for a --data package.module:function of your own, not {self.data}")
+        if self.image_size is not None and own_data:
+            raise UsageError("--image-size resizes the built-in data sets; a --data function of your own gives its "
+                             "inputs at their own size")
+        if own_model:
+            user_code.find_function(self.model, "--model", self.model_arguments(), "--model-arg")
+        if own_data:
+            user_code.find_function(self.data, "--data", self.data_arguments(), "--data-arg")
+
+    def model_arguments(self) -> dict:
+        return user_code.parse_arguments(self.model_arg, "--model-arg")
+
+    def data_arguments(self) -> dict:
+        return user_code.parse_arguments(self.data_arg, "--data-arg")
+
     def _validate_parallelism(self) -> None:
         if self.zero and self.strategy != "ddp":
             raise UsageError(f"--zero shards the optimizer state across DDP processes; it needs --strategy ddp, not "
@@ -178,8 +214,8 @@ class TrainConfig:
             raise UsageError(f"--resume {self.resume}: no such file or folder (give a checkpoint file or folder, or auto)")
         with in_train_flags():
             self._validate_parallelism()  # builds the strategy, which checks its own settings
-        zoo.parse_data_spec(self.data)
-        zoo.check_model_name(self.model)
+        self._validate_own_code()
+        trackers.check(self.tracker)
 
 
 def check_output_dir(folder: str) -> None:
@@ -315,11 +351,13 @@ def train(cfg: TrainConfig, job: Job) -> dict:
         keep_metrics_before(metrics_path, run_state.position.epoch)
     record: dict = {}
     loop = EpochLoop(run_state)
-    with preempt.stop_on_signal(job.runtime) as loop.stop:
+    tracked = trackers.Trackers(cfg.tracker if job.is_main else (), cfg.output_dir, dataclasses.asdict(cfg))
+    with preempt.stop_on_signal(job.runtime) as loop.stop, contextlib.closing(tracked):
         for epoch in range(run_state.position.epoch, cfg.epochs):
             record = loop.run_epoch(epoch)
             if job.is_main:
                 append_record(metrics_path, record)
+                tracked.log(record)
             job.print(f"epoch {epoch + 1}/{cfg.epochs}: train_loss {record['train_loss']:.4f}  val_loss "
                       f"{record['val_loss']:.4f}  val_acc {record['val_acc']:.2%} ({record['val_count']} samples)  "
                       f"{record['images_per_sec']:.0f} images/s")
@@ -332,23 +370,37 @@ def train(cfg: TrainConfig, job: Job) -> dict:
     return record
 
 
+@contextlib.contextmanager
+def said_by_rank_0(job: Job) -> Iterator[None]:
+    """A UsageError that every rank meets alike (a data set or model of the user's own that is wrong) is said
+    once, by rank 0."""
+    try:
+        yield
+    except UsageError as error:
+        if job.is_main or error.said_elsewhere:
+            raise
+        raise type(error)(str(error), said_elsewhere=True) from None
+
+
 def start(cfg: TrainConfig, job: Job) -> RunState:
     """Data, model, checkpoint to resume, wrapping, optimizer, loaders and schedule, in the order they need."""
     # Before any data is loaded: a rank that hangs later can still be found and attached to.
     logger.debug(f"local rank {job.local_rank}, pid {os.getpid()}: process group up, "
                      f"backend {job.backend or 'none'}, device {job.device}")
     spec = zoo.parse_data_spec(cfg.data)
-    channels, image_size = zoo.model_input(cfg.model, spec.kind, cfg.image_size)
+    torch.manual_seed(cfg.seed)  # a data function of the user's own that draws random numbers draws the same on every rank
     # Rank 0 first: a download (MNIST) happens once, the other ranks then read the files.
-    with process_group.main_process_first(job.runtime):
-        sets = zoo.load_data(spec, channels=channels, image_size=image_size)
+    with process_group.main_process_first(job.runtime), said_by_rank_0(job):
+        sets, channels, image_size = zoo.load_for_model(cfg.model, spec, cfg.image_size, cfg.data_arguments())
     # The same seed on every rank and for every world size: identical initial weights.
     torch.manual_seed(cfg.seed)
-    model = zoo.build_model(cfg.model, in_channels=channels, num_classes=sets.num_classes, image_size=image_size)
+    with said_by_rank_0(job):
+        model = zoo.build_model(cfg.model, in_channels=channels, num_classes=sets.num_classes, image_size=image_size,
+                                arguments=cfg.model_arguments())
     job.strategy.check(world_size=job.world_size, cuda_count=torch.cuda.device_count(), batch_size=cfg.batch_size)
     ckpt, resumed = open_checkpoints(cfg, job, model)
     optimizer_class, settings = optimizer_settings(cfg.optimizer, cfg.lr)
-    example = torch.zeros(cfg.batch_size, channels, image_size, image_size)
+    example = zoo.example_batch(sets, cfg.batch_size, channels, image_size)
     wrapped, optimizer = job.setup(model, optimizer_class, example=example, **settings)
     loader = job.train_loader(sets.train, cfg.batch_size, workers=cfg.workers)
     val_loader = job.eval_loader(sets.val, cfg.batch_size, workers=cfg.workers)

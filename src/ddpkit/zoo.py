@@ -10,6 +10,7 @@ Data specs: ``digits`` (scikit-learn's 1,797 handwritten 8x8 digits, resized: a 
 installed with ddpkit, no download), ``synthetic[:N]`` (learnable random images, like the tutorials'
 RandomDataset but with a signal in them), ``mnist[:DIR]`` (torchvision's MNIST, downloaded into DIR
 where the network allows), ``folder:PATH`` (ImageFolder; ``PATH/train`` and ``PATH/val`` if present).
+A model or data set of the user's own is ``package.module:function`` (ddpkit.user_code).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset, TensorDataset
 
+from ddpkit import user_code
 from ddpkit.errors import UsageError, first_line
 
 DATA_KINDS = ("digits", "synthetic", "mnist", "folder")
+USER_DATA = "function"  # DataSpec.kind of --data package.module:function
 DEFAULT_SYNTHETIC_SIZE = 1024
 DEFAULT_MNIST_DIR = "./data"
 # The split of data sets that ship no validation part is fixed, whatever --seed says, so that
@@ -108,16 +111,16 @@ def torchvision_classifiers() -> list[str]:
 
 
 def check_model_name(name: str) -> None:
-    """Raise UsageError unless ``name`` is a built-in model or a torchvision classifier."""
-    if name in BUILTIN_MODELS:
+    """Raise UsageError unless ``name`` is a built-in model, a torchvision classifier or a function's name."""
+    if name in BUILTIN_MODELS or user_code.is_spec(name):
         return
     names = torchvision_classifiers()
     if name not in names:
         close = [n for n in names if n.startswith(name[:4])][:5]
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise UsageError(
-            f"unknown model {name!r}{hint}; use net, convnet or a torchvision classifier such as resnet18 "
-            "(`ddpkit train --list-models` prints them all)"
+            f"unknown model {name!r}{hint}; use net, convnet, a torchvision classifier such as resnet18 "
+            "(`ddpkit train --list-models` prints them all), or your own as package.module:function"
         )
 
 
@@ -134,8 +137,15 @@ def model_input(name: str, data_kind: str, image_size: int | None) -> tuple[int,
 AUX_LOGIT_MODELS = ("googlenet", "inception_v3")
 
 
-def build_model(name: str, *, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+def build_model(name: str, *, in_channels: int, num_classes: int | None, image_size: int,
+                arguments: dict | None = None) -> nn.Module:
+    """The model ``name`` says; ``arguments``: the keyword arguments of a function of the user's own."""
     check_model_name(name)
+    if user_code.is_spec(name):
+        return user_code.build_model(name, arguments or {})
+    if num_classes is None:
+        raise UsageError(f"--model {name} needs the number of classes, which the data does not say: return "
+                         "(train, validation, number of classes) from your --data function")
     if name in BUILTIN_MODELS:
         return BUILTIN_MODELS[name].build(in_channels=in_channels, num_classes=num_classes, image_size=image_size)
     import torchvision
@@ -172,8 +182,11 @@ def parse_data_spec(spec: str) -> DataSpec:
     """Check a ``--data`` value's syntax, and that a folder exists; nothing is loaded."""
     kind, _, arg = spec.partition(":")
     arg = arg or None
+    if kind not in DATA_KINDS and user_code.is_spec(spec):
+        return DataSpec(USER_DATA, spec)
     if kind not in DATA_KINDS:
-        raise UsageError(f"unknown data set {spec!r}; use digits, synthetic[:N], mnist[:DIR] or folder:PATH")
+        raise UsageError(f"unknown data set {spec!r}; use digits, synthetic[:N], mnist[:DIR], folder:PATH, or your "
+                         "own as package.module:function")
     if kind == "digits" and arg is not None:
         raise UsageError(f"--data digits takes no argument, got {spec!r}")
     if kind == "synthetic" and arg is not None and not (arg.isdigit() and int(arg) >= 1):
@@ -190,7 +203,7 @@ def parse_data_spec(spec: str) -> DataSpec:
 class Datasets:
     train: Dataset
     val: Dataset
-    num_classes: int
+    num_classes: int | None  # None: a data set of the user's own that does not say
 
 
 def _fit_images(images: torch.Tensor, channels: int, image_size: int) -> torch.Tensor:
@@ -333,6 +346,35 @@ def load_folder(path: str, channels: int, image_size: int) -> Datasets:
             f"--data folder:{path}: {error}; expected one sub-folder of images per class"
         ) from None
     return Datasets(train, val, num_classes=len(classes))
+
+
+def load_for_model(model: str, spec: DataSpec, image_size: int | None,
+                   arguments: dict | None = None) -> tuple[Datasets, int, int]:
+    """The data sets ``spec`` says, made for ``model``, and (channels, image size) of the model's input.
+
+    The built-in data are made in the channels and size the model takes; a data set of the user's own
+    (``arguments``: its function's) is as it is, and a built-in model is made for its images.
+    """
+    if spec.kind != USER_DATA:
+        channels, image_size = model_input(model, spec.kind, image_size)
+        return load_data(spec, channels=channels, image_size=image_size), channels, image_size
+    sets = Datasets(*user_code.load_data(spec.arg, arguments or {}))
+    inputs = sets.train[0][0]
+    if user_code.is_spec(model):
+        return sets, 0, 0  # the user's model takes the user's inputs, whatever they are
+    if not (isinstance(inputs, torch.Tensor) and inputs.dim() == 3 and inputs.shape[1] == inputs.shape[2]):
+        shape = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
+        raise UsageError(f"--model {model} takes square images (channels, height, width), but --data {spec.arg} gives "
+                         f"{shape}; give your own --model package.module:function")
+    return sets, inputs.shape[0], inputs.shape[1]
+
+
+def example_batch(sets: Datasets, batch_size: int, channels: int, image_size: int) -> torch.Tensor | None:
+    """A batch shaped as the model's input (values unused; a pipeline sizes its stages with it)."""
+    if channels:
+        return torch.zeros(batch_size, channels, image_size, image_size)
+    inputs = sets.train[0][0]
+    return inputs.unsqueeze(0).expand(batch_size, *inputs.shape) if isinstance(inputs, torch.Tensor) else None
 
 
 def load_data(spec: DataSpec, *, channels: int, image_size: int) -> Datasets:
