@@ -444,3 +444,44 @@ def test_the_module_docstring_example_runs():
 
     failures, tried = doctest.testmod(checkpoint, raise_on_error=False, verbose=False)
     assert tried >= 3 and failures == 0  # the imports and the whole with-block
+
+
+# ------------------------------------------------------------------------------------ ddpkit checkpoint export
+
+
+def test_export_writes_the_checkpoints_model_as_model_pt_is(tmp_path, capsys):
+    from conftest import train_here
+    from ddpkit.cli import main
+
+    run = tmp_path / "run"
+    state, _ = train_here(run, "--data", "synthetic:64", "--model", "convnet", "--batch-size", "16", "--epochs", "1")
+    for source in (run, run / "checkpoints", run / "checkpoints" / "step-00000004.pt"):
+        assert main(["checkpoint", "export", str(source), str(tmp_path / "exported.pt")]) == 0
+        assert "wrote" in capsys.readouterr().out
+        exported = torch.load(tmp_path / "exported.pt", weights_only=True)
+        assert exported.keys() == state.keys() and all(torch.equal(exported[k], state[k]) for k in state)
+    model = ConvNet(in_channels=3, num_classes=10, image_size=32)
+    model.load_state_dict(torch.load(tmp_path / "exported.pt", weights_only=True))  # into the bare model
+
+
+def test_export_takes_the_tutorials_layout_with_ddps_prefix(tmp_path):
+    model = nn.Linear(3, 2)
+    torch.save({"model_state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}, "epoch": 4},
+               tmp_path / "tutorial.pt")
+    chosen, count = checkpoint.export_model(tmp_path / "tutorial.pt", tmp_path / "model.pt")
+    assert (chosen, count) == (tmp_path / "tutorial.pt", 2)
+    assert torch.load(tmp_path / "model.pt", weights_only=True).keys() == {"weight", "bias"}
+
+
+def test_export_mistakes_are_one_line(tmp_path, capsys):
+    from ddpkit.cli import main
+
+    (tmp_path / "empty").mkdir()
+    assert main(["checkpoint", "export", str(tmp_path / "empty"), str(tmp_path / "m.pt")]) == 2
+    assert capsys.readouterr().err == f"ddpkit: error: {tmp_path / 'empty'} holds no checkpoint (step-*.pt)\n"
+    (tmp_path / "junk.pt").write_bytes(b"not a zip")
+    assert main(["checkpoint", "export", str(tmp_path / "junk.pt"), str(tmp_path / "m.pt")]) == 2
+    assert "is not a checkpoint: torch.save writes a zip archive" in capsys.readouterr().err
+    assert main(["checkpoint", "export", str(tmp_path / "junk.pt"), str(tmp_path)]) == 2
+    assert f"{tmp_path} is a folder; give the file to write" in capsys.readouterr().err
+    assert not (tmp_path / "m.pt").exists()

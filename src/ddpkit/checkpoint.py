@@ -371,6 +371,29 @@ def find_resumable(folder: str | os.PathLike, warn: Callable[[str], None]) -> tu
     raise CheckpointError(f"no usable checkpoint in {folder}: {len(reasons)} found, none readable (newest: {reasons[0]})")
 
 
+def export_model(source: str | os.PathLike, destination: str | os.PathLike,
+                 warn: Callable[[str], None] = logger.warning) -> tuple[Path, int]:
+    """Write the model weights of the checkpoint at ``source`` to ``destination`` as the plain state_dict that
+    ``model.pt`` is (no ``module.`` prefix; ``torch.load(..., weights_only=True)`` into the bare model).
+
+    ``source``: a checkpoint file (any layout ``read_contents`` knows), a checkpoint folder (its newest complete
+    checkpoint), or a run's output folder (that of its ``checkpoints/``). Returns (the file read, tensors written).
+    """
+    source = Path(source)
+    if source.is_dir() and (source / FOLDER).is_dir():
+        source = source / FOLDER
+    if source.is_dir():
+        found = find_resumable(source, warn)
+        if found is None:
+            raise CheckpointError(f"{source} holds no checkpoint (step-*.pt)")
+        chosen, obj = found
+    else:
+        chosen, obj = source, load_file(source)
+    state = read_contents(obj, chosen).model
+    atomic_save(state, destination)
+    return chosen, len(state)
+
+
 # ------------------------------------------------------------------------------------------------ RNG
 
 
@@ -439,6 +462,7 @@ class Resumed:
 
     @property
     def same_world_size(self) -> bool:
+        """Whether the checkpoint was written by as many processes as resume it."""
         return self.world_size == self.runtime.world_size
 
     def restore(self, *, optimizer=None, scheduler=None, scaler=None, loader=None, model=None) -> None:

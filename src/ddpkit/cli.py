@@ -166,6 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("output_dir", metavar="OUTPUT_DIR", help="the run's --output-dir")
     status.add_argument("--watch", action="store_true", help="show it again every --every seconds while it runs")
     status.add_argument("--every", type=float, default=5.0, metavar="SECONDS", help="with --watch (default: 5)")
+    checkpoint = commands.add_parser(
+        "checkpoint", help="work with checkpoints: export one's model weights as a plain state_dict",
+        description="Work with the checkpoints of `ddpkit train` (and the tutorials' layouts).")
+    actions = checkpoint.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    export = actions.add_parser(
+        "export", help="the model weights of a checkpoint as a plain state_dict, like model.pt",
+        description="Write the model weights of SOURCE as the plain state_dict that model.pt is (no `module.` "
+                    "prefix), for torch.load(DEST, weights_only=True) into the bare model.")
+    export.add_argument("source", metavar="SOURCE",
+                        help="a checkpoint file, a checkpoint folder (its newest complete one) or a run's --output-dir")
+    export.add_argument("destination", metavar="DEST", help="the file to write (replaced in one piece)")
     plot = commands.add_parser(
         "plot", help="draw a run's metrics per epoch to a PNG",
         description="Draw the metrics.jsonl of a `ddpkit train` run per epoch: losses, validation accuracy, "
@@ -173,6 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("output_dir", metavar="OUTPUT_DIR", help="the run's --output-dir")
     plot.add_argument("--output", default=None, metavar="FILE.png", help="default: OUTPUT_DIR/metrics.png")
     return parser
+
+
+def cmd_checkpoint(ns: argparse.Namespace) -> int:
+    from ddpkit import checkpoint
+
+    if os.path.isdir(ns.destination):
+        raise UsageError(f"{ns.destination} is a folder; give the file to write, e.g. {ns.destination}/model.pt")
+    chosen, count = checkpoint.export_model(ns.source, ns.destination)
+    print(f"wrote {ns.destination}: the {count} tensors of {chosen}'s model")
+    return 0
 
 
 def cmd_plot(ns: argparse.Namespace) -> int:
@@ -522,6 +543,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_status(ns)
         if ns.command == "plot":
             return cmd_plot(ns)
+        if ns.command == "checkpoint":
+            return cmd_checkpoint(ns)
         return cmd_run(ns)
     except UsageError as error:
         return report_usage_error(_in_flag_terms(error))

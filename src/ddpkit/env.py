@@ -56,14 +56,17 @@ class DistEnv:
 
     @property
     def is_main(self) -> bool:
+        """Global rank 0: the one that prints and saves."""
         return self.rank == 0
 
     @property
     def is_distributed(self) -> bool:
+        """More than one process in the job."""
         return self.world_size > 1
 
     @property
     def num_nodes(self) -> int:
+        """How many machines the job runs on (as many processes on each)."""
         return max(1, self.world_size // self.local_world_size)
 
 

@@ -101,13 +101,13 @@ class Job:
 
     # -- who am I
 
-    rank = property(lambda self: self.runtime.rank)
-    local_rank = property(lambda self: self.runtime.local_rank)
-    world_size = property(lambda self: self.runtime.world_size)
+    rank = property(lambda self: self.runtime.rank, doc="this process's global rank, 0 .. world_size - 1")
+    local_rank = property(lambda self: self.runtime.local_rank, doc="this process's rank on its machine (its GPU)")
+    world_size = property(lambda self: self.runtime.world_size, doc="how many processes the job has in all")
     is_main = property(lambda self: self.runtime.is_main, doc="global rank 0: the one that prints and saves")
-    device = property(lambda self: self.runtime.device)
-    backend = property(lambda self: self.runtime.backend)
-    env = property(lambda self: self.runtime.env)
+    device = property(lambda self: self.runtime.device, doc="the torch.device this rank computes on")
+    backend = property(lambda self: self.runtime.backend, doc="the process group's backend (nccl, gloo; None: none)")
+    env = property(lambda self: self.runtime.env, doc="where this process stands, as its launcher said (DistEnv)")
 
     @property
     def data_replicas(self) -> int:

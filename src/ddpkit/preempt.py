@@ -77,10 +77,12 @@ class StopSignal:
 
     @property
     def exit_code(self) -> int:
+        """The status to exit with after stopping: 128 + the signal's number, as a shell reports it."""
         return 128 + (self.received or signal.SIGTERM)
 
     @property
     def signal_name(self) -> str:
+        """The signal received (SIGTERM, SIGINT), or "none"."""
         return signal.Signals(self.received).name if self.received else "none"
 
     def requested(self, *, now: bool = False) -> bool:

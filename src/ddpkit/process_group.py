@@ -52,18 +52,22 @@ class Runtime:
 
     @property
     def rank(self) -> int:
+        """This process's global rank."""
         return self.env.rank
 
     @property
     def local_rank(self) -> int:
+        """This process's rank on its machine (the index of its GPU)."""
         return self.env.local_rank
 
     @property
     def world_size(self) -> int:
+        """How many processes the job has in all."""
         return self.env.world_size
 
     @property
     def is_main(self) -> bool:
+        """Global rank 0: the one that prints and saves."""
         return self.env.is_main
 
 
@@ -406,6 +410,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def barrier(runtime: Runtime) -> None:
+    """Wait until every rank has come here (nothing to wait for without a process group)."""
     if runtime.backend is not None:
         dist.barrier()
 

@@ -54,6 +54,11 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int
 
 
 class Strategy(Protocol):
+    """What differs between ways of running a model on several processes (single, dp, ddp, zero, fsdp, pipeline,
+    model-parallel): checking the run's settings, wrapping the model and optimizer, skipping gradient sync on
+    accumulation steps, what to evaluate, saving and loading the whole state. One file per strategy in
+    ``ddpkit/strategies/``, registered in ``STRATEGIES``; ``create(name, **settings)`` makes one."""
+
     name: ClassVar[str]
     # Every rank starts a process group, even a job of one process (DDP, FSDP and pipelines need one).
     needs_group: ClassVar[bool] = True
