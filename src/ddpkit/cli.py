@@ -11,15 +11,14 @@ where the mistake can be seen from the command line.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from ddpkit import env as env_mod
 from ddpkit import logs, signals
-from ddpkit.errors import UsageError
+from ddpkit.errors import UsageError, said_once
 from ddpkit.launch import (DEFAULT_RDZV_TIMEOUT_S, LAUNCHERS, LaunchOptions, elastic, parse_nnodes, resolve_nproc, spawn,
                            warn_earlier_run)
 from ddpkit.logs import logger, report_usage_error
@@ -384,22 +383,18 @@ def _in_flag_terms(error: UsageError) -> UsageError:
     return said_in_flags(error, TrainConfig, OTHER_FLAGS)
 
 
-@contextlib.contextmanager
-def _same_on_every_rank() -> Iterator[None]:
-    """A mistake in the command line is the same on every rank that another launcher (srun, mpirun, torchrun)
-    started with it: rank 0 says it, the others end with status 2 in silence."""
+def _speaks_for_the_job() -> bool:
+    """Whether this process says what every rank of its job would say alike: one not started as a rank, or
+    rank 0 of a job that another launcher (srun, mpirun, torchrun) started with the same command line."""
     try:
-        yield
-    except UsageError as error:
-        if error.said_elsewhere or not env_mod.is_launched(os.environ):
-            raise
-        try:
-            rank = env_mod.detect(os.environ).rank
-        except ValueError:  # the launcher's variables are the mistake: every rank says so
-            raise error from None
-        if rank == 0:
-            raise
-        raise type(error)(str(error), said_elsewhere=True) from None
+        return not env_mod.is_launched(os.environ) or env_mod.detect(os.environ).rank == 0
+    except ValueError:  # the launcher's variables are themselves the mistake: every rank says so
+        return True
+
+
+def _same_on_every_rank():
+    """A block whose mistakes (in the command line) are the same on every rank: rank 0 says them."""
+    return said_once(_speaks_for_the_job())
 
 
 def _already_a_rank() -> bool:
@@ -452,8 +447,8 @@ FLIGHT_RECORDER_FOLDER = "ddpkit-flight-recorder"  # in the temporary folder of 
 
 def _says_it_once() -> bool:
     """Whether this process speaks for the job: ddpkit's launcher (not the workers torchrun starts with the
-    same flags), or under srun, where every task is a rank, task 0."""
-    return LAUNCHED_BY_TORCHRUN not in os.environ and os.environ.get("SLURM_PROCID", "0") == "0"
+    same flags), or under srun or mpirun, where every process is a rank, rank 0."""
+    return LAUNCHED_BY_TORCHRUN not in os.environ and _speaks_for_the_job()
 
 
 def _flight_recorder() -> str | None:

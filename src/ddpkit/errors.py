@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 import sysconfig
 import traceback
+from collections.abc import Iterator
 
 
 class UsageError(Exception):
@@ -24,6 +26,18 @@ class UsageError(Exception):
 
 
 EXIT_USAGE = 2
+
+
+@contextlib.contextmanager
+def said_once(is_main: bool) -> Iterator[None]:
+    """A UsageError that every rank meets alike (a mistake in the command line, a wrong data function of the
+    user's) is said by rank 0 only: raised elsewhere, it becomes ``said_elsewhere``, exit 2 in silence."""
+    try:
+        yield
+    except UsageError as error:
+        if is_main or error.said_elsewhere:
+            raise
+        raise type(error)(str(error), said_elsewhere=True) from None
 
 
 def first_line(error: BaseException) -> str:

@@ -20,7 +20,6 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,7 +30,7 @@ from ddpkit import (checkpoint, data, heartbeat, logs, nccl, preempt, process_gr
                     trackers, user_code, zoo)
 from ddpkit.env import DistEnv
 from ddpkit.config import flag_terms, option
-from ddpkit.errors import UsageError, disk_full
+from ddpkit.errors import UsageError, disk_full, said_once
 from ddpkit.job import AMP_DTYPES, Job
 from ddpkit.logs import logger
 from ddpkit.strategies import STRATEGIES, Strategy
@@ -370,18 +369,6 @@ def train(cfg: TrainConfig, job: Job) -> dict:
     return record
 
 
-@contextlib.contextmanager
-def said_by_rank_0(job: Job) -> Iterator[None]:
-    """A UsageError that every rank meets alike (a data set or model of the user's own that is wrong) is said
-    once, by rank 0."""
-    try:
-        yield
-    except UsageError as error:
-        if job.is_main or error.said_elsewhere:
-            raise
-        raise type(error)(str(error), said_elsewhere=True) from None
-
-
 def start(cfg: TrainConfig, job: Job) -> RunState:
     """Data, model, checkpoint to resume, wrapping, optimizer, loaders and schedule, in the order they need."""
     # Before any data is loaded: a rank that hangs later can still be found and attached to.
@@ -390,11 +377,11 @@ def start(cfg: TrainConfig, job: Job) -> RunState:
     spec = zoo.parse_data_spec(cfg.data)
     torch.manual_seed(cfg.seed)  # a data function of the user's own that draws random numbers draws the same on every rank
     # Rank 0 first: a download (MNIST) happens once, the other ranks then read the files.
-    with process_group.main_process_first(job.runtime), said_by_rank_0(job):
+    with process_group.main_process_first(job.runtime), said_once(job.is_main):
         sets, channels, image_size = zoo.load_for_model(cfg.model, spec, cfg.image_size, cfg.data_arguments())
     # The same seed on every rank and for every world size: identical initial weights.
     torch.manual_seed(cfg.seed)
-    with said_by_rank_0(job):
+    with said_once(job.is_main):
         model = zoo.build_model(cfg.model, in_channels=channels, num_classes=sets.num_classes, image_size=image_size,
                                 arguments=cfg.model_arguments())
     job.strategy.check(world_size=job.world_size, cuda_count=torch.cuda.device_count(), batch_size=cfg.batch_size)
