@@ -225,6 +225,13 @@ def test_run_of_a_module_that_takes_local_rank_like_the_legacy_launcher(tmp_path
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["0", "1"]
 
 
+def test_this_machine_is_an_address_it_can_bind():
+    from ddpkit.launch import is_this_machine
+
+    assert is_this_machine("127.0.0.1") and is_this_machine("localhost") and is_this_machine(socket.gethostname())
+    assert not is_this_machine("192.0.2.1")  # TEST-NET-1: never a local address (only a bind is tried, no packet)
+
+
 def test_a_busy_master_port_is_a_clear_error(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(TORCHRUN_STYLE)

@@ -166,6 +166,11 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
     warn_leftovers(options)
     if options.nnodes > 1 and options.rdzv_endpoint is None and options.node_rank > 0:
         wait_for_node_0(options.master_addr, options.master_port or DEFAULT_MULTINODE_PORT, options.rdzv_timeout_s)
+    if options.rdzv_endpoint is not None:
+        host, _, port = options.rdzv_endpoint.rpartition(":")
+        if not is_this_machine(host):  # the machine that hosts the rendezvous starts its store: nothing to wait for
+            wait_for_node_0(host, int(port), options.rdzv_timeout_s, what="the rendezvous endpoint",
+                            flags="--rdzv-endpoint", machine="the node it names")
     # The agent logs each worker it stops and each one that failed ("failed (exitcode: 2) local_rank: 1 ...");
     # report_failures says the same once per rank that failed of its own accord (none after a usage error,
     # which rank 0 has said in one line already).
@@ -203,13 +208,15 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
     return 0
 
 
-def wait_for_node_0(host: str, port: int, timeout_s: float) -> None:
-    """On a node other than 0 of a static launch: wait until node 0's store accepts a connection, or end with one
-    line after ``timeout_s``. (torchrun's own client would retry for its whole timeout, logging a C++ stack
-    trace at each try, and an unreachable address would never be named.)"""
+def wait_for_node_0(host: str, port: int, timeout_s: float, *, what: str = "node 0",
+                    flags: str = "--master-addr and --master-port", machine: str = "node 0") -> None:
+    """On a node other than 0 of a static launch (or one that does not host the c10d rendezvous): wait until
+    node 0's store accepts a connection, or end with one line after ``timeout_s``. (torchrun's own client
+    would retry for its whole timeout, or a minute past a c10d one, logging a C++ stack trace, and an
+    unreachable address would never be named.)"""
     import socket
 
-    logger.info(f"waiting for node 0 at {host}:{port} (up to {timeout_s:g} s: --rdzv-timeout)")
+    logger.info(f"waiting for {what} at {host}:{port} (up to {timeout_s:g} s: --rdzv-timeout)")
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()
@@ -219,10 +226,29 @@ def wait_for_node_0(host: str, port: int, timeout_s: float) -> None:
         except OSError as error:
             last = error.strerror or type(error).__name__  # "Connection refused", "Network is unreachable", ...
         if time.monotonic() + 1.0 > deadline:
-            raise UsageError(f"node 0 at {host}:{port} did not answer in {timeout_s:g} s (last try: {last}); check "
-                             "--master-addr and --master-port, that node 0 has started, and that the machines reach "
-                             "each other on that port (--rdzv-timeout waits longer)")
+            raise UsageError(f"{what} at {host}:{port} did not answer in {timeout_s:g} s (last try: {last}); check "
+                             f"{flags}, that {machine} has started, and that the machines reach each other on that "
+                             "port (--rdzv-timeout waits longer)")
         time.sleep(1.0)
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether ``host`` names this machine: one of its addresses can be bound here (a loopback address, a
+    local interface's). A name that does not resolve is not this machine."""
+    import socket
+
+    try:
+        addresses = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return False
+    for family, kind, _, _, address in addresses:
+        with socket.socket(family, kind) as probe:
+            try:
+                probe.bind((address[0], 0))
+            except OSError:  # not an address of this machine's
+                continue
+            return True
+    return False
 
 
 def check_names(options: LaunchOptions) -> None:
