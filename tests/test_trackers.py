@@ -76,6 +76,16 @@ def test_plot_draws_the_run_to_a_png(tracked_run, tmp_path, capsys):
 def test_plot_of_a_folder_without_metrics_is_one_line(tmp_path, capsys):
     assert cli.main(["plot", str(tmp_path)]) == 2
     assert f"{tmp_path} holds no metrics.jsonl" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 0, "train_lo')  # cut by a crash in the first epoch's line
+    assert cli.main(["plot", str(tmp_path)]) == 2
+    assert "metrics.jsonl holds no whole record: no epoch has finished yet" in capsys.readouterr().err
+
+
+def test_plot_leaves_out_a_last_line_cut_by_a_crash(tracked_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    folder, _ = tracked_run
+    (tmp_path / "metrics.jsonl").write_text((folder / "metrics.jsonl").read_text() + '{"epoch": 2, "train_')
+    assert cli.main(["plot", str(tmp_path)]) == 0 and (tmp_path / "metrics.png").exists()
 
 
 def test_a_tracker_whose_package_is_missing_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch):

@@ -3,7 +3,6 @@ accuracy, images per second, and each rank's own step time where recorded (matpl
 
 from __future__ import annotations
 
-import json
 import os
 
 from ddpkit import status
@@ -12,23 +11,15 @@ from ddpkit.errors import UsageError
 PLOT_FILE = "metrics.png"
 
 
-def read_records(output_dir: str) -> list[dict]:
-    path = os.path.join(output_dir, status.METRICS_FILE)
-    try:
-        with open(path) as handle:
-            return [json.loads(line) for line in handle if line.strip()]
-    except FileNotFoundError:
-        raise UsageError(f"{output_dir} holds no {status.METRICS_FILE}: give the --output-dir of a `ddpkit train` run "
-                         "that finished an epoch") from None
-    except json.JSONDecodeError as error:
-        raise UsageError(f"{path}: not one JSON record per line ({error})") from None
-
-
 def draw(output_dir: str, path: str | None = None) -> str:
     """Draw the run in ``output_dir`` to ``path`` (default ``OUTPUT_DIR/metrics.png``); returns the path."""
-    records = read_records(output_dir)
+    if not os.path.isfile(os.path.join(output_dir, status.METRICS_FILE)):
+        raise UsageError(f"{output_dir} holds no {status.METRICS_FILE}: give the --output-dir of a `ddpkit train` run "
+                         "that finished an epoch")
+    records = status.read_metrics(output_dir)
     if not records:
-        raise UsageError(f"{os.path.join(output_dir, status.METRICS_FILE)} is empty: no epoch has finished yet")
+        raise UsageError(f"{os.path.join(output_dir, status.METRICS_FILE)} holds no whole record: no epoch has "
+                         "finished yet")
     try:
         import matplotlib
     except ImportError:

@@ -69,7 +69,7 @@ def write(path: str, *, state: str, interval_s: float, ranks: list[dict], verdic
 
 def read(folder: str) -> tuple[dict | None, dict | None]:
     """(the status, the last epoch's metrics record) of the run in ``folder``; None for what is not there."""
-    status = last = None
+    status = None
     try:
         with open(os.path.join(folder, STATUS_FILE)) as handle:
             status = json.load(handle)
@@ -77,16 +77,23 @@ def read(folder: str) -> tuple[dict | None, dict | None]:
         pass
     except ValueError:
         raise UsageError(f"{os.path.join(folder, STATUS_FILE)} is not a ddpkit status file") from None
+    records = read_metrics(folder)
+    return status, (records[-1] if records else None)
+
+
+def read_metrics(folder: str) -> list[dict]:
+    """Every whole record of the metrics.jsonl in ``folder``, in order ([] without one). A line being appended,
+    or cut by a crash, is left out."""
     try:
         with open(os.path.join(folder, METRICS_FILE)) as handle:
             lines = handle.read().splitlines()
     except FileNotFoundError:
-        lines = []
-    for line in reversed(lines):  # the last whole record (a line being appended may be cut)
+        return []
+    records = []
+    for line in lines:
         with contextlib.suppress(ValueError):
-            last = json.loads(line)
-            break
-    return status, last
+            records.append(json.loads(line))
+    return records
 
 
 def _ago(seconds: float) -> str:

@@ -27,6 +27,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ddpkit import status
 from ddpkit.errors import UsageError, first_line
 from ddpkit.logs import logger
 
@@ -127,12 +128,11 @@ class WandB:
 
 class CSV:
     def __init__(self, output_dir: str, settings: Mapping[str, Any]):  # noqa: ARG002 (config.toml holds them)
+        self.output_dir = output_dir
         self.path = os.path.join(output_dir, CSV_FILE)
-        self.source = os.path.join(output_dir, "metrics.jsonl")
 
     def log(self, record: Mapping[str, Any], step: int) -> None:  # noqa: ARG002
-        with open(self.source) as handle:
-            rows = [scalars(json.loads(line)) for line in handle if line.strip()]
+        rows = [scalars(saved) for saved in status.read_metrics(self.output_dir)]
         columns = list(dict.fromkeys(key for row in rows for key in row))
         tmp = self.path + ".tmp"
         with open(tmp, "w", newline="") as handle:
