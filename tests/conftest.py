@@ -227,3 +227,39 @@ def no_process_left_behind():
         time.sleep(0.2)
     left = leftover_processes()
     assert not left, "processes started by the tests are still running:\n" + "\n".join(left)
+
+
+# -------------------------------------------------------------------- runs stopped and killed on purpose
+
+
+def worker_pid(launcher: subprocess.Popen, rank: int) -> int | None:
+    """The pid of the launcher's child that runs global rank ``rank`` (read from its environment)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == launcher.pid and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def start_train(tmp_path: Path, *args: str) -> subprocess.Popen:
+    """``ddpkit train`` into ``tmp_path`` in the background, in a session of its own (``finish`` ends it)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "train", "--output-dir", str(tmp_path), "--no-progress", *args],
+        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """(stdout, stderr) of ``proc``; its whole session killed if it has not ended within ``timeout``."""
+    try:
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()

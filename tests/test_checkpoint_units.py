@@ -478,7 +478,7 @@ def test_export_mistakes_are_one_line(tmp_path, capsys):
 
     (tmp_path / "empty").mkdir()
     assert main(["checkpoint", "export", str(tmp_path / "empty"), str(tmp_path / "m.pt")]) == 2
-    assert capsys.readouterr().err == f"ddpkit: error: {tmp_path / 'empty'} holds no checkpoint (step-*.pt)\n"
+    assert capsys.readouterr().err == f"ddpkit: error: {tmp_path / 'empty'} holds no checkpoint (step-* files or folders)\n"
     (tmp_path / "junk.pt").write_bytes(b"not a zip")
     assert main(["checkpoint", "export", str(tmp_path / "junk.pt"), str(tmp_path / "m.pt")]) == 2
     assert "is not a checkpoint: torch.save writes a zip archive" in capsys.readouterr().err

@@ -13,6 +13,8 @@ import torch
 
 from conftest import REPO, max_relative_difference, run_ddpkit
 
+from ddpkit import checkpoint
+
 SCRIPT = str(REPO / "examples" / "library_loop.py")
 COMMON = ["--accumulate", "2", "--epochs", "2", "--checkpoint-every", "5", "--keep-checkpoints", "20"]
 LAYOUT = {"single": ("1", "32"), "ddp": ("2", "16"), "zero": ("2", "16"), "fsdp": ("2", "16")}
@@ -33,7 +35,9 @@ def runs(tmp_path_factory):
     for strategy in LAYOUT:
         folder = tmp_path_factory.mktemp(strategy)
         whole, stdout = _run(folder / "whole", strategy, "--amp", "bf16")
-        step_15 = str(folder / "whole" / "checkpoints" / "step-00000015.pt")
+        # A file, or a folder where the strategy's checkpoints are sharded (zero, fsdp).
+        step_15 = next(str(path) for path in checkpoint.list_checkpoints(folder / "whole" / "checkpoints")
+                       if checkpoint.step_of(path) == 15)
         resumed, _ = _run(folder / "resumed", strategy, "--amp", "bf16", "--resume", step_15)
         fp32, _ = _run(folder / "fp32", strategy)
         done[strategy] = (whole, resumed, stdout, fp32)

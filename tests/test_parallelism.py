@@ -6,15 +6,23 @@ on real processes (torchrun's agent, gloo) and compare the trained weights with 
 
 import copy
 import json
+import os
+import re
 import shutil
+import signal
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torchvision
 
-from conftest import DIGITS_CONVNET, max_relative_difference, run_ddpkit, train
+from conftest import (DIGITS_CONVNET, finish, max_relative_difference, run_ddpkit, start_train, train, train_here,
+                      worker_pid)
+from ddpkit import checkpoint, sharded
+from ddpkit.cli import main
 from ddpkit.errors import UsageError
 from ddpkit.strategies import PipelineLayout, split, state
 from ddpkit.zoo import build_model
@@ -177,33 +185,92 @@ def test_fsdp_trains_the_same_weights_as_ddp_with_less_state_per_rank(ddp_run, f
     assert max_relative_difference(state_fsdp, state_ddp) <= 1e-5
     assert rows_fsdp[-1]["val_acc"] == rows_ddp[-1]["val_acc"]
     # Each rank holds about half of the parameters, gradients and optimizer state.
-    for sharded, whole in zip(rows_fsdp[-1]["train_state_mb"], rows_ddp[-1]["train_state_mb"]):
-        assert sharded < 0.6 * whole
+    for shard, whole in zip(rows_fsdp[-1]["train_state_mb"], rows_ddp[-1]["train_state_mb"]):
+        assert shard < 0.6 * whole
     assert len(rows_fsdp[-1]["peak_memory_mb"]) == 2 and min(rows_fsdp[-1]["peak_memory_mb"]) > 0
 
 
-def test_fsdp_resumes_its_own_checkpoint_exactly_and_ddp_resumes_it_too(tmp_path, ddp_run, fsdp_run):
+def test_fsdp_saves_each_ranks_own_shard_and_resumes_it_exactly(tmp_path, ddp_run, fsdp_run):
     folder, state_fsdp, _ = fsdp_run
-    saved = torch.load(folder / "checkpoints" / "step-00000015.pt", weights_only=True)
-    assert set(saved["model"]) == set(state_fsdp)  # the whole model, the bare model's keys
-    assert state.is_named(saved["optimizer"])  # FSDP's optimizer state names the parameters
-    start = tmp_path / "start.pt"
-    shutil.copy(folder / "checkpoints" / "step-00000010.pt", start)
-    resumed, _ = train(tmp_path / "fsdp", *DIGITS, "--strategy", "fsdp", "--resume", str(start))
+    saved = folder / "checkpoints" / "step-00000015"
+    # Sharded, by default under FSDP: each rank wrote its own file, about half of the state; none gathered it all.
+    sizes = {path.name: path.stat().st_size for path in saved.glob("*.distcp")}
+    assert sorted(sizes) == ["__0_0.distcp", "__1_0.distcp"] and max(sizes.values()) < 0.6 * sum(sizes.values())
+    recorded = sharded.model_shapes(saved)  # the whole model's tensors, under the bare model's names
+    assert {key: value.shape for key, value in recorded.items()} == {key: value.shape for key, value in state_fsdp.items()}
+    sidecar = torch.load(saved / "ddpkit.pt", weights_only=True)
+    assert "model" not in sidecar and sidecar["progress"]["global_step"] == 15
+    start = tmp_path / "start"
+    shutil.copytree(folder / "checkpoints" / "step-00000010", start)
+    # Resumed from step 10 exactly; this run writes full checkpoints (FSDP's state gathered to rank 0).
+    resumed, _ = train(tmp_path / "fsdp", *DIGITS, "--strategy", "fsdp", "--resume", str(start),
+                       "--checkpoint-format", "full")
     assert max_relative_difference(resumed, state_fsdp) == 0
-    # Across strategies: the named optimizer state goes into DDP's numbered one.
+    full = torch.load(tmp_path / "fsdp" / "checkpoints" / "step-00000022.pt", weights_only=True)
+    assert set(full["model"]) == set(state_fsdp) and state.is_named(full["optimizer"])  # named by parameter
+    # Across strategies: the named optimizer state into a plain (numbered) one, here in one process, at the
+    # epoch's end (nothing left to train); the shards into ZeRO's shares, on two processes.
+    single, _ = train_here(tmp_path / "single", *DIGITS_CONVNET, "--resume",
+                           str(tmp_path / "fsdp" / "checkpoints" / "step-00000022.pt"))
+    assert max_relative_difference(single, state_fsdp) == 0
     _, state_ddp, _ = ddp_run
-    shutil.copy(folder / "checkpoints" / "step-00000015.pt", start)
-    across, _ = train(tmp_path / "ddp", *DIGITS, "--resume", str(start))
-    assert max_relative_difference(across, state_ddp) <= 1e-5
+    zero, _ = train(tmp_path / "zero", *DIGITS, "--zero", "--resume", str(saved))
+    assert max_relative_difference(zero, state_ddp) <= 1e-5
+
+
+def test_fsdp_checkpoints_load_on_one_process_and_export(tmp_path, fsdp_run):
+    folder, state_fsdp, _ = fsdp_run
+    # The epoch's last checkpoint, resharded onto one process (in this one: the same code, no launcher):
+    # nothing left to train, and model.pt is the two processes' model, bit for bit.
+    one, _ = train_here(tmp_path / "one", *DIGITS_CONVNET, "--strategy", "fsdp", "--resume",
+                        str(folder / "checkpoints" / "step-00000022"))
+    assert max_relative_difference(one, state_fsdp) == 0
+    assert main(["checkpoint", "export", str(folder), str(tmp_path / "exported.pt")]) == 0  # its newest: step 22
+    assert max_relative_difference(torch.load(tmp_path / "exported.pt", weights_only=True), state_fsdp) == 0
+
+
+def test_a_rank_killed_while_saving_in_the_background_restarts_the_group_from_its_last_checkpoint(tmp_path, fsdp_run):
+    """kill -9 of rank 1 under --max-restarts 1, FSDP saving sharded checkpoints asynchronously: torchrun's agent
+    restarts the group, which resumes from its own newest complete checkpoint and ends with the same model."""
+    folder, state_fsdp, _ = fsdp_run
+    # Started from another run's checkpoint: the restart must take its own newer ones, not that one again.
+    start = tmp_path / "start"
+    shutil.copytree(folder / "checkpoints" / "step-00000005", start)
+    out = tmp_path / "out"
+    proc = start_train(out, *DIGITS, "--strategy", "fsdp", "--async-checkpoint", "--checkpoint-every", "3",
+                       "--max-restarts", "1", "--resume", str(start))
+    try:
+        deadline = time.monotonic() + 120
+        victim = None
+        while victim is None:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint was ever written"
+            if checkpoint.list_checkpoints(out / "checkpoints"):
+                victim = worker_pid(proc, rank=1)
+            time.sleep(0.005)
+        os.kill(victim, signal.SIGSTOP)  # no step further: the kill lands mid-epoch
+        killed_after = [path.name for path in checkpoint.list_checkpoints(out / "checkpoints")]
+        os.kill(victim, signal.SIGKILL)
+    finally:
+        stdout, stderr = finish(proc, timeout=180)
+    assert proc.returncode == 0, stdout + stderr
+    assert "step-00000022" not in killed_after  # it really was killed before the end
+    assert "[rank0]: ddpkit: restart 1 of the group: resuming from the newest checkpoint" in stderr
+    resumes = re.findall(r"resumed from (\S+) \(ddpkit, sharded\): continuing at epoch 1 after \d+ samples", stderr)
+    assert len(resumes) == 2 and resumes[0] == str(start), stderr
+    # From the newest checkpoint there was (or one completed as the rank stopped), in the run's own folder.
+    assert Path(resumes[1]).parent == out / "checkpoints", stderr
+    assert checkpoint.step_of(Path(resumes[1])) >= checkpoint.step_of(Path(killed_after[0])), stderr
+    assert max_relative_difference(torch.load(out / "model.pt", weights_only=True), state_fsdp) == 0
+    assert not list((out / "checkpoints").glob(".tmp-*"))  # a write the kill cut short was cleared
 
 
 def test_zero_trains_the_same_weights_as_ddp_with_less_optimizer_state(tmp_path, ddp_run):
     folder, state_ddp, rows_ddp = ddp_run
     # Resumed from DDP's checkpoint at step 10: ZeRO takes a plain optimizer state, and writes its own. Its
     # replicas, each updating a share of the parameters and broadcasting them, are compared at every step.
-    state_zero, rows = train(tmp_path, *DIGITS, "--zero", "--check-replicas", "1", "--resume",
-                             str(folder / "checkpoints" / "step-00000010.pt"))
+    state_zero, rows = train(tmp_path, *DIGITS, "--zero", "--check-replicas", "1", "--checkpoint-format", "full",
+                             "--resume", str(folder / "checkpoints" / "step-00000010.pt"))
     assert max_relative_difference(state_zero, state_ddp) <= 1e-5
     # SGD's momentum buffers are split between the ranks (by whole parameters, so not evenly).
     for zero, whole in zip(rows[-1]["train_state_mb"], rows_ddp[-1]["train_state_mb"]):

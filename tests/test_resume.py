@@ -6,19 +6,17 @@ end has dropout, so its random stream must continue exactly.
 """
 
 import json
-import os
 import re
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import child_env, run_ddpkit, train
+from conftest import finish, run_ddpkit, start_train, train
 
 from ddpkit import checkpoint
 from ddpkit.zoo import Net
@@ -57,7 +55,7 @@ def test_checkpointing_does_not_change_the_run(reference):
 
 
 # 15: mid-epoch in the first epoch; 22: an epoch boundary. Step 25 (mid-epoch in the second) is where the
-# fall-back below resumes, and step 5 where the kill -9 test starts; both end bit-identical too.
+# fall-back below resumes; it ends bit-identical too. (kill -9 and a restart: test_parallelism, under FSDP.)
 @pytest.mark.parametrize("step", [15, 22])
 def test_resume_is_bit_identical(tmp_path, reference, step):
     folder, state, rows, _ = reference
@@ -149,64 +147,6 @@ def test_resuming_on_another_world_size_says_what_it_did_to_the_global_batch(tmp
     assert rows[-1]["epoch"] == 1 and rows[-1]["resumed_at_step"] == 6
 
 
-def _worker_pid(launcher: subprocess.Popen, rank: int) -> int | None:
-    """The pid of the launcher's child that runs global rank ``rank`` (read from its environment)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == launcher.pid and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    return None
-
-
-def _start(tmp_path: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "ddpkit", "train", "--output-dir", str(tmp_path), "--no-progress", *args],
-        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
-
-
-def _finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
-    try:
-        return proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-
-
-def test_kill_9_of_a_rank_restarts_the_group_and_ends_with_the_same_model(tmp_path, reference):
-    # Started from another run's checkpoint: the restart must take its own newer ones, not that one again.
-    start = reference[0] / "checkpoints" / checkpoint.checkpoint_name(5)
-    proc = _start(tmp_path, *RUN, "--checkpoint-every", "4", "--max-restarts", "1", "--resume", str(start))
-    try:
-        deadline = time.monotonic() + 120
-        victim = None
-        while victim is None:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "no checkpoint was ever written"
-            if checkpoint.list_checkpoints(tmp_path / "checkpoints"):
-                victim = _worker_pid(proc, rank=1)
-            time.sleep(0.005)
-        # Freeze it first: the run cannot get one step further, so the kill lands mid-epoch.
-        os.kill(victim, signal.SIGSTOP)
-        killed_after = [p.name for p in checkpoint.list_checkpoints(tmp_path / "checkpoints")]
-        os.kill(victim, signal.SIGKILL)
-    finally:
-        stdout, stderr = _finish(proc, timeout=180)
-    assert proc.returncode == 0, stdout + stderr
-    assert "step-00000044.pt" not in killed_after  # it really was killed before the end
-    assert "[rank0]: ddpkit: restart 1 of the group: resuming from the newest checkpoint" in stderr
-    resumes = re.findall(r"resumed from (\S+) \(ddpkit\): continuing at epoch \d after \d+ samples", stderr)
-    assert resumes[0] == str(start) and resumes[1].startswith(str(tmp_path / "checkpoints")), stderr
-    assert identical(torch.load(tmp_path / "model.pt", weights_only=True), reference[1])
-
-
 def _signal_when(proc: subprocess.Popen, ready, signals: list[int]) -> tuple[str, str, float]:
     """Once ``ready()``, send ``signals`` to the launcher 10 ms apart; return its output and how long it took."""
     try:
@@ -219,11 +159,11 @@ def _signal_when(proc: subprocess.Popen, ready, signals: list[int]) -> tuple[str
         for number in signals:
             proc.send_signal(number)
             time.sleep(0.01)
-        stdout, stderr = _finish(proc, timeout=60)
+        stdout, stderr = finish(proc, timeout=60)
         return stdout, stderr, time.monotonic() - sent
     finally:
         if proc.poll() is None:
-            _finish(proc, timeout=1)
+            finish(proc, timeout=1)
 
 
 LONG = ["--model", "net", "--data", "digits", "--epochs", "3", "--nproc-per-node", "2"]
@@ -231,7 +171,7 @@ LONG = ["--model", "net", "--data", "digits", "--epochs", "3", "--nproc-per-node
 
 @pytest.mark.slow  # a run stopped, then resumed to the end: about 35 s
 def test_sigterm_checkpoints_at_one_step_on_every_rank_and_the_run_resumes_exactly(tmp_path, tmp_path_factory):
-    proc = _start(tmp_path, *LONG)
+    proc = start_train(tmp_path, *LONG)
     first_epoch_done = lambda: (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text()
     stdout, stderr, took = _signal_when(proc, first_epoch_done, [signal.SIGTERM])
     assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
@@ -257,7 +197,7 @@ def test_sigterm_checkpoints_at_one_step_on_every_rank_and_the_run_resumes_exact
 def test_a_fresh_start_sets_the_earlier_checkpoints_aside_and_a_second_ctrl_c_stops_at_once(tmp_path, reference):
     shutil.copytree(reference[0] / "checkpoints", tmp_path / "checkpoints")  # an earlier run's
     (tmp_path / "metrics.jsonl").write_text("{}\n")
-    proc = _start(tmp_path, *LONG, "--epochs", "100")
+    proc = start_train(tmp_path, *LONG, "--epochs", "100")
     # The folder is renamed in one step, so once checkpoints.prev exists, checkpoints/ holds this run's only.
     saved_one = lambda: (tmp_path / "checkpoints.prev").exists() and checkpoint.list_checkpoints(tmp_path / "checkpoints")
     stdout, stderr, took = _signal_when(proc, saved_one, [signal.SIGINT, signal.SIGINT])

@@ -19,17 +19,28 @@
 
 Files. ``atomic_save`` writes a temporary file in the target's folder, flushes and fsyncs it, then renames
 it over the target: a crash at any moment leaves either the old file or the new one, never a torn one.
-A checkpoint folder holds ``step-00000123.pt`` files (the number is the optimizer step) and ``latest``,
-a one-line pointer to the newest complete one, replaced only after that file is on disk.
+A checkpoint folder holds checkpoints named by the optimizer step, ``step-00000123.pt`` files (full) or
+``step-00000123/`` folders (sharded), and ``latest``, a one-line pointer to the newest complete one,
+replaced only after that checkpoint is on disk.
 
-Saving. Global rank 0 writes, in a background thread, from a CPU copy of the state taken at the step
-boundary: the other ranks go on training instead of waiting (and timing out) on a slow disk. Every
-rank contributes its own RNG states (torch, CUDA, numpy, python), gathered to rank 0.
+Full checkpoints (the default for single, dp, ddp and pipeline). The whole state is gathered to global
+rank 0, which writes it in a background thread from a CPU copy taken at the step boundary: the other
+ranks go on training instead of waiting (and timing out) on a slow disk.
+
+Sharded checkpoints (the default for fsdp and zero; ``sharded=True`` for any strategy but pipeline).
+Every rank writes its own part through torch.distributed.checkpoint (``ddpkit.sharded``) into a
+``.tmp-step-…/`` folder; rank 0 then adds ``ddpkit.pt`` (the rest of the state and a CRC-32 of every
+file) and renames the folder into place. ``async_save=True``: training waits only for the copy to host
+memory, and the files are written in the background. A sharded checkpoint resumes on any world size.
+
+Either way every rank contributes its own RNG states (torch, CUDA, numpy, python), gathered to rank 0.
 
 Loading. ``torch.load(..., weights_only=True)`` only: a checkpoint is untrusted input and unpickling
 runs code, so everything ddpkit writes is plain tensors, numbers, strings, lists and dicts. The
 tutorials' formats load too: a plain state_dict, and ``{"model_state_dict", "optimizer_state_dict",
-"epoch"}``, with or without DDP's ``module.`` prefix.
+"epoch"}``, with or without DDP's ``module.`` prefix. A sharded checkpoint's files are checked against
+their checksums before it is chosen, and its metadata is read without unpickling anything but DCP's own
+records.
 """
 
 from __future__ import annotations
@@ -53,8 +64,9 @@ import torch.nn as nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from ddpkit import pace
-from ddpkit.errors import DiskFull, UsageError, disk_full, first_line
+from ddpkit.errors import CheckpointError, DiskFull, UsageError, disk_full, first_line, said_once
 from ddpkit.logs import logger
+from ddpkit.process_group import background_group, control_group
 from ddpkit.snapshot import snapshot
 from ddpkit.strategies import Strategy, strategy_of, unwrap
 from ddpkit.strategies.base import is_shard
@@ -76,16 +88,14 @@ KEY_RANKS = "ranks"  # one dict per rank: "rng" and whatever the caller passed a
 KEY_CONFIG = "config"
 KEY_VERSIONS = "versions"
 KEY_EXTRA = "extra"
+KEY_CHECKSUMS = "checksums"  # sharded: CRC-32 of each file in the folder
+KEY_SHARDED = "sharded"  # set on reading a sharded checkpoint: its folder
 # The tutorials' keys.
 TUTORIAL_MODEL = "model_state_dict"
 TUTORIAL_OPTIMIZER = "optimizer_state_dict"
 TUTORIAL_EPOCH = "epoch"
 
-_NAME = re.compile(r"^step-(\d+)\.pt$")
-
-
-class CheckpointError(UsageError):
-    """A checkpoint that cannot be used: unreadable, truncated, not a checkpoint, or for another model."""
+_NAME = re.compile(r"^step-(\d+)(\.pt)?$")  # a file (full) or a folder (sharded)
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -112,7 +122,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
         if full is not None:  # not torch's "unexpected pos": say what happened, and that path is untouched
             raise full.and_("nothing was written to it") from None
         raise
-    # The rename itself is durable only once the folder's entry is on disk.
+    _fsync_folder(folder)
+
+
+def _fsync_folder(folder: str | os.PathLike) -> None:
+    """A rename is durable only once its folder's entry is on disk."""
     dir_fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -125,27 +139,45 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
     atomic_write(path, lambda handle: torch.save(obj, handle))
 
 
-def checkpoint_name(global_step: int) -> str:
-    return f"step-{global_step:08d}.pt"
+def checkpoint_name(global_step: int, sharded: bool = False) -> str:
+    return f"step-{global_step:08d}" + ("" if sharded else ".pt")
+
+
+def _is_checkpoint(entry: Path) -> bool:
+    """A checkpoint's name, and what it names is there: a file for a full one, a folder for a sharded one."""
+    match = _NAME.match(entry.name)
+    return bool(match) and (entry.is_file() if match.group(2) else entry.is_dir())
+
+
+def step_of(entry: Path) -> int:
+    """The optimizer step a checkpoint's name says (``step-00000123.pt`` or ``step-00000123/``: 123)."""
+    return int(_NAME.match(entry.name).group(1))
 
 
 def list_checkpoints(folder: str | os.PathLike) -> list[Path]:
-    """The checkpoint files in ``folder``, newest (highest step) first."""
+    """The checkpoints (files and sharded folders) in ``folder``, newest (highest step) first."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    found = [(int(m.group(1)), entry) for entry in folder.iterdir() if (m := _NAME.match(entry.name))]
-    return [entry for _, entry in sorted(found, reverse=True)]
+    found = [(step_of(entry), entry.name, entry) for entry in folder.iterdir() if _is_checkpoint(entry)]
+    return [entry for _, _, entry in sorted(found, reverse=True)]
+
+
+def _remove(entry: Path) -> None:
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry, ignore_errors=True)
+    else:
+        entry.unlink(missing_ok=True)
 
 
 def read_pointer(folder: str | os.PathLike) -> Path | None:
-    """The file ``latest`` names, or None when there is no pointer (or it names nothing there)."""
+    """The checkpoint ``latest`` names, or None when there is no pointer (or it names nothing there)."""
     try:
         name = (Path(folder) / POINTER).read_text().strip()
     except OSError:
         return None
     target = Path(folder) / name
-    return target if _NAME.match(name) and target.is_file() else None
+    return target if _is_checkpoint(target) else None
 
 
 def write_pointer(folder: str | os.PathLike, target: Path) -> None:
@@ -158,19 +190,19 @@ def prune(folder: str | os.PathLike, keep: int) -> list[Path]:
     removed = []
     for old in list_checkpoints(folder)[keep:]:
         if old != pinned:
-            old.unlink(missing_ok=True)
+            _remove(old)
             removed.append(old)
     return removed
 
 
 def remove_partial_writes(folder: str | os.PathLike) -> list[Path]:
-    """Delete temporary files a killed writer left behind (they were never renamed into place)."""
+    """Delete temporary files and folders a killed writer left behind (they were never renamed into place)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
     partial = [entry for entry in folder.iterdir() if entry.name.startswith(TEMP_PREFIX)]
     for entry in partial:
-        entry.unlink(missing_ok=True)
+        _remove(entry)
     return partial
 
 
@@ -214,6 +246,33 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
         raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt?): {text}") from None
 
 
+def load_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> Any:
+    """A checkpoint file (``load_file``) or a sharded checkpoint folder, read without running code.
+
+    For a folder: its ``ddpkit.pt``, with the model's tensors as DCP's metadata records them (shapes and
+    dtypes on the ``meta`` device: enough to check them against a model; ``Resumed.restore`` loads the
+    values) and the folder under ``sharded``. ``verify``: check every file against its checksum first.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return load_file(path)
+    from ddpkit import sharded
+
+    sidecar = path / sharded.SIDECAR
+    if not sidecar.is_file():
+        raise CheckpointError(f"{path} is not a complete sharded checkpoint: it has no {sharded.SIDECAR}")
+    obj = load_file(sidecar)
+    if not (isinstance(obj, dict) and obj.get(KEY_FORMAT) == FORMAT):
+        raise CheckpointError(f"{sidecar} is not a ddpkit checkpoint's {sharded.SIDECAR}")
+    if verify:
+        damage = sharded.damaged_files(path, obj.get(KEY_CHECKSUMS) or {})
+        if damage is not None:
+            raise CheckpointError(f"{path} is damaged and was not loaded: {damage}")
+    obj[KEY_MODEL] = sharded.model_shapes(path)
+    obj[KEY_SHARDED] = str(path)
+    return obj
+
+
 def damaged_record(path: str | os.PathLike) -> str | None:
     """Why the zip archive at ``path`` is damaged, or None when every record's bytes match the CRC-32
     checksum that ``torch.save`` wrote beside them (torch.load does not check them: a flipped bit in a
@@ -244,6 +303,12 @@ class Contents:
     versions: dict | None = None
     extra: dict | None = None
     layout: str = "ddpkit"
+    sharded: Path | None = None  # a sharded checkpoint's folder: ``model`` holds shapes only (meta tensors)
+
+    @property
+    def from_ddpkit(self) -> bool:
+        """Written by ddpkit (full or sharded): it holds the data position and every rank's RNG states."""
+        return self.layout.startswith("ddpkit")
 
 
 def _is_state_dict(obj: Any) -> bool:
@@ -253,10 +318,12 @@ def _is_state_dict(obj: Any) -> bool:
 def read_contents(obj: Any, source: str | os.PathLike = "checkpoint") -> Contents:
     """Recognise a ddpkit checkpoint, the tutorials' dict layouts, or a plain state_dict."""
     if isinstance(obj, dict) and obj.get(KEY_FORMAT) == FORMAT:
+        folder = obj.get(KEY_SHARDED)
         return Contents(
             model=obj[KEY_MODEL], optimizer=obj.get(KEY_OPTIMIZER), scheduler=obj.get(KEY_SCHEDULER),
             scaler=obj.get(KEY_SCALER), progress=obj.get(KEY_PROGRESS), ranks=list(obj.get(KEY_RANKS) or []),
             config=obj.get(KEY_CONFIG), versions=obj.get(KEY_VERSIONS), extra=obj.get(KEY_EXTRA),
+            layout="ddpkit, sharded" if folder else "ddpkit", sharded=Path(folder) if folder else None,
         )
     if isinstance(obj, dict) and _is_state_dict(obj.get(TUTORIAL_MODEL)):
         # The tutorials save after finishing epoch N: training continues with epoch N+1.
@@ -362,7 +429,7 @@ def find_resumable(folder: str | os.PathLike, warn: Callable[[str], None]) -> tu
     reasons = []
     for candidate in candidates:
         try:
-            obj = load_file(candidate)
+            obj = load_checkpoint(candidate)
             read_contents(obj, candidate)
             return candidate, obj
         except CheckpointError as error:
@@ -376,22 +443,37 @@ def export_model(source: str | os.PathLike, destination: str | os.PathLike,
     """Write the model weights of the checkpoint at ``source`` to ``destination`` as the plain state_dict that
     ``model.pt`` is (no ``module.`` prefix; ``torch.load(..., weights_only=True)`` into the bare model).
 
-    ``source``: a checkpoint file (any layout ``read_contents`` knows), a checkpoint folder (its newest complete
-    checkpoint), or a run's output folder (that of its ``checkpoints/``). Returns (the file read, tensors written).
+    ``source``: a checkpoint (a file of any layout ``read_contents`` knows, or a sharded checkpoint's folder), a
+    checkpoint folder (its newest complete checkpoint), or a run's output folder (that of its ``checkpoints/``).
+    A sharded checkpoint is read whole in this process. Returns (the checkpoint read, tensors written).
     """
     source = Path(source)
     if source.is_dir() and (source / FOLDER).is_dir():
         source = source / FOLDER
-    if source.is_dir():
+    if source.is_dir() and not is_sharded_checkpoint(source):
         found = find_resumable(source, warn)
         if found is None:
-            raise CheckpointError(f"{source} holds no checkpoint (step-*.pt)")
+            raise CheckpointError(f"{source} holds no checkpoint (step-* files or folders)")
         chosen, obj = found
     else:
-        chosen, obj = source, load_file(source)
-    state = read_contents(obj, chosen).model
+        chosen, obj = source, load_checkpoint(source)
+    contents = read_contents(obj, chosen)
+    if contents.sharded is not None:
+        from ddpkit import sharded
+
+        state = sharded.load_model(contents.sharded)
+    else:
+        state = contents.model
     atomic_save(state, destination)
     return chosen, len(state)
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is one sharded checkpoint's folder (rather than a folder of checkpoints)."""
+    from ddpkit.sharded import METADATA, SIDECAR
+
+    path = Path(path)
+    return path.is_dir() and ((path / SIDECAR).exists() or (path / METADATA).exists())
 
 
 # ------------------------------------------------------------------------------------------------ RNG
@@ -471,10 +553,13 @@ class Resumed:
         Call it right before the training loop: anything that draws random numbers after it (and
         before the first step) would shift the run off its uninterrupted course. The RNG states are
         restored only for the world size that saved them. ``model``: the wrapped model the optimizer
-        drives; needed for FSDP and pipeline, whose optimizer states name their parameters.
+        drives; needed for FSDP and pipeline, whose optimizer states name their parameters, and for a
+        sharded checkpoint, whose model and optimizer states are loaded here (every rank calls it then).
         """
         contents = self.contents
-        if optimizer is not None and contents.optimizer is not None:
+        if contents.sharded is not None:
+            self._restore_sharded(model, optimizer)
+        elif optimizer is not None and contents.optimizer is not None:
             if model is None and any(is_shard(p) for group in optimizer.param_groups for p in group["params"]):
                 raise UsageError("this optimizer drives sharded (FSDP) parameters: pass model= to Resumed.restore")
             strategy = self.strategy or strategy_of(model if model is not None else nn.Identity(), optimizer)
@@ -489,6 +574,20 @@ class Resumed:
         if self.rank_state.get("rng") is not None and self.same_world_size:
             set_rng_state(self.rank_state["rng"], self.runtime.device)
 
+    def _restore_sharded(self, model: nn.Module | None, optimizer) -> None:
+        """Every rank reads its own part of the model and optimizer state (a collective)."""
+        from ddpkit import sharded
+
+        if model is None:
+            raise UsageError(f"{self.path} is a sharded checkpoint, loaded into the wrapped model: pass model= to "
+                             "Resumed.restore")
+        strategy = self.strategy or strategy_of(model, optimizer)
+        group = control_group(self.runtime)
+        saved_optimizer = optimizer if self.contents.optimizer is not None else None
+        with said_once(self.runtime.is_main):  # every rank meets the same mismatch
+            strategy.load_sharded_state(model, saved_optimizer,
+                                        lambda state: sharded.load(state, self.contents.sharded, group))
+
 
 class Checkpointer:
     """Save and resume on every rank with one call each; see the module docstring.
@@ -496,6 +595,9 @@ class Checkpointer:
     ``keep``: how many checkpoints stay on disk (the newest). ``writer(obj, path)`` writes one file
     (default ``atomic_save``). ``log`` prints rank 0's messages (default: stderr). ``strategy``: the one
     the model is trained with (``ddpkit.strategies``); by default it is told from the model's type.
+    ``sharded``: every rank writes its own part (see the module docstring; None: the strategy's default,
+    sharded for fsdp and zero). ``async_save``: a sharded save returns once the state is copied to host
+    memory, and the files are written in the background (implies ``sharded``).
 
     Handed what it saves once (``model`` wrapped, ``optimizer``, ``scheduler``, ``scaler``, ``loader``, and
     ``progress``, an object whose ``global_step`` counts optimizer steps, such as a ``ddpkit.Job``), it
@@ -510,16 +612,19 @@ class Checkpointer:
     def __init__(self, folder: str | os.PathLike, runtime, *, keep: int = 3,
                  writer: Callable[[Any, Path], None] = atomic_save, log: Callable[[str], None] | None = None,
                  strategy: Strategy | None = None, model: nn.Module | None = None, optimizer=None, scheduler=None,
-                 scaler=None, loader=None, progress=None):
+                 scaler=None, loader=None, progress=None, sharded: bool | None = None, async_save: bool = False):
         if keep < 1:
             raise UsageError(f"`keep_checkpoints` must be at least 1, got {keep}")
-        from ddpkit.process_group import control_group
-
+        if async_save and sharded is False:
+            raise UsageError("asynchronous saving writes sharded checkpoints (torch.distributed.checkpoint); full ones "
+                             "are written in the background by rank 0 already: drop one of the two settings")
         self.folder = Path(folder)
         self.runtime = runtime
         self.keep = keep
         self.writer = writer
         self.strategy = strategy
+        self.sharded = True if async_save else sharded
+        self.async_save = async_save
         self.bound = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
                       "loader": loader}
         self.progress = progress
@@ -570,15 +675,18 @@ class Checkpointer:
             return None
         self.wait()
         strategy = self.strategy or strategy_of(model, optimizer)
-        # Collectives for the strategies that spread the model or the optimizer over the ranks.
-        model_state = strategy.full_model_state(model, self.runtime)
-        optimizer_state = strategy.full_optimizer_state(model, optimizer, self.runtime) if optimizer is not None else None
-        if not self.runtime.is_main:
-            return None
-        obj = snapshot({
+        sharded = strategy.sharded_checkpoints if self.sharded is None else self.sharded
+        path = self.folder / checkpoint_name(global_step, sharded)
+        if sharded:
+            state = strategy.sharded_state(model, optimizer)  # this rank's part: nothing is gathered
+        else:
+            # Collectives for the strategies that spread the model or the optimizer over the ranks.
+            model_state = strategy.full_model_state(model, self.runtime)
+            optimizer_state = (strategy.full_optimizer_state(model, optimizer, self.runtime)
+                               if optimizer is not None else None)
+        rest = snapshot({
             KEY_FORMAT: FORMAT,
-            KEY_MODEL: model_state,
-            KEY_OPTIMIZER: optimizer_state,
+            KEY_OPTIMIZER: "sharded" if sharded and optimizer is not None else None,
             KEY_SCHEDULER: scheduler.state_dict() if scheduler is not None else None,
             KEY_SCALER: scaler.state_dict() if scaler is not None else None,
             KEY_PROGRESS: {"epoch": epoch, "samples": samples, "global_step": global_step,
@@ -587,18 +695,69 @@ class Checkpointer:
             KEY_CONFIG: config,
             KEY_VERSIONS: versions(),
             KEY_EXTRA: extra,
-        })
-        path = self.folder / checkpoint_name(global_step)
-        self._thread = threading.Thread(target=self._write, args=(obj, path), name="ddpkit-checkpoint")
-        self._thread.start()
+        }) if self.runtime.is_main else None
+        if sharded:
+            self._save_sharded(state, rest, path)
+        elif self.runtime.is_main:
+            obj = {**rest, KEY_MODEL: snapshot(model_state), KEY_OPTIMIZER: snapshot(optimizer_state)}
+            self._start(self._write, obj, path)
+        if not self.runtime.is_main:
+            return None
         self.last_path = path
         return path
+
+    def _start(self, target: Callable, *args: Any) -> None:
+        self._thread = threading.Thread(target=target, args=args, name="ddpkit-checkpoint")
+        self._thread.start()
 
     def _write(self, obj: Any, path: Path) -> None:
         try:
             self.writer(obj, path)
-            write_pointer(self.folder, path)
-            prune(self.folder, self.keep)
+            self._publish(path)
+        except BaseException as error:  # reported by the main thread at its next save() or wait()
+            self._error = error
+
+    def _publish(self, path: Path) -> None:
+        write_pointer(self.folder, path)
+        prune(self.folder, self.keep)
+
+    def _save_sharded(self, state: dict, rest: dict | None, path: Path) -> None:
+        """Every rank writes its part into a temporary folder; rank 0 completes it and renames it into place."""
+        from ddpkit import sharded
+
+        temporary = self.folder / (TEMP_PREFIX + path.name)
+        if not self.async_save:
+            try:
+                sharded.save(state, temporary, self.group, asynchronous=False)
+            except (Exception, sharded.CheckpointException) as error:  # DCP raises it on every rank alike
+                self._error = sharded.as_error(error)
+                self.last_path = path
+                self.wait()
+            future = None
+        else:
+            # DCP's collectives then run in a background thread: on a group of their own.
+            future = sharded.save(state, temporary, background_group(self.runtime), asynchronous=True)
+        if future is not None or self.runtime.is_main:
+            self._start(self._finish_sharded, future, rest, temporary, path)
+
+    def _finish_sharded(self, future, rest: dict | None, temporary: Path, path: Path) -> None:
+        from ddpkit import sharded
+
+        try:
+            if future is not None:
+                try:
+                    future.result()
+                except (Exception, sharded.CheckpointException) as error:
+                    raise sharded.as_error(error) from None
+            if rest is None:  # not rank 0: its part is written
+                return
+            rest[KEY_CHECKSUMS] = sharded.checksums(temporary)
+            atomic_save(rest, temporary / sharded.SIDECAR)
+            if path.exists():  # the same step written by an earlier course of this run
+                _remove(path)
+            os.replace(temporary, path)
+            _fsync_folder(self.folder)
+            self._publish(path)
         except BaseException as error:  # reported by the main thread at its next save() or wait()
             self._error = error
 
@@ -660,7 +819,8 @@ class Checkpointer:
         resumed = self._read(source, model)
         if resumed is None:
             return None
-        strategy.load_model_state(model, resumed.contents.model)
+        if resumed.contents.sharded is None:  # a sharded one loads in restore, into the wrapped model
+            strategy.load_model_state(model, resumed.contents.model)
         resumed.strategy = strategy
         resumed.restore(optimizer=self.bound["optimizer"], scheduler=self.bound["scheduler"],
                         scaler=self.bound["scaler"], loader=self.bound["loader"], model=model)
@@ -676,7 +836,7 @@ class Checkpointer:
         knows). Call it on the bare model, before wrapping; then ``Resumed.restore`` for the rest.
         """
         resumed = self._read(source, model)
-        if resumed is not None:
+        if resumed is not None and resumed.contents.sharded is None:  # a sharded one loads in Resumed.restore
             load_model_state(model, resumed.contents.model, resumed.path)
         return resumed
 
@@ -687,9 +847,9 @@ class Checkpointer:
         path, obj = self._choose(source, model)
         if path is None:
             return None
-        if obj is None:  # rank 0 read it already; the others read it now
+        if obj is None:  # rank 0 read it already (and checked it); the others read it now
             try:
-                obj = load_file(path)
+                obj = load_checkpoint(path, verify=False)
             except CheckpointError as error:
                 raise CheckpointError(f"rank {self.runtime.rank} cannot read the checkpoint rank 0 chose ({error}); "
                                       "checkpoints must be on storage every node can read") from None
@@ -738,7 +898,7 @@ class Checkpointer:
         and in pruning, and a later ``--resume auto`` could pick them.
         """
         for entry in list_checkpoints(self.folder):
-            if entry.resolve() != chosen.resolve() and int(_NAME.match(entry.name).group(1)) > step:
+            if entry.resolve() != chosen.resolve() and step_of(entry) > step:
                 stale = entry.with_name(entry.name + ".stale")
                 entry.rename(stale)
                 self.log(f"renamed {entry} to {stale.name}: it is past the step this run resumes from")
@@ -747,11 +907,11 @@ class Checkpointer:
         if str(source) == "auto":
             return find_resumable(self.folder, self.warn)
         path = Path(source)
-        if path.is_dir():
+        if path.is_dir() and not is_sharded_checkpoint(path):
             found = find_resumable(path, self.warn)
             if found is None:
-                raise CheckpointError(f"`resume` {path}: the folder holds no checkpoint (step-*.pt)")
+                raise CheckpointError(f"`resume` {path}: the folder holds no checkpoint (step-* files or folders)")
             return found
         if not path.exists():
             raise CheckpointError(f"`resume` {path}: no such file or folder")
-        return path, load_file(path)
+        return path, load_checkpoint(path)

@@ -28,6 +28,10 @@ class UsageError(Exception):
 EXIT_USAGE = 2
 
 
+class CheckpointError(UsageError):
+    """A checkpoint that cannot be used: unreadable, truncated, damaged, not a checkpoint, or for another model."""
+
+
 @contextlib.contextmanager
 def said_once(is_main: bool) -> Iterator[None]:
     """A UsageError that every rank meets alike (a mistake in the command line, a wrong data function of the

@@ -255,7 +255,8 @@ class Job:
                      loader=None, **options) -> checkpoint.Checkpointer:
         """A ``ddpkit.Checkpointer`` on ``folder`` for this job's strategy, handed the (wrapped) model, the
         optimizer, scheduler and loader, the job's grad scaler and its step count: then ``save()`` and
-        ``resume(source)`` take no other argument. ``options``: ``keep``, ``log``, ``writer``."""
+        ``resume(source)`` take no other argument. ``options``: ``keep``, ``log``, ``writer``, ``sharded`` (None:
+        sharded under fsdp and zero), ``async_save``."""
         return checkpoint.Checkpointer(folder, self.runtime, strategy=self.strategy, model=model, optimizer=optimizer,
                                        scheduler=scheduler, scaler=self.scaler, loader=loader, progress=self,
                                        **options)

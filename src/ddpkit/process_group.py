@@ -224,8 +224,7 @@ def freeze_for_exit() -> None:
 
 def teardown() -> None:
     """Destroy the process group if one is up; safe to call twice."""
-    global _control_group
-    _control_group = None
+    _side_groups.clear()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -233,7 +232,15 @@ def teardown() -> None:
 # Waiting for rank 0 to finish writing a checkpoint may take long on a slow disk; that wait must not be
 # bounded by --timeout, which is meant for collectives of the training step.
 CONTROL_TIMEOUT_S = 24 * 3600.0
-_control_group = None
+_side_groups: dict[str, dist.ProcessGroup] = {}  # gloo groups beside the training one, by purpose
+
+
+def _side_group(purpose: str, runtime: Runtime):
+    if runtime.backend is None:
+        return None
+    if purpose not in _side_groups:
+        _side_groups[purpose] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
+    return _side_groups[purpose]
 
 
 def control_group(runtime: Runtime):
@@ -243,12 +250,14 @@ def control_group(runtime: Runtime):
     Created on first use; every rank must make its first call at the same point, like any collective.
     ``None`` when there is no process group.
     """
-    global _control_group
-    if runtime.backend is None:
-        return None
-    if _control_group is None:
-        _control_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
-    return _control_group
+    return _side_group("control", runtime)
+
+
+def background_group(runtime: Runtime):
+    """A gloo group for collectives that run in a background thread (asynchronous checkpoint saves), which
+    must not share a group with the main thread's. Created on first use, by every rank at the same point;
+    ``None`` when there is no process group."""
+    return _side_group("background", runtime)
 
 
 TIMEOUT_ENV = "DDPKIT_TIMEOUT_S"  # set by `ddpkit run --timeout`: the default for setup(timeout_s=None)

@@ -46,6 +46,7 @@ PARALLEL = "sharding and pipelines (docs/parallelism.md)"
 CHECKPOINTS = "checkpoints (DIR/checkpoints)"
 DDP_KNOBS = "DistributedDataParallel knobs"
 CLI_STRATEGIES = ("single", "dp", "ddp", "fsdp", "pipeline")  # ZeRO is --strategy ddp --zero
+CHECKPOINT_FORMATS = ("auto", "full", "sharded")
 
 
 @dataclasses.dataclass
@@ -126,6 +127,13 @@ class TrainConfig:
     checkpoint_every: int = option(0, "also checkpoint every N optimizer steps (default: 0, at each epoch's end only)",
                                    metavar="N", group=CHECKPOINTS)
     keep_checkpoints: int = option(3, "keep the newest K (default: 3)", metavar="K", group=CHECKPOINTS)
+    checkpoint_format: str = option("auto", "full: one file, the state gathered to rank 0; sharded: a folder in which "
+                                            "every rank writes its own part (torch.distributed.checkpoint), resumable "
+                                            "on any number of processes; auto: sharded for fsdp and zero, full "
+                                            "otherwise (default: auto)", choices=CHECKPOINT_FORMATS, group=CHECKPOINTS)
+    async_checkpoint: bool = option(False, "write sharded checkpoints in the background: training waits only for the "
+                                           "copy to host memory (implies --checkpoint-format sharded)",
+                                    group=CHECKPOINTS)
     find_unused_parameters: bool = option(False, "allow parameters that get no gradient in a step (costs a graph walk "
                                                  "per step)", group=DDP_KNOBS)
     static_graph: bool = option(False, "the set of used parameters never changes", group=DDP_KNOBS)
@@ -207,6 +215,12 @@ class TrainConfig:
             raise UsageError(f"--checkpoint-every must be 0 (epoch ends only) or more, got {self.checkpoint_every}")
         if self.keep_checkpoints < 1:
             raise UsageError(f"--keep-checkpoints must be at least 1, got {self.keep_checkpoints}")
+        if self.async_checkpoint and self.checkpoint_format == "full":
+            raise UsageError("--async-checkpoint writes sharded checkpoints; full ones are written in the background "
+                             "by rank 0 already: drop --async-checkpoint or --checkpoint-format full")
+        if self.strategy == "pipeline" and (self.checkpoint_format == "sharded" or self.async_checkpoint):
+            raise UsageError("sharded checkpoints (--checkpoint-format sharded, --async-checkpoint) are not available "
+                             "for --strategy pipeline yet; its checkpoints are full ones")
         if self.resume == "":
             raise UsageError("--resume needs a value: auto, a checkpoint file, or a checkpoint folder")
         if self.resume not in (None, "auto") and not os.path.exists(self.resume):
@@ -417,7 +431,8 @@ def open_checkpoints(cfg: TrainConfig, job: Job, model: nn.Module) -> tuple[chec
         moved = checkpoint.set_aside(folder)
         if moved is not None:
             logger.info(f"starting fresh (no --resume); the earlier run's checkpoints were moved to {moved}")
-    ckpt = job.checkpointer(folder, keep=cfg.keep_checkpoints)
+    sharded = {"auto": None, "full": False, "sharded": True}[cfg.checkpoint_format]
+    ckpt = job.checkpointer(folder, keep=cfg.keep_checkpoints, sharded=sharded, async_save=cfg.async_checkpoint)
     # Weights go into the bare model, before wrapping; the rest once the optimizer exists.
     resumed = ckpt.load(source, model=model)
     if source == "auto" and resumed is None:
@@ -458,7 +473,7 @@ def restore(run_state: RunState, resumed) -> Position:
         where = ("continuing at epoch " + str(resumed.epoch + 1)
                  + (f" after {samples} samples (step {step_in_epoch} of {steps_per_epoch})" if samples else ""))
     logger.info(f"resumed from {resumed.path} ({contents.layout}): {where}")
-    if contents.layout != "ddpkit":
+    if not contents.from_ddpkit:
         parts = ["weights"] + (["optimizer"] if contents.optimizer is not None else [])
         logger.info(f"that file holds {' and '.join(parts)} only: no RNG or data position, so the run "
                     "continues from an epoch's start, not bit for bit")

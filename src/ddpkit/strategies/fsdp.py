@@ -21,7 +21,7 @@ import torch.nn as nn
 from ddpkit.errors import UsageError
 from ddpkit.process_group import Runtime, broadcast_buffers
 from ddpkit.strategies import split
-from ddpkit.strategies.base import Strategy
+from ddpkit.strategies.base import Strategy, state_dicts
 from ddpkit.strategies import state as state_layouts
 
 
@@ -42,6 +42,7 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 class FSDP(Strategy):
     name: ClassVar[str] = "fsdp"
     shards_model: ClassVar[bool] = True
+    sharded_checkpoints: ClassVar[bool] = True
     eval_lockstep: ClassVar[bool] = True  # each forward all-gathers: every rank runs as many
 
     def wrap(self, model: nn.Module, runtime: Runtime, *, example=None) -> nn.Module:  # noqa: ARG002
@@ -81,14 +82,6 @@ class FSDP(Strategy):
         named = saved if state_layouts.is_named(saved) else state_layouts.numbered_to_named(saved, names)
         check(optimizer, named)
         state_dicts().set_optimizer_state_dict(model, optimizer, named, options=full_options(cpu_offload=False))
-
-
-
-def state_dicts():
-    """torch.distributed.checkpoint's state_dict helpers, imported on use (they pull in FSDP: 0.6 s)."""
-    from torch.distributed.checkpoint import state_dict
-
-    return state_dict
 
 
 def full_options(cpu_offload: bool = True):

@@ -230,6 +230,10 @@ class PipelineParallel(Strategy):
         if model.replica_group is not None:
             broadcast_buffers(unwrap(model), runtime, group=model.replica_group)
 
+    def sharded_state(self, model: nn.Module, optimizer) -> dict:  # noqa: ARG002
+        raise UsageError("sharded checkpoints are not available for pipelines yet (their stages' replicas "
+                         "would each write the same part); use the full format (--checkpoint-format full)")
+
     def full_model_state(self, model: Pipeline, runtime: Runtime) -> dict[str, torch.Tensor] | None:
         mine = snapshot(unwrap(model).state_dict())
         return state_layouts.merge_stages(model.replica, runtime, mine, state_layouts.merge_dicts)

@@ -1,7 +1,9 @@
 """DDP with ZeRO stage 1: PyTorch's ZeroRedundancyOptimizer keeps 1/world of the optimizer state on each rank.
 
 Gradients are all-reduced as in DDP; each rank then steps only the parameters it owns and broadcasts them.
-Checkpoints consolidate the shards on rank 0, in PyTorch's plain (numbered) layout.
+Sharded checkpoints (the default) have each rank write the optimizer state of its own share of the parameters,
+named by parameter: another world size, whose shares differ, reads them back by name. Full checkpoints
+consolidate the shares on rank 0, in PyTorch's plain (numbered) layout.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import torch
 import torch.nn as nn
 
 from ddpkit.process_group import Runtime
-from ddpkit.strategies.base import held_bytes
+from ddpkit.strategies.base import dcp_state, held_bytes, load_dcp_state, unwrap
 from ddpkit.strategies.ddp import DDP
 
 
 @dataclasses.dataclass(frozen=True)
 class ZeRO(DDP):
     name: ClassVar[str] = "zero"
+    sharded_checkpoints: ClassVar[bool] = True
 
     def make_optimizer(self, optimizer_class: type, model: nn.Module, **settings) -> torch.optim.Optimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer  # imported on use: it pulls in RPC
@@ -30,6 +33,20 @@ class ZeRO(DDP):
         # Each rank holds the state of its own share of the parameters; rank 0 collects them all.
         optimizer.consolidate_state_dict(to=0)
         return optimizer.state_dict() if runtime.is_main else None
+
+    def sharded_state(self, model: nn.Module, optimizer) -> dict:
+        # The optimizer this rank steps: the one over its own share of the parameters.
+        return dcp_state(unwrap(model), optimizer.optim if optimizer is not None else None)
+
+    def load_sharded_state(self, model: nn.Module, optimizer, read) -> None:
+        load_dcp_state(unwrap(model), optimizer.optim if optimizer is not None else None, read)
+        if optimizer is None:
+            return
+        # ZeroRedundancyOptimizer hands its own groups' settings (the learning rate) to the inner optimizer at
+        # each step: they must be the loaded ones. Groups without parameters on this rank loaded none.
+        for group, loaded in zip(optimizer.param_groups, optimizer.optim.param_groups):
+            if loaded["params"]:
+                group.update({key: value for key, value in loaded.items() if key != "params"})
 
     def train_state_bytes(self, model: nn.Module, optimizer) -> int:
         return held_bytes(model, optimizer.optim if optimizer is not None else None)  # this rank's share
