@@ -43,6 +43,17 @@ def test_doctor_json_names_versions_backends_variables_and_who_holds_the_port():
     assert names["NCCL_IB_PASSWORD"]["value"] == "<hidden>" and "hunter2" not in result.stdout
     assert names["NCCL_IB_PKEY"]["value"] == "3"  # an InfiniBand partition, not a key
     assert report["port"] == port and [h["pid"] for h in report["port_holders"]] == [os.getpid()]
+    assert report["host_name"] is None  # GLOO_SOCKET_IFNAME says which interface: nothing to warn about
+
+
+def test_doctor_flags_a_host_name_that_resolves_to_loopback(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(socket, "gethostname", lambda: "localhost")  # /etc/hosts: 127.0.0.1 localhost
+    report = doctor.machine_report(port=1)
+    assert report["host_name"] == (
+        "host name localhost resolves to 127.0.0.1 (loopback): fine on one machine, but across machines gloo would "
+        "advertise it; ddpkit train/run pick the interface that reaches node 0, or set GLOO_SOCKET_IFNAME")
+    assert report["host_name"] in doctor.format_report(report).splitlines()
 
 
 def test_doctor_text_says_how_to_clear_a_leftover():

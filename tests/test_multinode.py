@@ -34,7 +34,18 @@ def _ip(*args: str) -> None:
 
 @pytest.fixture
 def two_nodes():
-    """[(namespace, address), (namespace, address)], torn down afterwards whatever happened."""
+    """[(namespace, hostname), (namespace, hostname)], torn down afterwards whatever happened."""
+    yield from _make_nodes(own_name_loopback=False)
+
+
+@pytest.fixture
+def two_nodes_named_loopback():
+    """The same two nodes, but each one's /etc/hosts maps its own name to 127.0.1.1 (as Debian and Ubuntu
+    install it, and many cloud images do) and the other's to its address."""
+    yield from _make_nodes(own_name_loopback=True)
+
+
+def _make_nodes(own_name_loopback: bool):
     if os.geteuid() != 0:
         pytest.skip("needs root to create network namespaces (ip netns)")
     if shutil.which("ip") is None:
@@ -43,13 +54,15 @@ def two_nodes():
         pytest.skip("needs util-linux's `unshare` (to give each node its own hostname)")
     tag = uuid.uuid4().hex[:6]
     nodes = [(f"ddpk{tag}{side}", f"{SUBNET}.{index + 1}", f"v{tag}{side}") for index, side in enumerate("ab")]
-    hosts = "127.0.0.1 localhost\n" + "".join(f"{SUBNET}.{index + 1} node-{side}\n" for index, side in enumerate("ab"))
     made: list[str] = []
     try:
-        for name, _, _ in nodes:
+        for own, (name, _, _) in zip("ab", nodes):
             _ip("netns", "add", name)
             made.append(name)
             (Path("/etc/netns") / name).mkdir(parents=True, exist_ok=True)
+            hosts = "127.0.0.1 localhost\n" + "".join(
+                f"{'127.0.1.1' if own_name_loopback and side == own else f'{SUBNET}.{index + 1}'} node-{side}\n"
+                for index, side in enumerate("ab"))
             (Path("/etc/netns") / name / "hosts").write_text(hosts)
         (a, _, veth_a), (b, _, veth_b) = nodes
         _ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
@@ -129,14 +142,22 @@ def test_two_nodes_through_the_c10d_rendezvous_train_like_one_node(tmp_path, two
     _check(results, tmp_path, single_node)
 
 
-def test_two_nodes_with_static_ranks_train_like_one_node(tmp_path, two_nodes, single_node):
-    (a, host_a), (b, host_b) = two_nodes
+def test_two_nodes_with_static_ranks_and_names_that_resolve_to_loopback_train_like_one_node(
+        tmp_path, two_nodes_named_loopback, single_node):
+    # gloo would advertise 127.0.1.1 to the other node: node 0 failed ("connectFullMesh failed ...
+    # remote=[127.0.0.1]") and node 1 hung until killed. Each launcher sets GLOO_SOCKET_IFNAME instead.
+    # (The c10d test above has nodes whose names resolve to their addresses, as a cluster's DNS gives.)
+    (a, host_a), (b, host_b) = two_nodes_named_loopback
     common = [sys.executable, "-m", "ddpkit", "train", *RUN, "--nproc-per-node", "1", "--nnodes", "2",
               "--master-addr", f"{SUBNET}.1", "--master-port", "29612"]
     results = _run_on_nodes([(a, host_a, [*common, "--node-rank", "0", "--output-dir", str(tmp_path / "node0")]),
                              (b, host_b, [*common, "--node-rank", "1", "--output-dir", str(tmp_path / "node1")])],
                             timeout=180)
     _check(results, tmp_path, single_node)
+    for result, host, address in zip(results, (host_a, host_b), (f"{SUBNET}.1", f"{SUBNET}.2")):
+        assert (f"ddpkit: this machine's name {host} resolves to 127.0.1.1, a loopback address, which gloo would "
+                f"advertise to the other nodes: using GLOO_SOCKET_IFNAME=v") in result.stderr, result.stderr
+        assert f" ({address}), the interface that reaches {SUBNET}.1" in result.stderr
 
 
 # torchrun's own client would retry for its whole timeout (static), or a minute past it (c10d), printing C++
@@ -162,3 +183,32 @@ def test_a_node_whose_master_is_unreachable_ends_in_one_line_within_the_rendezvo
     assert "Traceback" not in result.stderr and "frame #" not in result.stderr, result.stderr
     assert len(result.stderr.splitlines()) <= 3, result.stderr
     assert took < 30, f"took {took:.0f} s"
+
+
+def test_a_node_named_loopback_with_several_interfaces_and_no_route_says_which_to_set(tmp_path):
+    """No route to node 0 tells the interfaces apart: one line naming them, exit 2, before anything starts."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
+        pytest.skip("needs root, iproute2's `ip` and util-linux's `unshare` (a network namespace of its own)")
+    name = f"ddpk{uuid.uuid4().hex[:6]}c"
+    try:
+        _ip("netns", "add", name)
+        (Path("/etc/netns") / name).mkdir(parents=True, exist_ok=True)
+        (Path("/etc/netns") / name / "hosts").write_text("127.0.0.1 localhost\n127.0.1.1 node-c\n")
+        _ip("-n", name, "link", "add", "eth1", "type", "veth", "peer", "name", "eth2")  # two interfaces
+        for index in (1, 2):
+            _ip("-n", name, "addr", "add", f"10.24{index}.0.5/24", "dev", f"eth{index}")
+            _ip("-n", name, "link", "set", f"eth{index}", "up")
+        argv = [sys.executable, "-m", "ddpkit", "train", *RUN, "--nnodes", "2", "--node-rank", "1",
+                "--master-addr", "10.250.0.1", "--output-dir", str(tmp_path)]
+        result = subprocess.run(["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c",
+                                 'hostname node-c && exec "$@"', "node", *argv],
+                                env=child_env(), capture_output=True, text=True, timeout=60)
+    finally:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _ip("netns", "delete", name)
+        shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr == (
+        "ddpkit: error: this machine's name node-c resolves to 127.0.1.1, a loopback address, which gloo would "
+        "advertise to the other nodes; set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME on GPUs) to the interface "
+        "that reaches them (this machine's: eth1 (10.241.0.5), eth2 (10.242.0.5))\n")

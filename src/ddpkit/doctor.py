@@ -23,6 +23,7 @@ import time
 import torch
 
 from ddpkit import nccl
+from ddpkit.interfaces import GLOO_VARIABLE, interface_for, loopback_name_warning
 
 DEFAULT_PORT = 29500
 
@@ -165,31 +166,9 @@ def machine_report(port: int | None = None) -> dict:
         "port": port,
         "port_holders": port_holders(port),
         "gpu_processes": gpu_processes() if cuda else [],
+        "host_name": None if os.environ.get(GLOO_VARIABLE) else loopback_name_warning(),
     }
     return report
-
-
-def interface_for(address: str) -> dict:
-    """The local address and interface this machine uses to reach ``address`` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((socket.gethostbyname(address), 9))
-        except OSError as error:
-            return {"address": None, "interface": None, "error": str(error)}
-        local = probe.getsockname()[0]
-    return {"address": local, "interface": _interface_with(local)}
-
-
-def _interface_with(ip: str) -> str | None:
-    import fcntl
-    import struct
-
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock, contextlib.suppress(OSError):
-            packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
-            if socket.inet_ntoa(packed[20:24]) == ip:
-                return name
-    return None
 
 
 def connectivity(runtime, *, small_repeats: int = 20, big_bytes: int = 8 << 20, big_repeats: int = 5) -> dict:
@@ -259,6 +238,8 @@ def format_report(report: dict) -> str:
     else:
         lines.append(f"port {report['port']}: free")
     lines += [gpu_holder_line(app) for app in report["gpu_processes"]]
+    if report.get("host_name"):
+        lines.append(report["host_name"])
     check = report.get("connectivity")
     if check:
         lines.append(f"connectivity: {check['world_size']} ranks over {check['backend']}, master {check['master']}: "

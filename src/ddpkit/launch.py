@@ -164,6 +164,8 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     check_names(options)
     warn_leftovers(options)
+    if options.nnodes > 1:
+        choose_gloo_interface(options)
     if options.nnodes > 1 and options.rdzv_endpoint is None and options.node_rank > 0:
         wait_for_node_0(options.master_addr, options.master_port or DEFAULT_MULTINODE_PORT, options.rdzv_timeout_s)
     if options.rdzv_endpoint is not None:
@@ -206,6 +208,24 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
             "check --master-addr, and that --master-port is free on node 0 (or omit it on one node)"
         ) from None
     return 0
+
+
+def choose_gloo_interface(options: LaunchOptions) -> None:
+    """Across machines, when this machine's name resolves to a loopback address: set GLOO_SOCKET_IFNAME (for
+    the workers) to the interface that reaches the other nodes, and say so; or one line naming the choices."""
+    from ddpkit import interfaces
+
+    if os.environ.get(interfaces.GLOO_VARIABLE):
+        return
+    peer = options.rdzv_endpoint.rpartition(":")[0] if options.rdzv_endpoint else options.master_addr
+    chosen = interfaces.gloo_interface(peer)
+    if chosen is None:
+        return
+    name, address = interfaces.own_name_address()
+    os.environ[interfaces.GLOO_VARIABLE] = chosen[0]
+    resolves = f"resolves to {address}, a loopback address" if address else "does not resolve"
+    logger.info(f"this machine's name {name} {resolves}, which gloo would advertise to the other nodes: using "
+                f"{interfaces.GLOO_VARIABLE}={chosen[0]} ({chosen[1]}), the interface that reaches {peer}")
 
 
 def wait_for_node_0(host: str, port: int, timeout_s: float, *, what: str = "node 0",
