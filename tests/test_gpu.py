@@ -65,3 +65,15 @@ def test_resume_state_with_cuda_rng_round_trips(tmp_path):
     torch.cuda.manual_seed(9)
     checkpoint.set_rng_state(checkpoint.load_file(tmp_path / "rng.pt")["rng"], torch.device("cuda", 0))
     assert torch.equal(torch.rand(4, device="cuda"), expected)
+
+
+def test_fsdp_saves_sharded_checkpoints_asynchronously_from_the_gpu(tmp_path):
+    # CUDA tensors staged to host memory by DCP's async save, its collectives on a gloo group beside NCCL;
+    # the epoch's last checkpoint holds the model that model.pt holds.
+    from ddpkit.cli import main
+
+    state, _ = train(tmp_path, *SMALL, "--nproc-per-node", "1", "--backend", "nccl", "--strategy", "fsdp",
+                     "--async-checkpoint", "--checkpoint-every", "3")
+    assert main(["checkpoint", "export", str(tmp_path), str(tmp_path / "exported.pt")]) == 0
+    exported = torch.load(tmp_path / "exported.pt", weights_only=True)
+    assert exported.keys() == state.keys() and all(torch.equal(exported[k], state[k]) for k in state)

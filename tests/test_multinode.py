@@ -203,6 +203,13 @@ def test_a_node_named_loopback_with_several_interfaces_and_no_route_says_which_t
         result = subprocess.run(["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c",
                                  'hostname node-c && exec "$@"', "node", *argv],
                                 env=child_env(), capture_output=True, text=True, timeout=60)
+        # With one interface besides loopback, the node that is the rendezvous host itself (its own name, which
+        # resolves to loopback here) takes that one.
+        _ip("-n", name, "addr", "del", "10.242.0.5/24", "dev", "eth2")
+        chosen = subprocess.run(["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c",
+                                 'hostname node-c && exec "$@"', "node", sys.executable, "-c",
+                                 "from ddpkit import interfaces; print(interfaces.gloo_interface('node-c'))"],
+                                env=child_env(), capture_output=True, text=True, timeout=60)
     finally:
         with contextlib.suppress(subprocess.CalledProcessError):
             _ip("netns", "delete", name)
@@ -212,3 +219,4 @@ def test_a_node_named_loopback_with_several_interfaces_and_no_route_says_which_t
         "ddpkit: error: this machine's name node-c resolves to 127.0.1.1, a loopback address, which gloo would "
         "advertise to the other nodes; set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME on GPUs) to the interface "
         "that reaches them (this machine's: eth1 (10.241.0.5), eth2 (10.242.0.5))\n")
+    assert chosen.stdout == "('eth1', '10.241.0.5')\n", chosen.stdout + chosen.stderr

@@ -56,13 +56,17 @@ def is_loopback(address: str | None) -> bool:
     return address is not None and ipaddress.ip_address(address).is_loopback
 
 
+def _resolve(host: str) -> str | None:
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return None
+
+
 def own_name_address() -> tuple[str, str | None]:
     """This machine's host name and the address it resolves to here (None: it does not resolve)."""
     name = socket.gethostname()
-    try:
-        return name, socket.gethostbyname(name)
-    except OSError:
-        return name, None
+    return name, _resolve(name)
 
 
 def gloo_interface(peer: str) -> tuple[str, str] | None:
@@ -71,10 +75,12 @@ def gloo_interface(peer: str) -> tuple[str, str] | None:
     None when gloo's own choice is right (or ``GLOO_SOCKET_IFNAME`` is set already: call only without it).
 
     The interface is the one the route to ``peer`` leaves by; on the machine that is ``peer`` itself, the only
-    interface besides loopback. Several candidates and no route to tell them apart: a UsageError naming them.
+    interface besides loopback. A ``peer`` that is a loopback address (every node on this machine): None. Several candidates and no route to tell them apart: a UsageError naming them.
     """
     name, address = own_name_address()
     if address is not None and not is_loopback(address):
+        return None
+    if peer != name and is_loopback(_resolve(peer)):  # "nodes" that all run on this machine: loopback is right
         return None
     route = interface_for(peer)
     if route["interface"] is not None and not is_loopback(route["address"]):
