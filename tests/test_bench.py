@@ -72,11 +72,11 @@ def test_efficiency_is_per_device_throughput_over_the_one_device_run():
 # -------------------------------------------------------- CLI (bad options: in test_cli.py with the others)
 
 
-def test_a_tiny_cpu_bench_writes_json_csv_and_png_from_its_own_rows(tmp_path):
+def test_a_tiny_cpu_bench_writes_json_csv_and_png_from_its_own_rows_and_sweeps_ddps_knobs(tmp_path):
     out = tmp_path / "bench"
     result = run_ddpkit("bench", "--model", "convnet", "--nproc", "1,2", "--batch-size", "8", "--steps", "3",
                         "--warmup", "1", "--repeats", "2", "--json", f"{out}.json", "--csv", f"{out}.csv",
-                        "--plot", f"{out}.png", "--nccl", "NCCL_ALGO=Ring", timeout=240)
+                        "--plot", f"{out}.png", "--nccl", "NCCL_ALGO=Ring", "--sweep", timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "single img/s (eff)" in result.stdout and "PROJECTION (not measured)" in result.stdout
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -91,26 +91,17 @@ def test_a_tiny_cpu_bench_writes_json_csv_and_png_from_its_own_rows(tmp_path):
         assert len(row["peak_memory_bytes"]) == devices and min(row["peak_memory_bytes"]) > 0
     assert 0 <= rows["ddp", 2]["comm_share"] < 1 and rows["ddp", 2]["allreduce_bytes_per_s"] > 0
     assert report["projection"]["check"][0]["devices"] == 2
+    # The sweep (on the largest process count): every bucket size and every hook, each timed or said why not.
+    sweep = report["sweep"]
+    assert [(r["bucket_cap_mb"], r["hook"]) for r in sweep] == [
+        (1.0, "none"), (5.0, "none"), (25.0, "none"), (100.0, "none"), (None, "fp16"), (None, "bf16"), (None, "powersgd")]
+    assert all(r.get("images_per_sec", 0) > 0 or r.get("error") for r in sweep)
+    assert "DDP tuning sweep on 2 device(s)" in result.stdout and "best:" in result.stdout
     with open(tmp_path / "bench.csv", newline="") as handle:
         table = list(csv.DictReader(handle))
     assert [(r["strategy"], r["devices"]) for r in table] == [("single", "1"), ("ddp", "1"), ("ddp", "2")]
     assert float(table[2]["efficiency"]) == pytest.approx(rows["ddp", 2]["efficiency"])
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "sweep" not in report
-
-
-def test_the_sweep_times_every_bucket_size_and_hook(tmp_path):
-    result = run_ddpkit("bench", "--model", "convnet", "--nproc", "2", "--strategies", "ddp", "--batch-size", "8",
-                        "--steps", "3", "--warmup", "1", "--repeats", "1", "--json", str(tmp_path / "b.json"),
-                        "--sweep", timeout=240)
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads((tmp_path / "b.json").read_text())
-    # Every bucket size and every hook, each timed or said why not.
-    sweep = report["sweep"]
-    assert [(r["bucket_cap_mb"], r["hook"]) for r in sweep] == [
-        (1.0, "none"), (5.0, "none"), (25.0, "none"), (100.0, "none"), (None, "fp16"), (None, "bf16"), (None, "powersgd")]
-    assert all(r.get("images_per_sec", 0) > 0 or r.get("error") for r in sweep)
-    assert "best:" in result.stdout
 
 
 def test_bench_through_a_data_loader(tmp_path):
@@ -119,7 +110,8 @@ def test_bench_through_a_data_loader(tmp_path):
                         "--json", str(tmp_path / "b.json"), timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "loader data" in result.stdout
-    assert json.loads((tmp_path / "b.json").read_text())["results"][0]["images_per_sec"] > 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["results"][0]["images_per_sec"] > 0 and "sweep" not in report  # no --sweep, no sweep
 
 
 def test_bench_on_an_image_folder_decoded_by_loader_processes(tmp_path):

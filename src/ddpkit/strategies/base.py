@@ -71,7 +71,7 @@ class Strategy(Protocol):
     # Every rank holds the whole model, the same weights after each step (ddp, zero): ``ddpkit.replicas``
     # compares them. Not where ranks hold different parts (fsdp, pipelines) or there is one process.
     replicated: ClassVar[bool] = False
-    # Checkpoints are sharded by default: every rank writes its own part (fsdp, zero), none gathers the whole.
+    # Whether checkpoints are sharded by default: every rank writes its own part and none gathers the whole (fsdp, zero).
     sharded_checkpoints: ClassVar[bool] = False
 
     def check(self, *, world_size: int, cuda_count: int, batch_size: int | None = None,
