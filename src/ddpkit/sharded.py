@@ -55,11 +55,15 @@ _ALLOWED = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        found = super().find_class(module, name) if module.split(".")[0] in ("torch", "pathlib", "collections") else None
-        if (module, name) in _ALLOWED or isinstance(found, torch.dtype):
-            return found
-        if module == _METADATA_MODULE and isinstance(found, type) and found.__module__ == _METADATA_MODULE:
-            return found
+        # Decided before anything is imported or looked up: a name outside these is refused as it stands.
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == _METADATA_MODULE:
+            found = super().find_class(module, name)
+            if isinstance(found, type) and found.__module__ == _METADATA_MODULE:
+                return found
         raise pickle.UnpicklingError(f"it refers to {module}.{name}, which is not part of DCP's metadata")
 
 
