@@ -36,6 +36,19 @@ def test_what_each_rank_says_at_each_level():
     assert lines_logged(0, "warning") == ["[rank0]: ddpkit: warning: w", "[rank0]: ddpkit: error: e"]
 
 
+def test_a_ranks_file_holds_its_info_lines_and_survives_reconfiguring(tmp_path):
+    path = tmp_path / "logs" / "rank3.log"
+    with logs.kept_in_file(path, 3):
+        console = lines_logged(3, "info")  # configure again: the console handler is replaced, the file's stays
+    logs.logger.info("after the block: not in the file")
+    with logs.kept_in_file(path, 3):  # a restart: appended
+        logs.logger.info("again")
+    assert console == ["[rank3]: ddpkit: warning: w", "[rank3]: ddpkit: error: e"]
+    assert path.read_text().splitlines() == ["[rank3]: ddpkit: i", "[rank3]: ddpkit: warning: w",
+                                             "[rank3]: ddpkit: error: e", "[rank3]: ddpkit: again"]
+    assert not any(isinstance(handler, logs.FileRankHandler) for handler in logs.logger.handlers)
+
+
 def test_a_handler_of_the_users_own_stays_and_ddpkits_is_never_doubled():
     records = []
     own = logging.Handler()

@@ -116,3 +116,13 @@ def test_default_run_learns_digits_and_writes_the_contract_files(default_run):
     state = torch.load(tmp_path / "model.pt", weights_only=True)
     assert not any(key.startswith("module.") for key in state)
     Net().load_state_dict(state)  # a plain state_dict for the bare model
+
+
+def test_each_rank_keeps_its_own_messages_in_a_file(ddp_digits):
+    folder, _, _, result = ddp_digits
+    rank1 = (folder / "logs" / "rank1.log").read_text()
+    # Rank 1's info lines, which the console leaves out (it shows rank 0's, and every rank's warnings and errors).
+    assert "[rank1]: ddpkit: 2 process(es) via torchrun, backend gloo" in rank1
+    assert "[rank1]: ddpkit: 2 process(es)" not in result.stderr
+    assert rank1 and all(line.startswith("[rank1]: ddpkit: ") for line in rank1.splitlines())
+    assert "[rank0]: ddpkit: 2 process(es) via torchrun" in (folder / "logs" / "rank0.log").read_text()

@@ -25,9 +25,11 @@ would print each line a second time); a handler the user attaches to it gets the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from typing import TextIO
 
 from ddpkit.errors import EXIT_USAGE, UsageError
@@ -87,8 +89,27 @@ def configure(rank: int | None = None, level: str | None = None, stream: TextIO 
     _install(rank, chosen, stream)
 
 
+class FileRankHandler(RankHandler):
+    """A rank's own messages, every one the logger passes (no rank-0-only filter), to a file of that rank."""
+
+
+@contextlib.contextmanager
+def kept_in_file(path: str | os.PathLike, rank: int | None) -> Iterator[None]:
+    """Inside the block, also write this process's ddpkit messages to ``path``, appended (a restart adds its
+    lines): all of them at the logger's level, a rank other than 0's ``info`` lines too, which the console
+    leaves out."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a", buffering=1, encoding="utf-8") as handle:
+        handler = FileRankHandler(rank, every_rank=True, stream=handle)
+        logger.addHandler(handler)
+        try:
+            yield
+        finally:
+            logger.removeHandler(handler)
+
+
 def _install(rank: int | None, chosen: str, stream: TextIO | None) -> None:
-    for handler in [handler for handler in logger.handlers if isinstance(handler, RankHandler)]:
+    for handler in [handler for handler in logger.handlers if type(handler) is RankHandler]:
         logger.removeHandler(handler)
     logger.addHandler(RankHandler(rank, every_rank=chosen == "debug", stream=stream))
     logger.setLevel(chosen.upper())

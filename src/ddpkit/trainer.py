@@ -47,6 +47,7 @@ CHECKPOINTS = "checkpoints (DIR/checkpoints)"
 DDP_KNOBS = "DistributedDataParallel knobs"
 CLI_STRATEGIES = ("single", "dp", "ddp", "fsdp", "pipeline")  # ZeRO is --strategy ddp --zero
 CHECKPOINT_FORMATS = ("auto", "full", "sharded")
+LOGS_FOLDER = "logs"  # OUTPUT_DIR/logs/rank<N>.log: each rank's ddpkit messages
 
 
 @dataclasses.dataclass
@@ -313,8 +314,10 @@ def run(cfg: TrainConfig, environment: DistEnv | None = None) -> dict:
                   check_replicas=cfg.check_replicas, status_file=os.path.join(cfg.output_dir, status.STATUS_FILE),
                   environment=environment,
                   log_level="debug" if cfg.debug else cfg.log_level)
-    with job, in_train_flags():  # translated before the job's exit reports them
-        return train(cfg, job)
+    # Each rank's own messages, those the console leaves out too (ranks other than 0 say info lines there).
+    with logs.kept_in_file(os.path.join(cfg.output_dir, LOGS_FOLDER, f"rank{job.rank}.log"), job.rank):
+        with job, in_train_flags():  # translated before the job's exit reports them
+            return train(cfg, job)
 
 
 # Library parameters that `ddpkit train` sets through flags of other names (TrainConfig's fields are flags).
