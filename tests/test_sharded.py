@@ -138,3 +138,12 @@ def test_asking_for_full_checkpoints_saved_asynchronously_is_one_line(tmp_path):
                          device=torch.device("cpu"))
     with pytest.raises(ddpkit.UsageError, match="asynchronous saving writes sharded checkpoints .* drop one of the two"):
         checkpoint.Checkpointer(tmp_path, one, sharded=False, async_save=True)
+
+
+def test_a_failed_dcp_save_is_one_line_naming_the_rank_or_the_full_disk(tmp_path):
+    full = OSError(28, "No space left on device", str(tmp_path / "__1_0.distcp"))
+    failures = {1: (full, None), 0: (RuntimeError("first line\nsecond"), None)}
+    assert sharded.why(sharded.CheckpointException("failed", {1: failures[1]})).startswith(
+        f"writing {tmp_path / '__1_0.distcp'} failed: no space left on the device")
+    assert isinstance(sharded.as_error(sharded.CheckpointException("failed", {1: failures[1]})), ddpkit.UsageError)
+    assert str(sharded.as_error(sharded.CheckpointException("failed", failures))) == "rank 0: first line"

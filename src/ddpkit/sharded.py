@@ -153,22 +153,26 @@ def model_shapes(folder: str | os.PathLike, device: str = "meta") -> dict[str, t
             for key, entry in entries if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
 
 
+def _first_failure(error: BaseException) -> tuple[int | None, BaseException]:
+    """(rank, its own error): the lowest rank's inside DCP's CheckpointException; (None, error) otherwise."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank = min(error.failures)
+        return rank, error.failures[rank][0]
+    return None, error
+
+
 def as_error(error: BaseException) -> Exception:
     """A DCP failure as one line: a ``DiskFull`` when a write found no space, else an error saying ``why``."""
-    inner = error
-    if isinstance(error, CheckpointException) and error.failures:
-        inner = next(iter(sorted(error.failures.items())))[1][0]
-    return disk_full(inner) or RuntimeError(why(error))
+    return disk_full(_first_failure(error)[1]) or RuntimeError(why(error))
 
 
 def why(error: BaseException) -> str:
     """One line for an error of DCP's: the first rank's own error inside a CheckpointException."""
-    if isinstance(error, CheckpointException) and error.failures:
-        rank, (inner, _) = next(iter(sorted(error.failures.items())))
-        full = disk_full(inner)
-        return str(full) if full is not None else f"rank {rank}: {first_line(inner)}"
-    full = disk_full(error)
-    return str(full) if full is not None else first_line(error)
+    rank, inner = _first_failure(error)
+    full = disk_full(inner)
+    if full is not None:
+        return str(full)
+    return first_line(inner) if rank is None else f"rank {rank}: {first_line(inner)}"
 
 
 # ---------------------------------------------------------------------------------------------- checksums
