@@ -1,13 +1,16 @@
 """The command line: bad input is one line and exit status 2; `ddpkit run` starts real scripts."""
 
+import json
 import os
 import socket
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import run_ddpkit
+from listening import not_loopback
 from ddpkit.cli import main
 
 NO_GPU = torch.cuda.device_count() == 0
@@ -170,6 +173,14 @@ TORCHRUN_STYLE = textwrap.dedent(
     out = os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.txt")
     with open(out, "w") as f:
         f.write(f"{os.environ['LOCAL_RANK']} {os.environ['WORLD_SIZE']} {t.item()} {' '.join(sys.argv[2:])}")
+    if dist.get_rank() == 0 and os.environ.get("LISTENING_HELPER"):
+        # Where the job's stores listen: the agent (this process's parent) hosts them all.
+        sys.path.insert(0, os.environ["LISTENING_HELPER"])
+        import json, listening
+        found = {"agent": sorted(listening.listening(os.getppid())), "rank0": sorted(listening.listening(os.getpid())),
+                 "master_port": int(os.environ["MASTER_PORT"])}
+        with open(os.path.join(sys.argv[1], "listening.json"), "w") as f:
+            json.dump(found, f)
     dist.destroy_process_group()
     """
 )
@@ -201,11 +212,18 @@ def test_run_starts_a_torchrun_style_script_unchanged_with_the_default_port_busy
             pass  # something else already holds it: just as good for this test
         busy.listen()
         result = run_ddpkit("run", "--nproc-per-node", "2", str(script), str(tmp_path), "--its-own", "flag",
-                            timeout=120)
+                            timeout=120, LISTENING_HELPER=str(Path(__file__).parent))
     assert result.returncode == 0, result.stderr
     # 1 + 2 = 3 on both ranks: a real all-reduce went through; the script's own arguments arrived.
     assert (tmp_path / "rank0.txt").read_text() == "0 2 3.0 --its-own flag"
     assert (tmp_path / "rank1.txt").read_text() == "1 2 3.0 --its-own flag"
+    # The stores of a one-machine run listen on loopback only, a plain torch.distributed script's included:
+    # the agent hosts the rendezvous store and the workers' (MASTER_PORT); rank 0 hosts none.
+    found = json.loads((tmp_path / "listening.json").read_text())
+    agent = {(address, port) for address, port in found["agent"]}
+    assert len(agent) >= 2 and not_loopback(agent) == set(), agent
+    assert ("127.0.0.1", found["master_port"]) in agent
+    assert found["master_port"] not in {port for _, port in found["rank0"]}
 
 
 def test_a_failing_script_reports_the_rank_and_fails(tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from conftest import child_env, children_of, leftover_processes, rank_pid, run_ddpkit
+from conftest import child_env, children_of, leftover_processes, run_ddpkit
 from ddpkit import checkpoint, heartbeat
 from ddpkit.errors import UsageError
 from ddpkit.heartbeat import Heartbeat, Seen, find_stall, stall_after
@@ -186,8 +186,9 @@ class StoppedRank:
         deadline = time.monotonic() + 90
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
             time.sleep(0.5)
-        self.pid = rank_pid(self.proc.pid, self.rank)
-        assert self.pid is not None, f"rank {self.rank} not found"
+        # The pid each rank publishes with its heartbeat (whichever launcher started it).
+        self.pid = json.loads((self.out / "status.json").read_text())["ranks"][self.rank]["pid"]
+        assert self.pid in children_of(self.proc.pid), f"rank {self.rank} (pid {self.pid}) is not the launcher's"
         os.kill(self.pid, signal.SIGSTOP)
         self.stopped = time.monotonic()
 
@@ -225,9 +226,10 @@ class StoppedRank:
 @pytest.fixture(scope="module")
 def stopped_ranks(tmp_path_factory):
     """The two stopped-rank runs, side by side: each spends most of its time waiting for the stall watch.
-    rank -> (StoppedRank, its result). Rank 1 is stopped at default settings, rank 0 with --stall-timeout 15."""
+    rank -> (StoppedRank, its result). Rank 1 is stopped at default settings, rank 0 with --stall-timeout 15
+    under the spawn launcher, with which rank 0 serves the job's store (under torchrun the agent does)."""
     jobs = {1: StoppedRank(tmp_path_factory.mktemp("rank1") / "run", 1),
-            0: StoppedRank(tmp_path_factory.mktemp("rank0") / "run", 0, "--stall-timeout", "15")}
+            0: StoppedRank(tmp_path_factory.mktemp("rank0") / "run", 0, "--stall-timeout", "15", "--launcher", "spawn")}
     try:
         for job in jobs.values():
             job.stop_after_two_epochs()

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -79,9 +80,11 @@ def _make_nodes(own_name_loopback: bool):
             shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
 
 
-def _run_on_nodes(commands: list[tuple[str, str, list[str]]], timeout: float) -> list[subprocess.CompletedProcess]:
-    """Start each command in its namespace, under its hostname, at once; wait for all. On a timeout, kill
-    every process of the run (torchrun's workers have sessions of their own: found by their marker)."""
+def _run_on_nodes(commands: list[tuple[str, str, list[str]]], timeout: float,
+                  meanwhile: Callable[[], None] | None = None) -> list[subprocess.CompletedProcess]:
+    """Start each command in its namespace, under its hostname, at once; call ``meanwhile``; wait for all. On
+    a timeout, kill every process of the run (torchrun's workers have sessions of their own: found by their
+    marker)."""
     marker = uuid.uuid4().hex
     procs = [subprocess.Popen(["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c",
                                f'hostname {host} && exec "$@"', "node", *argv],
@@ -93,6 +96,8 @@ def _run_on_nodes(commands: list[tuple[str, str, list[str]]], timeout: float) ->
     results = []
     deadline = time.monotonic() + timeout  # one deadline for all nodes
     try:
+        if meanwhile is not None:
+            meanwhile()
         for proc in procs:
             stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
@@ -220,3 +225,53 @@ def test_a_node_named_loopback_with_several_interfaces_and_no_route_says_which_t
         "advertise to the other nodes; set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME on GPUs) to the interface "
         "that reaches them (this machine's: eth1 (10.241.0.5), eth2 (10.242.0.5))\n")
     assert chosen.stdout == "('eth1', '10.241.0.5')\n", chosen.stdout + chosen.stderr
+
+
+def _cut(namespace: str) -> None:
+    """Drop every packet this node sends to the other, silently (no refusal, no unreachable): a partition."""
+    links = subprocess.run(["ip", "-n", namespace, "-o", "link", "show", "type", "veth"], check=True,
+                           capture_output=True, text=True, timeout=30).stdout
+    veth = links.split(":")[1].strip().split("@")[0]
+    cut = subprocess.run(["tc", "-n", namespace, "qdisc", "add", "dev", veth, "root", "blackhole"],
+                         capture_output=True, text=True, timeout=30)
+    if cut.returncode != 0:
+        pytest.skip(f"cannot cut the link between the nodes (tc's blackhole qdisc): {cut.stderr.strip()}")
+
+
+@pytest.mark.slow
+def test_a_partition_between_two_nodes_ends_both_within_a_minute_each_saying_why(tmp_path, two_nodes):
+    # Once a node held a worker for 480 s after a partition, and the node that stayed up blamed the wrong
+    # side. Here each node has one rank; the link between them is cut after the first epoch.
+    (a, host_a), (b, host_b) = two_nodes
+    if shutil.which("tc") is None:
+        pytest.skip("needs iproute2's `tc` (to cut the link between the nodes)")
+    common = [sys.executable, "-m", "ddpkit", "train", *RUN, "--epochs", "100", "--nproc-per-node", "1", "--nnodes",
+              "2", "--rdzv-endpoint", f"{host_a}:29613", "--rdzv-id", "test", "--timeout", "30", "--stall-timeout",
+              "10"]
+    cut_at = []
+
+    def cut_after_an_epoch() -> None:
+        deadline = time.monotonic() + 120
+        while not any((tmp_path / node / "metrics.jsonl").exists() for node in ("node0", "node1")):
+            assert time.monotonic() < deadline, "no epoch ended in 120 s"
+            time.sleep(0.2)
+        for namespace in (a, b):
+            _cut(namespace)
+        cut_at.append(time.monotonic())
+
+    results = _run_on_nodes([(a, host_a, [*common, "--output-dir", str(tmp_path / "node0")]),
+                             (b, host_b, [*common, "--output-dir", str(tmp_path / "node1")])],
+                            timeout=180, meanwhile=cut_after_an_epoch)
+    took = time.monotonic() - cut_at[0]
+    assert took < 60, f"the nodes ended {took:.0f} s after the cut"
+    outputs = [result.stderr for result in results]
+    assert [result.returncode for result in results] == [1, 1], outputs
+    # Rank 0's node names rank 1, and says a partition may be why; rank 1 finds its store unreachable.
+    [(first, other)] = [(host, other) for host, other, out in ((host_a, host_b, outputs[0]), (host_b, host_a, outputs[1]))
+                        if "[rank0]:" in out]
+    stderr = "".join(outputs)
+    assert (f"rank 1 (host {other}, pid " in stderr and f"or {other} can no longer reach this node (a network "
+            f"partition, or {other} is down)") in stderr, stderr
+    assert (f"rank 1 (host {other}) is cut off from the job's store at " in stderr
+            and f"the network between {other} and {first} is cut (a partition), or {first} is down" in stderr), stderr
+    assert "Traceback" not in stderr, stderr

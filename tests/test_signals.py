@@ -69,3 +69,43 @@ def test_signal_tears_down_every_rank_within_seconds(tmp_path, how):
     # The launcher prints no traceback of its own (a worker's KeyboardInterrupt is the script's, "[rankN]: ...").
     assert not [line for line in stderr.splitlines() if line.startswith("Traceback")], stderr
     assert [(tmp_path / f"exit{r}").read_text() for r in (0, 1)] == ["False", "False"]
+
+
+REPEATED = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    import ddpkit
+    from ddpkit.signals import Terminated
+    out = sys.argv[1]
+
+    def repeat():  # the same SIGTERM again, 50 ms later: a dead launcher's next thread, or Slurm then torchrun
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        try:
+            with ddpkit.distributed():
+                threading.Thread(target=repeat).start()
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+        finally:
+            time.sleep(0.3)  # the repeat comes while the script's own finally block runs
+            open(os.path.join(out, "finally"), "w").close()
+    except Terminated as stop:
+        open(os.path.join(out, "terminated"), "w").write(str(stop.code))
+    time.sleep(1.2)  # past the window: a new SIGTERM ends the process as before (the default action)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    open(os.path.join(out, "survived"), "w").close()
+    """
+)
+
+
+def test_a_repeated_sigterm_is_the_same_stop_and_a_later_one_ends_the_process(tmp_path):
+    script = tmp_path / "repeat.py"
+    script.write_text(REPEATED)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path)], env=child_env(), capture_output=True,
+                            text=True, timeout=60)
+    assert (tmp_path / "finally").exists(), result.stderr  # the repeat did not end it in its finally block
+    assert (tmp_path / "terminated").read_text() == str(128 + signal.SIGTERM)  # raised once, with SIGTERM's status
+    assert result.returncode == -signal.SIGTERM and not (tmp_path / "survived").exists(), result.stderr

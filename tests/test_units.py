@@ -1,17 +1,22 @@
 """Pure unit tests: sampler arithmetic, device/backend choice, launcher command lines, config validation."""
 
 import collections
+import os
+import socket
+import threading
 
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from ddpkit import interfaces
 from ddpkit.data import eval_indices, train_loader
 from ddpkit.env import DistEnv
 from ddpkit.errors import UsageError
 from ddpkit.launch import LaunchOptions, resolve_nproc, torchrun_argv
-from ddpkit.process_group import Runtime, choose_backend, choose_device, default_init_method
+from ddpkit.process_group import Runtime, _own_address, choose_backend, choose_device, free_port, job_store
 from ddpkit.trainer import TrainConfig
+from listening import listening
 
 
 def runtime(rank: int, world: int) -> Runtime:
@@ -113,17 +118,45 @@ def test_backend_choice():
         choose_backend("nccl", device="cpu", local_world_size=2, cuda_count=0)
 
 
-def test_init_method_per_launcher():
-    assert default_init_method(DistEnv(world_size=2, rank=1, local_world_size=2, local_rank=1, launcher="torchrun")) == "env://"
-    slurm = DistEnv(world_size=2, local_world_size=1, master_addr="gpu01", master_port=4000, launcher="slurm")
-    assert default_init_method(slurm) == "tcp://gpu01:4000"
-    ipv6 = DistEnv(master_addr="fe80::1", master_port=4000, launcher="spawn")
-    assert default_init_method(ipv6) == "tcp://[fe80::1]:4000"
+def _stores_of_a_two_rank_job(master_addr: str, *, local_world_size: int) -> tuple[int, set]:
+    """Rank 0's and rank 1's job_store, made in this process (rank 0 waits for rank 1 in a thread): the port
+    and what this process then listens on."""
+    port = free_port()
+    environments = [DistEnv(rank=rank, local_rank=rank % local_world_size, world_size=2,
+                            local_world_size=local_world_size, master_addr=master_addr, master_port=port)
+                    for rank in (0, 1)]
+    made = {}
+    host = threading.Thread(target=lambda: made.update(rank0=job_store(environments[0], timeout_s=30)))
+    host.start()
+    made["rank1"] = job_store(environments[1], timeout_s=30)
+    host.join()
+    made["rank1"].set("from rank 1", "seen")
+    assert made["rank0"].get("from rank 1") == b"seen"  # one store: rank 1 reached rank 0's
+    return port, {found for found in listening(os.getpid()) if found[1] == port}
+
+
+def test_the_job_store_listens_on_loopback_when_every_rank_is_on_this_machine():
+    # MASTER_ADDR names this machine (torchrun gives its host name): every rank connects to 127.0.0.1 instead.
+    port, found = _stores_of_a_two_rank_job(socket.gethostname(), local_world_size=2)
+    assert found == {("127.0.0.1", port)}
+
+
+def test_the_job_store_across_machines_listens_on_the_address_the_other_nodes_use():
+    address = next((ip for ip in interfaces.addresses().values() if not interfaces.is_loopback(ip)), None)
+    if address is None:
+        pytest.skip("this machine has no address besides loopback")
+    port, found = _stores_of_a_two_rank_job(address, local_world_size=1)
+    assert found == {(address, port)}
+    # A MASTER_ADDR that resolves to loopback here although the job spans machines (the host-name trap) or
+    # that is not this machine's: every interface, as PyTorch's own store.
+    assert _own_address("127.0.0.1") is None and _own_address("192.0.2.254") is None
+    assert _own_address(address) == address
 
 
 def test_torchrun_command_line_single_node_uses_a_free_port():
     assert torchrun_argv(LaunchOptions(nproc_per_node=2), ["x.py"]) == [
-        "--nproc-per-node", "2", "--standalone", "--max-restarts", "0", "x.py"]
+        "--nproc-per-node", "2", "--rdzv-backend", "ddpkit-loopback", "--rdzv-endpoint", "127.0.0.1:0",
+        "--rdzv-id", f"ddpkit-{os.getpid()}", "--max-restarts", "0", "x.py"]
 
 
 def test_torchrun_command_line_multi_node_passes_flags_through():

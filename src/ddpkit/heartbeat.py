@@ -10,8 +10,9 @@ key-value store; ranks 0 and 1 read everyone's. When no rank has moved for
 others up, with its host, pid, last phase and step, how long it has been silent and its Python stack
 (``py-spy dump``, taken from outside, which works on a stopped process too), then ends it, so the launcher
 ends the job with the last good checkpoint intact. The others' errors are then not repeated. A stopped
-rank 0 also stops the store it serves (ddpkit's launchers have it serve the job's store): rank 1's guard
-thread names it when the store stops answering.
+rank 0 that serves the job's store (the spawn launcher, srun, mpirun, several machines; on one machine
+torchrun's agent serves it) also stops the store: rank 1's guard thread names it when the store stops
+answering.
 
 ``stall_after`` adapts: at least ``stall_s`` (default 60), at least ``STEP_TIMES`` of the slowest rank's
 typical step, and never beyond the collective timeout. Watching starts once every rank has begun training
@@ -126,8 +127,10 @@ class Heartbeat:
     """This rank's progress and, on a watcher, everyone's. ``start()`` begins, ``close()`` ends its thread."""
 
     def __init__(self, store, *, rank: int, world_size: int, stall_s: float, timeout_s: float,
-                 pace: Pace | None = None, interval_s: float = INTERVAL_S, status_path: str | None = None):
+                 pace: Pace | None = None, interval_s: float = INTERVAL_S, status_path: str | None = None,
+                 store_address: tuple[str, int] | None = None):
         self.store, self.rank, self.world_size = store, rank, world_size
+        self.store_address = store_address  # (host, port) of the job's store, probed when it stops answering
         # Rank 0 writes everyone's last beats there (``ddpkit status`` reads it); None: nowhere.
         self.status_path = status_path if rank == 0 else None
         self.stall_s, self.timeout_s, self.interval_s = stall_s, timeout_s, interval_s
@@ -217,9 +220,30 @@ class Heartbeat:
         while not self._done.wait(self.interval_s):
             silent = time.monotonic() - self.answered
             if self.verdict is None and self.seen and silent >= stall_after(self.stall_s, self.timeout_s, self.seen):
-                self._end(dataclasses.replace(self.seen[0], silent_s=silent, idle_s=self.seen[0].idle_s + silent),
-                          store=True)
+                culprit = dataclasses.replace(self.seen[0], silent_s=silent, idle_s=self.seen[0].idle_s + silent)
+                if self.store_address is not None and culprit.host != self.host:
+                    from ddpkit.interfaces import answers
+
+                    if not answers(*self.store_address):  # no process stops a kernel from answering
+                        self._cut_off(culprit)
+                        return
+                self._end(culprit, store=True)
                 return
+
+    def _cut_off(self, rank_0: Seen) -> None:
+        """Rank 1, on another host than rank 0, whose store neither answers nor accepts a connection: this
+        rank is cut off from it (a network partition, or rank 0's host is down). Say so and end this rank."""
+        from ddpkit.logs import logger
+
+        host, port = self.store_address
+        self.verdict = (f"rank {self.rank} (host {self.host}) is cut off from the job's store at {host}:{port}, which "
+                        f"rank 0 (host {rank_0.host}, pid {rank_0.pid}) serves: no answer for {rank_0.silent_s:.0f} s, "
+                        f"and {host} accepts no connection: the network between {self.host} and {rank_0.host} is cut "
+                        f"(a partition), or {rank_0.host} is down. Ending this rank; no checkpoint is written now, the "
+                        "last one is kept")
+        logger.error(self.verdict)
+        sys.stderr.flush()
+        os._exit(EXIT_STALLED)
 
     def _publish(self) -> None:
         self.beats += 1
@@ -266,6 +290,10 @@ class Heartbeat:
                      f"its last heartbeat was at step {culprit.step} in phase {culprit.phase}: the process is "
                      "stopped (SIGSTOP, a debugger) or frozen")
             others = others.replace(" at step", " last seen at step")
+        elif culprit.lost and culprit.host != self.host:
+            state = (f"its heartbeat stopped {culprit.silent_s:.0f} s ago, at step {culprit.step} in phase "
+                     f"{culprit.phase}: the process is stopped (SIGSTOP, a debugger) or frozen in C code, or "
+                     f"{culprit.host} can no longer reach this node (a network partition, or {culprit.host} is down)")
         elif culprit.lost:
             state = (f"its heartbeat stopped {culprit.silent_s:.0f} s ago, at step {culprit.step} in phase "
                      f"{culprit.phase}: the process is stopped (SIGSTOP, a debugger) or frozen in C code")
@@ -328,8 +356,9 @@ def watch(runtime, *, pace: Pace, stall_s: float | None, timeout_s: float, statu
 
     store = dist.distributed_c10d._get_default_store().clone()  # its own connection: the thread never waits on ours
     store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+    address = (runtime.env.master_addr, runtime.env.master_port) if runtime.env.master_port else None
     beat = Heartbeat(store, rank=runtime.rank, world_size=runtime.world_size, stall_s=stall_s,
-                     timeout_s=timeout_s, pace=pace, status_path=status_path).start()
+                     timeout_s=timeout_s, pace=pace, status_path=status_path, store_address=address).start()
     ended = "stopped"  # by a signal, or SystemExit: what the block raised that is not an Exception
     try:
         yield beat

@@ -21,6 +21,7 @@ import socket
 from ddpkit.errors import UsageError
 
 GLOO_VARIABLE = "GLOO_SOCKET_IFNAME"
+PROBE_TIMEOUT_S = 3.0  # a connection to a host that answers takes milliseconds; a cut network, forever
 
 
 def interface_for(address: str) -> dict:
@@ -56,7 +57,7 @@ def is_loopback(address: str | None) -> bool:
     return address is not None and ipaddress.ip_address(address).is_loopback
 
 
-def _resolve(host: str) -> str | None:
+def resolve(host: str) -> str | None:
     try:
         return socket.gethostbyname(host)
     except OSError:
@@ -66,7 +67,7 @@ def _resolve(host: str) -> str | None:
 def own_name_address() -> tuple[str, str | None]:
     """This machine's host name and the address it resolves to here (None: it does not resolve)."""
     name = socket.gethostname()
-    return name, _resolve(name)
+    return name, resolve(name)
 
 
 def gloo_interface(peer: str) -> tuple[str, str] | None:
@@ -80,7 +81,7 @@ def gloo_interface(peer: str) -> tuple[str, str] | None:
     name, address = own_name_address()
     if address is not None and not is_loopback(address):
         return None
-    if peer != name and is_loopback(_resolve(peer)):  # "nodes" that all run on this machine: loopback is right
+    if peer != name and is_loopback(resolve(peer)):  # "nodes" that all run on this machine: loopback is right
         return None
     route = interface_for(peer)
     if route["interface"] is not None and not is_loopback(route["address"]):
@@ -104,3 +105,15 @@ def loopback_name_warning() -> str | None:
     resolves = f"resolves to {address} (loopback)" if address else "does not resolve"
     return (f"host name {name} {resolves}: fine on one machine, but across machines gloo would advertise it; "
             f"ddpkit train/run pick the interface that reaches node 0, or set {GLOO_VARIABLE}")
+
+
+def answers(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether ``host`` accepts (or refuses) a TCP connection to ``port`` within ``timeout_s``: its network is
+    up. A refusal counts, as it comes from the host; silence or "unreachable" do not."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False

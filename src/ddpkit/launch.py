@@ -2,11 +2,12 @@
 
     >>> from ddpkit.launch import LaunchOptions, torchrun_argv
     >>> torchrun_argv(LaunchOptions(nproc_per_node=2), ["-m", "ddpkit", "train"])[:4]
-    ['--nproc-per-node', '2', '--standalone', '--max-restarts']
+    ['--nproc-per-node', '2', '--rdzv-backend', 'ddpkit-loopback']
 
-ddpkit writes no process manager and no rendezvous: ``elastic`` builds torchrun's command line and
-hands it to ``torch.distributed.run``, the code behind the ``torchrun`` command. A single-node run uses
-torchrun's standalone rendezvous, which binds a free port itself, so a busy 29500 never breaks it.
+ddpkit writes no process manager: ``elastic`` builds torchrun's command line and hands it to
+``torch.distributed.run``, the code behind the ``torchrun`` command. A single-node run uses torchrun's
+dynamic rendezvous on stores that listen on loopback only (``ddpkit.rendezvous``), on ports the kernel
+picks, so a busy 29500 never breaks it.
 """
 
 from __future__ import annotations
@@ -129,7 +130,11 @@ def torchrun_argv(options: LaunchOptions, command: Sequence[str]) -> list[str]:
             "--rdzv-conf", f"join_timeout={math.ceil(options.rdzv_timeout_s)}",
         ]
     elif options.nnodes == 1 and options.master_port is None:
-        argv.append("--standalone")
+        # torchrun's --standalone, with its stores on loopback (ddpkit.rendezvous).
+        from ddpkit import rendezvous
+
+        argv += ["--rdzv-backend", rendezvous.BACKEND, "--rdzv-endpoint", rendezvous.ENDPOINT,
+                 "--rdzv-id", f"ddpkit-{os.getpid()}"]
     else:
         argv += [
             "--nnodes", str(options.nnodes),
@@ -160,7 +165,8 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
     os.environ.setdefault("OMP_NUM_THREADS", _threads_per_process(options.nproc_per_node))
     # By default the workers' process group shares the rendezvous' TCP store, and after a restart the
     # new workers can read the dead ones' addresses and hang in init_process_group (PyTorch issue
-    # 135712, seen here with torch 2.15 and --max-restarts). A store of their own avoids it.
+    # 135712, seen here with torch 2.15 and --max-restarts). A store of their own avoids it. (On one
+    # machine ddpkit's rendezvous serves them a fresh one each round instead: ddpkit.rendezvous.)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     check_names(options)
     warn_leftovers(options)
@@ -173,10 +179,15 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
         if not is_this_machine(host):  # the machine that hosts the rendezvous starts its store: nothing to wait for
             wait_for_node_0(host, int(port), options.rdzv_timeout_s, what="the rendezvous endpoint",
                             flags="--rdzv-endpoint", machine="the node it names")
+    if options.nnodes > 1:
+        watch_rendezvous_host(options)
     # The agent logs each worker it stops and each one that failed ("failed (exitcode: 2) local_rank: 1 ...");
     # report_failures says the same once per rank that failed of its own accord (none after a usage error,
     # which rank 0 has said in one line already).
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    from ddpkit import rendezvous
+
+    rendezvous.register()
     args = torchrun.parse_args(torchrun_argv(options, command))
     # The legacy torch.distributed.launch behaviour: pass --local-rank=N instead of only LOCAL_RANK.
     args.use_env = not local_rank_arg
@@ -208,6 +219,44 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
             "check --master-addr, and that --master-port is free on node 0 (or omit it on one node)"
         ) from None
     return 0
+
+
+WATCH_INTERVAL_S = 2.0
+
+
+def watch_rendezvous_host(options: LaunchOptions) -> None:
+    """On a node that does not host the rendezvous: once this node's workers have ended, end the launcher
+    with one line if the rendezvous host does not answer. torchrun's agent would otherwise go on calling its
+    store (closing the rendezvous, 60 s per call, again and again: a partitioned node waited for minutes)."""
+    import threading
+
+    from ddpkit import interfaces
+
+    if options.rdzv_endpoint is not None:
+        host, _, port = options.rdzv_endpoint.rpartition(":")
+        where, flags = (host, int(port)), "--rdzv-endpoint"
+    else:
+        where, flags = (options.master_addr, options.master_port or DEFAULT_MULTINODE_PORT), "--master-addr"
+    if is_this_machine(where[0]) or not os.path.isdir("/proc"):
+        return
+
+    def watch() -> None:
+        had_workers = False
+        while True:
+            time.sleep(WATCH_INTERVAL_S)
+            # A worker that ended is a zombie while the agent, blocked in a call to the store, has not seen it.
+            if any(_running(child) for child in _children(os.getpid())):
+                had_workers = True
+                continue
+            if had_workers and not interfaces.answers(*where):
+                logger.error(f"this node's workers have ended, and the rendezvous host {where[0]}:{where[1]} "
+                             f"({flags}) does not answer: the network to it is cut, or it is down; ending this "
+                             "node now instead of waiting on it")
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(1)
+
+    threading.Thread(target=watch, name="ddpkit-rendezvous-watch", daemon=True).start()
 
 
 def choose_gloo_interface(options: LaunchOptions) -> None:
@@ -352,13 +401,24 @@ def _command(pid: int) -> bytes:
         return b""
 
 
-def _parent(pid: int) -> int | None:
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces): its state, its parent,
+    ...; empty for a process that is gone."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
-            # The command name (field 2) may hold spaces; the parent pid is the second field after it.
-            return int(handle.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+            return handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _parent(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if len(fields) > 1 else None
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` has not ended: a process that has ended stays a zombie until its parent waits for it."""
+    return _stat(pid)[:1] not in ([], ["Z"], ["X"])
 
 
 def _owned_here(pid: int) -> bool:

@@ -30,7 +30,7 @@ from ddpkit import signals as handlers
 from ddpkit.process_group import Runtime, control_group
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-REPEAT_WINDOW_S = 1.0  # a second signal within this time of the first is taken as the same one
+REPEAT_WINDOW_S = handlers.REPEAT_WINDOW_S  # a second signal within this time of the first is the same one
 
 
 class StopNow(SystemExit):

@@ -115,18 +115,6 @@ def choose_backend(requested: str, *, device: str, local_world_size: int, cuda_c
     return "nccl" if device == "cuda" and dist.is_nccl_available() else "gloo"
 
 
-def default_init_method(environment: env_mod.DistEnv) -> str:
-    """env:// where a launcher exported MASTER_ADDR/PORT; otherwise tcp:// from what we parsed."""
-    if environment.launcher in ("torchrun", "torch.distributed.launch", "env"):
-        return "env://"
-    if environment.master_port is None:
-        raise ValueError("no master port known: set MASTER_PORT or pass init_method='tcp://HOST:PORT'")
-    host = environment.master_addr
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"  # an IPv6 literal
-    return f"tcp://{host}:{environment.master_port}"
-
-
 def setup(
     *,
     backend: str = "auto",
@@ -172,26 +160,69 @@ def setup(
         signals.end_with_parent()  # the agent is the parent: if it is killed, this rank ends too
     if not (environment.is_distributed or force_group or init_method):
         return Runtime(env=environment, backend=None, device=bound, timeout_s=timeout_s)
-    if environment.world_size == 1 and environment.master_port is None and init_method is None:
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-    init_method = init_method or default_init_method(environment)
+    # ddpkit makes the store itself unless the caller named a rendezvous or torchrun's agent hosts one.
+    own_store = init_method is None and not _agent_serves_store(environment)
+    if own_store and environment.world_size > 1 and environment.master_port is None:
+        raise ValueError("no master port known: set MASTER_PORT or pass init_method='tcp://HOST:PORT'")
+    if not own_store:
+        init_method = init_method or "env://"  # the agent exported MASTER_ADDR and MASTER_PORT
     collect_garbage_at_exit()
+    where = f"{environment.master_addr}:{environment.master_port}" if init_method in (None, "env://") else init_method
     try:
+        store = job_store(environment, timeout_s) if own_store else None
         dist.init_process_group(
             backend=chosen_backend,
-            init_method=init_method,
+            init_method=None if own_store else init_method,
+            store=store,
             rank=environment.rank,
             world_size=environment.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=bound if chosen_backend == "nccl" else None,
         )
-    except dist.DistNetworkError as error:
-        where = init_method if init_method != "env://" else f"{environment.master_addr}:{environment.master_port}"
+    except (dist.DistNetworkError, OSError) as error:
         raise UsageError(
             f"cannot start the process group at {where} ({first_line(error)}); "
             "is the port already in use (a stale MASTER_PORT?) or the master address unreachable?"
         ) from None
     return Runtime(env=environment, backend=chosen_backend, device=bound, timeout_s=timeout_s)
+
+
+def _agent_serves_store(environment: env_mod.DistEnv) -> bool:
+    """Whether torchrun's agent hosts the store at MASTER_ADDR:MASTER_PORT (the workers are all clients)."""
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and environment.launcher in ("torchrun", "torch.distributed.launch", "env"))
+
+
+def job_store(environment: env_mod.DistEnv, timeout_s: float) -> dist.Store:
+    """The job's key-value store, which rank 0 hosts, listening only where it must (PyTorch's own listens on
+    every interface): on loopback when every rank runs on this machine (they all connect there), else on
+    the address MASTER_ADDR names, when it is one of this machine's and not loopback; else everywhere.
+    Wrapped like ``init_process_group``'s own (the "default_pg" key prefix)."""
+    from ddpkit import rendezvous
+
+    one_machine = environment.local_world_size >= environment.world_size
+    host = rendezvous.LOOPBACK if one_machine else environment.master_addr
+    port = environment.master_port or 0  # none known: one process (no client needs to find it)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if environment.rank != 0:
+        store = dist.TCPStore(host, port, environment.world_size, is_master=False, timeout=timeout)
+    else:
+        bind = host if one_machine else _own_address(host)
+        if bind is None:
+            store = dist.TCPStore(host, port, environment.world_size, is_master=True, timeout=timeout)
+        else:
+            store = rendezvous.store_on(bind, port=port, world_size=environment.world_size, timeout_s=timeout_s)
+    return dist.PrefixStore("default_pg", store)
+
+
+def _own_address(host: str) -> str | None:
+    """The address ``host`` resolves to, when it is one of this machine's interfaces and not loopback."""
+    from ddpkit import interfaces
+
+    address = interfaces.resolve(host)
+    if address is None or interfaces.is_loopback(address) or address not in interfaces.addresses().values():
+        return None
+    return address
 
 
 def collect_garbage_at_exit() -> None:
@@ -217,9 +248,26 @@ def freeze_for_exit() -> None:
     in a launcher, which holds torch without torch._dynamo. Not for a user's script, whose globals may
     still hold a DDP model: frozen, its cycles would be torn down in another order, and that ended a
     test run with the signal-6 abort above.
+
+    One cost: objects of C extensions that are still alive at shutdown stay so, and triton's (which
+    ``torch._dynamo`` imports wherever triton is installed) then prints nanobind's leak report, 27 lines
+    per process, after the work is done. Where triton is loaded, what the interpreter's teardown writes to
+    stderr is therefore dropped (``_quiet_teardown``); the exit status still says if the teardown failed.
     """
     gc.collect()
     gc.freeze()
+    if "triton" in sys.modules:
+        atexit.unregister(_quiet_teardown)
+        atexit.register(_quiet_teardown)  # registered last, so it runs first of the exit handlers
+
+
+def _quiet_teardown() -> None:
+    """At exit: flush what Python has buffered, then point file descriptor 2 at the null device."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
 
 
 def teardown() -> None:
@@ -380,8 +428,13 @@ def distributed(**kwargs) -> Iterator[Runtime]:
         # The handler that raises Terminated goes first: a SIGTERM that reaches a rank while its group is
         # torn down (torchrun's agent sends one to the others as soon as one rank has exited, which after a
         # usage error every rank does at once) must end it, not raise in the middle of destroy_process_group
-        # and leave a gloo thread running into the interpreter's exit (std::terminate, signal 6).
-        signals.restore(previous)
+        # and leave a gloo thread running into the interpreter's exit (std::terminate, signal 6). Unless it
+        # repeats the SIGTERM this block ends of: a launcher killed with SIGKILL sends its ranks one per
+        # thread of it as they end, and the second, ending a rank in its teardown, skipped its finally blocks.
+        if signals.is_repeat():
+            signals.restore_dropping_repeats(previous)
+        else:
+            signals.restore(previous)
         teardown()
 
 

@@ -13,7 +13,10 @@
 Who installs what, and for how long:
 - ``ddpkit.setup`` (so ``distributed()`` and ``Job``): SIGTERM raises ``Terminated`` in the main thread,
   so ``finally`` blocks (teardown, a checkpoint's wait) still run; ``distributed()`` restores the
-  previous handler when its block ends.
+  previous handler when its block ends. A SIGTERM within ``REPEAT_WINDOW_S`` of the one that raised
+  ``Terminated`` is the same stop said again, and is dropped, there and after (``restore_dropping_repeats``):
+  Linux repeats a dead launcher's SIGTERM once for each of its threads as they end, and under Slurm a
+  rank gets Slurm's SIGTERM and, a moment later, torchrun's agent's.
 - ``ddpkit.stop_on_signal`` (``ddpkit train``'s loop): SIGTERM and SIGINT only raise a flag while the
   loop runs, so that every rank stops at the same step; restored when the loop ends.
 - DataLoader worker processes ignore SIGTERM and SIGINT (``ignore_stop_signals``): their rank stops them.
@@ -28,18 +31,35 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from types import FrameType
 
 Handler = Callable[[int, FrameType | None], object]
 
 
+REPEAT_WINDOW_S = 1.0  # a second signal within this time of the first is taken as the same one
+
+
 class Terminated(SystemExit):
     """Raised in the main thread on SIGTERM, so ``finally`` blocks (teardown, checkpoint) still run."""
 
 
+_terminated_at: float | None = None  # when raise_terminated last raised (time.monotonic())
+
+
 def raise_terminated(signum: int, frame: FrameType | None) -> None:  # noqa: ARG001 - signal's signature
+    """Raise ``Terminated``, unless a signal raised it less than ``REPEAT_WINDOW_S`` ago (the same stop)."""
+    global _terminated_at
+    if is_repeat():
+        return
+    _terminated_at = time.monotonic()
     raise Terminated(128 + signum)
+
+
+def is_repeat() -> bool:
+    """Whether a signal now comes within ``REPEAT_WINDOW_S`` of the one that last raised ``Terminated``."""
+    return _terminated_at is not None and time.monotonic() - _terminated_at <= REPEAT_WINDOW_S
 
 
 def catch(signals: Iterable[int], handler: Handler | int) -> dict[int, object]:
@@ -68,6 +88,31 @@ def restore(previous: dict[int, object]) -> None:
     for sig, handler in previous.items():
         if handler is not None:  # None: a handler installed outside Python, which cannot be put back
             signal.signal(sig, handler)
+
+
+def restore_dropping_repeats(previous: dict[int, object]) -> None:
+    """Like ``restore``, for a block that ends because of ``Terminated``: until ``REPEAT_WINDOW_S`` after
+    the signal that raised it, a repeat of it is dropped; after that, each signal gets its previous handler
+    (the default one ends the process at once, as before).
+
+    While ``previous`` is the default handler, a signal that is no repeat ends the process only once Python
+    runs again (the main thread between two bytecodes), not in the middle of a call into C++: a teardown
+    that hangs there is ended by the launcher's SIGKILL after its grace period.
+    """
+    for sig, handler in previous.items():
+        signal.signal(sig, _unless_repeat(handler))
+
+
+def _unless_repeat(handler: object) -> Handler:
+    def handle(signum: int, frame: FrameType | None) -> None:
+        if is_repeat():
+            return
+        signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        if callable(handler):
+            handler(signum, frame)
+        elif handler in (signal.SIG_DFL, None):
+            signal.raise_signal(signum)  # its default action, now installed: the process ends of it
+    return handle
 
 
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when the thread that started it ends
