@@ -419,3 +419,15 @@ def test_a_node_whose_master_never_starts_ends_in_one_line_after_the_rendezvous_
         f"ddpkit: error: node 0 at 127.0.0.1:{port} did not answer in 3 s (last try: Connection refused); check "
         "--master-addr and --master-port, that node 0 has started, and that the machines reach each other on that "
         "port (--rdzv-timeout waits longer)"], result.stderr
+
+
+def test_a_busy_master_port_on_one_machine_is_one_line_and_status_2(tmp_path):
+    # --master-port on one machine: torchrun's static rendezvous, whose store ddpkit binds on loopback itself.
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        port = holder.getsockname()[1]
+        result = run_ddpkit("train", "--data", "synthetic:64", "--epochs", "1", "--master-port", str(port),
+                            "--output-dir", str(tmp_path), timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert (f"ddpkit: error: could not set up the rendezvous at 127.0.0.1:{port} (cannot listen on 127.0.0.1:{port}: "
+            "Address already in use); check --master-addr, and that --master-port is free") in result.stderr
+    assert "Traceback" not in result.stderr

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from conftest import DIGITS_CONVNET, _pids_with, child_env, max_relative_difference
+from listening import listening
 
 SUBNET = "10.231.0"
 RUN = [*DIGITS_CONVNET, "--no-progress"]  # the job of conftest's shared 2-process run
@@ -81,8 +82,8 @@ def _make_nodes(own_name_loopback: bool):
 
 
 def _run_on_nodes(commands: list[tuple[str, str, list[str]]], timeout: float,
-                  meanwhile: Callable[[], None] | None = None) -> list[subprocess.CompletedProcess]:
-    """Start each command in its namespace, under its hostname, at once; call ``meanwhile``; wait for all. On
+                  meanwhile: Callable[[list[subprocess.Popen]], None] | None = None) -> list[subprocess.CompletedProcess]:
+    """Start each command in its namespace, under its hostname, at once; call ``meanwhile(processes)``; wait for all. On
     a timeout, kill every process of the run (torchrun's workers have sessions of their own: found by their
     marker)."""
     marker = uuid.uuid4().hex
@@ -97,7 +98,7 @@ def _run_on_nodes(commands: list[tuple[str, str, list[str]]], timeout: float,
     deadline = time.monotonic() + timeout  # one deadline for all nodes
     try:
         if meanwhile is not None:
-            meanwhile()
+            meanwhile(procs)
         for proc in procs:
             stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
@@ -137,14 +138,33 @@ def _check(results, tmp_path: Path, single_node) -> None:
     assert max_relative_difference(torch.load(written[0], weights_only=True), single_node[0]) <= 1e-6
 
 
+def _rendezvous_listeners(port: int, found: list) -> Callable[[list[subprocess.Popen]], None]:
+    """For ``meanwhile``: where node a's launcher listens once its rendezvous store is up, into ``found``."""
+    def watch(procs: list[subprocess.Popen]) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and procs[0].poll() is None:
+            with contextlib.suppress(OSError):  # still `ip netns exec` or `sh`, or gone meanwhile
+                if b"ddpkit" in Path(f"/proc/{procs[0].pid}/cmdline").read_bytes():
+                    seen = listening(procs[0].pid)
+                    if any(listened == port for _, listened in seen):
+                        found.append(seen)
+                        return
+            time.sleep(0.05)
+    return watch
+
+
 def test_two_nodes_through_the_c10d_rendezvous_train_like_one_node(tmp_path, two_nodes, single_node):
     (a, host_a), (b, host_b) = two_nodes
     # The same command on both nodes, as on a cluster; the endpoint names node a, so it hosts the rendezvous.
     common = [sys.executable, "-m", "ddpkit", "train", *RUN, "--nproc-per-node", "1", "--nnodes", "2",
               "--rdzv-endpoint", f"{host_a}:29611", "--rdzv-id", "test"]
+    found = []
     results = _run_on_nodes([(a, host_a, [*common, "--output-dir", str(tmp_path / "node0")]),
-                             (b, host_b, [*common, "--output-dir", str(tmp_path / "node1")])], timeout=180)
+                             (b, host_b, [*common, "--output-dir", str(tmp_path / "node1")])], timeout=180,
+                            meanwhile=_rendezvous_listeners(29611, found))
     _check(results, tmp_path, single_node)
+    # Node a's rendezvous store listens on the endpoint's address only, not on every interface.
+    assert found == [{(f"{SUBNET}.1", 29611)}]
 
 
 def test_two_nodes_with_static_ranks_and_names_that_resolve_to_loopback_train_like_one_node(
@@ -155,10 +175,14 @@ def test_two_nodes_with_static_ranks_and_names_that_resolve_to_loopback_train_li
     (a, host_a), (b, host_b) = two_nodes_named_loopback
     common = [sys.executable, "-m", "ddpkit", "train", *RUN, "--nproc-per-node", "1", "--nnodes", "2",
               "--master-addr", f"{SUBNET}.1", "--master-port", "29612"]
+    found = []
     results = _run_on_nodes([(a, host_a, [*common, "--node-rank", "0", "--output-dir", str(tmp_path / "node0")]),
                              (b, host_b, [*common, "--node-rank", "1", "--output-dir", str(tmp_path / "node1")])],
-                            timeout=180)
+                            timeout=180, meanwhile=_rendezvous_listeners(29612, found))
     _check(results, tmp_path, single_node)
+    # Node 0's store (the rendezvous', which the workers share under a static launch) listens on the master
+    # address only.
+    assert found == [{(f"{SUBNET}.1", 29612)}]
     for result, host, address in zip(results, (host_a, host_b), (f"{SUBNET}.1", f"{SUBNET}.2")):
         assert (f"ddpkit: this machine's name {host} resolves to 127.0.1.1, a loopback address, which gloo would "
                 f"advertise to the other nodes: using GLOO_SOCKET_IFNAME=v") in result.stderr, result.stderr
@@ -250,7 +274,7 @@ def test_a_partition_between_two_nodes_ends_both_within_a_minute_each_saying_why
               "10"]
     cut_at = []
 
-    def cut_after_an_epoch() -> None:
+    def cut_after_an_epoch(_) -> None:
         deadline = time.monotonic() + 120
         while not any((tmp_path / node / "metrics.jsonl").exists() for node in ("node0", "node1")):
             assert time.monotonic() < deadline, "no epoch ended in 120 s"

@@ -14,7 +14,8 @@ from ddpkit.data import eval_indices, train_loader
 from ddpkit.env import DistEnv
 from ddpkit.errors import UsageError
 from ddpkit.launch import LaunchOptions, resolve_nproc, torchrun_argv
-from ddpkit.process_group import Runtime, _own_address, choose_backend, choose_device, free_port, job_store
+from ddpkit.process_group import Runtime, choose_backend, choose_device, free_port, job_store
+from ddpkit.rendezvous import own_address
 from ddpkit.trainer import TrainConfig
 from listening import listening
 
@@ -149,8 +150,8 @@ def test_the_job_store_across_machines_listens_on_the_address_the_other_nodes_us
     assert found == {(address, port)}
     # A MASTER_ADDR that resolves to loopback here although the job spans machines (the host-name trap) or
     # that is not this machine's: every interface, as PyTorch's own store.
-    assert _own_address("127.0.0.1") is None and _own_address("192.0.2.254") is None
-    assert _own_address(address) == address
+    assert own_address("127.0.0.1") is None and own_address("192.0.2.254") is None
+    assert own_address(address) == address
 
 
 def test_torchrun_command_line_single_node_uses_a_free_port():
@@ -161,10 +162,10 @@ def test_torchrun_command_line_single_node_uses_a_free_port():
 
 def test_torchrun_command_line_multi_node_passes_flags_through():
     argv = torchrun_argv(LaunchOptions(nproc_per_node=4, nnodes=2, node_rank=1, master_addr="10.0.0.1"), ["-m", "m"])
-    assert argv == ["--nproc-per-node", "4", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
-                    "--master-port", "29500", "--rdzv-conf", "timeout=900", "--max-restarts", "0", "-m", "m"]
+    assert argv == ["--nproc-per-node", "4", "--nnodes", "2", "--rdzv-backend", "ddpkit-static", "--rdzv-endpoint",
+                    "10.0.0.1:29500", "--rdzv-conf", "rank=1,timeout=900", "--max-restarts", "0", "-m", "m"]
     waiting = LaunchOptions(nnodes=2, master_addr="h", rdzv_timeout_s=30.5)
-    assert torchrun_argv(waiting, ["x.py"])[-5:-3] == ["--rdzv-conf", "timeout=31"]
+    assert torchrun_argv(waiting, ["x.py"])[-5:-3] == ["--rdzv-conf", "rank=0,timeout=31"]
     elastic = LaunchOptions(nnodes=2, rdzv_endpoint="h:29400", rdzv_timeout_s=60)
     assert torchrun_argv(elastic, ["x.py"])[-5:-3] == ["--rdzv-conf", "join_timeout=60"]
 

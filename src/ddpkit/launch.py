@@ -119,29 +119,30 @@ def resolve_nproc(value: str, cuda_count: int | None = None) -> int:
 
 def torchrun_argv(options: LaunchOptions, command: Sequence[str]) -> list[str]:
     """torchrun's own command line for these options, followed by ``command`` (script or -m module)."""
+    from ddpkit import rendezvous
+
     argv = ["--nproc-per-node", str(options.nproc_per_node)]
     if options.rdzv_endpoint is not None:
-        # torchrun's c10d rendezvous: the node whose address is the endpoint's hosts the store, and the
-        # nodes that join (MIN to MAX of them) are numbered in the order they arrive.
+        # torchrun's c10d rendezvous: the node whose address is the endpoint's hosts the store (on that
+        # address only: ddpkit.rendezvous), and the nodes that join (MIN to MAX) are numbered as they arrive.
         argv += [
             "--nnodes", f"{options.min_nodes or options.nnodes}:{options.nnodes}",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", options.rdzv_endpoint,
+            "--rdzv-backend", rendezvous.C10D, "--rdzv-endpoint", options.rdzv_endpoint,
             "--rdzv-id", options.rdzv_id or DEFAULT_RDZV_ID,
             "--rdzv-conf", f"join_timeout={math.ceil(options.rdzv_timeout_s)}",
         ]
     elif options.nnodes == 1 and options.master_port is None:
         # torchrun's --standalone, with its stores on loopback (ddpkit.rendezvous).
-        from ddpkit import rendezvous
-
         argv += ["--rdzv-backend", rendezvous.BACKEND, "--rdzv-endpoint", rendezvous.ENDPOINT,
                  "--rdzv-id", f"ddpkit-{os.getpid()}"]
     else:
+        # torchrun's static rendezvous (--master-addr, --master-port, --node-rank), its store on the master
+        # address only (ddpkit.rendezvous); the node rank goes in --rdzv-conf, where that backend reads it.
+        master = f"{options.master_addr or '127.0.0.1'}:{options.master_port or DEFAULT_MULTINODE_PORT}"
         argv += [
             "--nnodes", str(options.nnodes),
-            "--node-rank", str(options.node_rank),
-            "--master-addr", options.master_addr or "127.0.0.1",
-            "--master-port", str(options.master_port or DEFAULT_MULTINODE_PORT),
-            "--rdzv-conf", f"timeout={math.ceil(options.rdzv_timeout_s)}",
+            "--rdzv-backend", rendezvous.STATIC, "--rdzv-endpoint", master,
+            "--rdzv-conf", f"rank={options.node_rank},timeout={math.ceil(options.rdzv_timeout_s)}",
         ]
     argv += ["--max-restarts", str(options.max_restarts)]
     return argv + list(command)

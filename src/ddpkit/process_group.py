@@ -207,22 +207,12 @@ def job_store(environment: env_mod.DistEnv, timeout_s: float) -> dist.Store:
     if environment.rank != 0:
         store = dist.TCPStore(host, port, environment.world_size, is_master=False, timeout=timeout)
     else:
-        bind = host if one_machine else _own_address(host)
+        bind = host if one_machine else rendezvous.own_address(host)
         if bind is None:
             store = dist.TCPStore(host, port, environment.world_size, is_master=True, timeout=timeout)
         else:
             store = rendezvous.store_on(bind, port=port, world_size=environment.world_size, timeout_s=timeout_s)
     return dist.PrefixStore("default_pg", store)
-
-
-def _own_address(host: str) -> str | None:
-    """The address ``host`` resolves to, when it is one of this machine's interfaces and not loopback."""
-    from ddpkit import interfaces
-
-    address = interfaces.resolve(host)
-    if address is None or interfaces.is_loopback(address) or address not in interfaces.addresses().values():
-        return None
-    return address
 
 
 def collect_garbage_at_exit() -> None:

@@ -11,6 +11,12 @@ workers a fresh loopback store of the agent's for their process group (``use_age
 listens either: a plain ``torch.distributed`` script gets the same protection as ddpkit's own. A fresh
 store per round keeps a restarted group from reading the dead one's addresses (PyTorch issue 135712,
 the reason ddpkit does not share the rendezvous store itself with the workers).
+
+Across machines the rendezvous store must be reachable from the other nodes, but still not from every
+network the host is on: ``STATIC`` and ``C10D`` are torchrun's static and c10d rendezvous with the store
+listening only on the address the endpoint's name resolves to, when that is one of this machine's
+(``own_address``); when it is not (a name this machine resolves to loopback, the trap that
+``choose_gloo_interface`` handles), they fall back to torchrun's own store, on every interface.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 BACKEND = "ddpkit-loopback"
+STATIC = "ddpkit-static"  # torchrun's static rendezvous (--node-rank), its store on the chosen address
+C10D = "ddpkit-c10d"  # torchrun's c10d rendezvous (--rdzv-endpoint), its store on the chosen address
+DEFAULT_C10D_PORT = 29400  # torchrun's, for an endpoint without a port
 LOOPBACK = "127.0.0.1"
 ENDPOINT = f"{LOOPBACK}:0"  # what the agent is told; the port is the kernel's pick
 DEFAULT_READ_TIMEOUT_S = 60  # torchrun's for its c10d rendezvous store
@@ -43,12 +52,38 @@ def listening_socket(address: str, port: int = 0) -> socket.socket:
 def store_on(address: str, *, port: int = 0, world_size: int | None = None, timeout_s: float,
              wait_for_workers: bool = True) -> dist.TCPStore:
     """A TCPStore server that listens on ``address`` only (port 0: a free one, ``store.port`` says which)."""
-    listener = listening_socket(address, port)
+    try:
+        listener = listening_socket(address, port)
+    except OSError as error:  # as PyTorch's own store says it, which the launcher turns into one line
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        raise dist.DistNetworkError(f"cannot listen on {address}:{port}: {reason}") from None
     chosen_port = listener.getsockname()[1]
     # The store takes the descriptor over and closes it with itself: the Python object lets go of it.
     return dist.TCPStore(address, chosen_port, world_size, is_master=True,
                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=wait_for_workers,
                          master_listen_fd=listener.detach())
+
+
+def bind_address(host: str, *, one_machine: bool) -> str | None:
+    """Where a store that the ranks reach as ``host`` listens on this machine: the address ``host`` resolves
+    to, when it is one of this machine's interfaces, or (``one_machine``) a loopback address. None: neither
+    (every interface then, as PyTorch's stores)."""
+    from ddpkit import interfaces
+
+    address = interfaces.resolve(host)
+    if address is None:
+        return None
+    if interfaces.is_loopback(address):
+        # Across machines a name that resolves to loopback here is the other nodes' way to this one (the trap
+        # choose_gloo_interface handles): they would not reach it there.
+        return address if one_machine else None
+    return address if address in interfaces.addresses().values() else None
+
+
+def own_address(host: str) -> str | None:
+    """The address ``host`` resolves to, when it is one of this machine's interfaces and not loopback: where a
+    store that other machines reach under that name listens. None: not this machine's, or loopback."""
+    return bind_address(host, one_machine=False)
 
 
 def loopback_store(timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> dist.TCPStore:
@@ -101,6 +136,60 @@ class LoopbackRendezvous(RendezvousHandler):
         return self._inner.shutdown()
 
 
+def _static_class():
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    class ChosenAddressStatic(StaticTCPRendezvous):
+        """torchrun's static rendezvous; node 0's store listens on the master address only (``own_address``)."""
+
+        def get_backend(self) -> str:
+            return STATIC  # torchrun checks that the handler is the backend it asked for
+
+        def next_rendezvous(self) -> RendezvousInfo:
+            if self._store is None and self.rank == 0:
+                bind = bind_address(self.master_addr, one_machine=self.world_size == 1)
+                if bind is not None:
+                    self._store = store_on(bind, port=self.master_port, world_size=self.world_size,
+                                           timeout_s=self.timeout.total_seconds())
+            return super().next_rendezvous()  # with a store set, it only wraps it
+
+    return ChosenAddressStatic
+
+
+def create_static_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """``STATIC``: as torchrun's ``--rdzv-backend static``, from ``--rdzv-endpoint MASTER:PORT`` and
+    ``--rdzv-conf rank=NODE_RANK,timeout=SECONDS``."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    master_addr, master_port = parse_rendezvous_endpoint(params.endpoint, -1)
+    return _static_class()(master_addr, master_port, rank=int(params.config["rank"]), world_size=params.max_nodes,
+                           run_id=params.run_id, timeout=int(params.config.get("timeout", 600)))
+
+
+def create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """``C10D``: torchrun's c10d rendezvous; on the machine the endpoint names, its store listens on that
+    address only. Elsewhere, or where the name is not one of this machine's addresses, torchrun's own."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    class ChosenAddressC10d(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:
+            return C10D  # the handler's backend name, which torchrun checks against the one it asked for
+
+    host, port = parse_rendezvous_endpoint(params.endpoint, DEFAULT_C10D_PORT)
+    bind = bind_address(host, one_machine=params.max_nodes == 1)
+    if bind is None:
+        _, store = create_backend(params)  # torchrun's own store: a client, or a server on every interface
+    else:
+        store = store_on(bind, port=port, timeout_s=params.get_as_int("read_timeout", DEFAULT_READ_TIMEOUT_S),
+                         wait_for_workers=False)
+    return create_handler(store, ChosenAddressC10d(store, params.run_id), params)
+
+
 def register() -> None:
-    """Make ``BACKEND`` known to torchrun's rendezvous registry (again: no harm)."""
+    """Make ddpkit's rendezvous backends known to torchrun's registry (again: no harm)."""
     rendezvous_handler_registry.register(BACKEND, LoopbackRendezvous)
+    rendezvous_handler_registry.register(STATIC, create_static_handler)
+    rendezvous_handler_registry.register(C10D, create_c10d_handler)
