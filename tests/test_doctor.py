@@ -151,7 +151,8 @@ with ddpkit.distributed(device="cpu") as rt:
 """
 
 
-@pytest.mark.alone  # beside another worker's runs, rank 1 once ended in SIGABRT at its exit (not understood yet)
+@pytest.mark.alone  # beside another worker's runs, a rank sometimes ends in SIGABRT at its exit: gloo's thread
+# frees all_gather_object's tensors as the interpreter finalizes (docs/examples.md); rarer with the machine to itself
 def test_unequal_batch_counts_neither_hang_nor_pass_silently(tmp_path):
     script = tmp_path / "uneven.py"
     script.write_text(UNEVEN)

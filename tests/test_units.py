@@ -4,6 +4,7 @@ import collections
 import os
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -264,3 +265,17 @@ def test_batchnorm_is_found_where_it_is_and_only_there():
     from ddpkit.zoo import ConvNet, Net
 
     assert has_batchnorm(Net()) and not has_batchnorm(ConvNet())
+
+
+def test_waiting_until_only_python_holds_tensors_returns_once_the_other_holder_lets_go():
+    from ddpkit.data import wait_until_only_python_holds
+
+    tensor = torch.zeros(1)
+    holder = [tensor.view(1)]  # another reference to its TensorImpl, as gloo's thread holds a collective's
+    threading.Timer(0.05, holder.clear).start()
+    started = time.monotonic()
+    wait_until_only_python_holds([tensor], timeout_s=30)
+    assert tensor._use_count() == 1 and time.monotonic() - started < 20
+    held = tensor.view(1)  # never let go: it gives up after its timeout
+    wait_until_only_python_holds([tensor], timeout_s=0.05)
+    assert tensor._use_count() == 2 and held is not None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -296,6 +297,25 @@ def reduce_sums(values: list[float], runtime: Runtime) -> list[float]:
     return tensor.cpu().tolist()
 
 
+RELEASE_WAIT_S = 2.0
+
+
+def wait_until_only_python_holds(tensors: list[torch.Tensor], timeout_s: float = RELEASE_WAIT_S) -> None:
+    """After a collective that returned: wait (at most ``timeout_s``) until the backend's thread has let go of
+    ``tensors``, so that their last reference is Python's and they are freed in this thread.
+
+    gloo's worker thread drops a finished collective's tensors a moment after ``wait()`` returns. Were that
+    the last reference while the interpreter finalizes (a rank that raises right after the collective and
+    exits), freeing their Python objects would need the GIL, and Python ends a thread that asks for it then
+    with ``pthread_exit``, which through gloo's C++ frames is ``std::terminate``: signal 6 at exit.
+    """
+    if not all(hasattr(tensor, "_use_count") for tensor in tensors):  # a torch without the count: no way to tell
+        return
+    deadline = time.monotonic() + timeout_s
+    while any(tensor._use_count() > 1 for tensor in tensors) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def check_equal_batches(loader, runtime: Runtime) -> int:
     """Every rank's number of batches, compared before the first step; UsageError when they differ.
 
@@ -310,8 +330,12 @@ def check_equal_batches(loader, runtime: Runtime) -> int:
     count = len(loader)
     if runtime.backend is None or runtime.world_size == 1:
         return count
-    counts: list = [None] * runtime.world_size
-    dist.all_gather_object(counts, count)  # the training group: a rank stuck before it fails within --timeout
+    # The training group: a rank stuck before it fails within --timeout.
+    mine = torch.tensor([count], dtype=torch.int64, device=runtime.device)
+    gathered = [torch.zeros_like(mine) for _ in range(runtime.world_size)]
+    dist.all_gather(gathered, mine)
+    wait_until_only_python_holds([mine, *gathered])
+    counts = [int(tensor.item()) for tensor in gathered]
     if len(set(counts)) > 1:
         shown = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(counts[:8]))
         more = f" (and {len(counts) - 8} more ranks)" if len(counts) > 8 else ""
