@@ -176,9 +176,9 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
     if options.nnodes > 1 and options.rdzv_endpoint is None and options.node_rank > 0:
         wait_for_node_0(options.master_addr, options.master_port or DEFAULT_MULTINODE_PORT, options.rdzv_timeout_s)
     if options.rdzv_endpoint is not None:
-        host, _, port = options.rdzv_endpoint.rpartition(":")
+        host, port, _ = rendezvous_host(options)
         if not is_this_machine(host):  # the machine that hosts the rendezvous starts its store: nothing to wait for
-            wait_for_node_0(host, int(port), options.rdzv_timeout_s, what="the rendezvous endpoint",
+            wait_for_node_0(host, port, options.rdzv_timeout_s, what="the rendezvous endpoint",
                             flags="--rdzv-endpoint", machine="the node it names")
     if options.nnodes > 1:
         watch_rendezvous_host(options)
@@ -225,6 +225,14 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
 WATCH_INTERVAL_S = 2.0
 
 
+def rendezvous_host(options: LaunchOptions) -> tuple[str, int, str]:
+    """Where a job across machines has its rendezvous store: (host, port, the flag that names it)."""
+    if options.rdzv_endpoint is not None:
+        host, _, port = options.rdzv_endpoint.rpartition(":")
+        return host, int(port), "--rdzv-endpoint"
+    return options.master_addr, options.master_port or DEFAULT_MULTINODE_PORT, "--master-addr"
+
+
 def watch_rendezvous_host(options: LaunchOptions) -> None:
     """On a node that does not host the rendezvous: once this node's workers have ended, end the launcher
     with one line if the rendezvous host does not answer. torchrun's agent would otherwise go on calling its
@@ -233,12 +241,8 @@ def watch_rendezvous_host(options: LaunchOptions) -> None:
 
     from ddpkit import interfaces
 
-    if options.rdzv_endpoint is not None:
-        host, _, port = options.rdzv_endpoint.rpartition(":")
-        where, flags = (host, int(port)), "--rdzv-endpoint"
-    else:
-        where, flags = (options.master_addr, options.master_port or DEFAULT_MULTINODE_PORT), "--master-addr"
-    if is_this_machine(where[0]) or not os.path.isdir("/proc"):
+    host, port, flags = rendezvous_host(options)
+    if is_this_machine(host) or not os.path.isdir("/proc"):
         return
 
     def watch() -> None:
@@ -249,8 +253,8 @@ def watch_rendezvous_host(options: LaunchOptions) -> None:
             if any(_running(child) for child in _children(os.getpid())):
                 had_workers = True
                 continue
-            if had_workers and not interfaces.answers(*where):
-                logger.error(f"this node's workers have ended, and the rendezvous host {where[0]}:{where[1]} "
+            if had_workers and not interfaces.answers(host, port):
+                logger.error(f"this node's workers have ended, and the rendezvous host {host}:{port} "
                              f"({flags}) does not answer: the network to it is cut, or it is down; ending this "
                              "node now instead of waiting on it")
                 sys.stdout.flush()
@@ -267,7 +271,7 @@ def choose_gloo_interface(options: LaunchOptions) -> None:
 
     if os.environ.get(interfaces.GLOO_VARIABLE):
         return
-    peer = options.rdzv_endpoint.rpartition(":")[0] if options.rdzv_endpoint else options.master_addr
+    peer = rendezvous_host(options)[0]
     chosen = interfaces.gloo_interface(peer)
     if chosen is None:
         return
