@@ -16,7 +16,7 @@ from ddpkit.env import DistEnv
 from ddpkit.errors import UsageError
 from ddpkit.launch import LaunchOptions, resolve_nproc, torchrun_argv
 from ddpkit.process_group import Runtime, choose_backend, choose_device, free_port, job_store
-from ddpkit.rendezvous import own_address
+from ddpkit.rendezvous import bind_address
 from ddpkit.trainer import TrainConfig
 from listening import listening
 
@@ -151,8 +151,8 @@ def test_the_job_store_across_machines_listens_on_the_address_the_other_nodes_us
     assert found == {(address, port)}
     # A MASTER_ADDR that resolves to loopback here although the job spans machines (the host-name trap) or
     # that is not this machine's: every interface, as PyTorch's own store.
-    assert own_address("127.0.0.1") is None and own_address("192.0.2.254") is None
-    assert own_address(address) == address
+    assert bind_address("127.0.0.1", one_machine=False) is None and bind_address("192.0.2.254", one_machine=False) is None
+    assert bind_address(address, one_machine=False) == address
 
 
 def test_torchrun_command_line_single_node_uses_a_free_port():

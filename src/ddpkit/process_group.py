@@ -207,7 +207,7 @@ def job_store(environment: env_mod.DistEnv, timeout_s: float) -> dist.Store:
     if environment.rank != 0:
         store = dist.TCPStore(host, port, environment.world_size, is_master=False, timeout=timeout)
     else:
-        bind = host if one_machine else rendezvous.own_address(host)
+        bind = rendezvous.bind_address(host, one_machine=one_machine)
         if bind is None:
             store = dist.TCPStore(host, port, environment.world_size, is_master=True, timeout=timeout)
         else:

@@ -15,7 +15,7 @@ the reason ddpkit does not share the rendezvous store itself with the workers).
 Across machines the rendezvous store must be reachable from the other nodes, but still not from every
 network the host is on: ``STATIC`` and ``C10D`` are torchrun's static and c10d rendezvous with the store
 listening only on the address the endpoint's name resolves to, when that is one of this machine's
-(``own_address``); when it is not (a name this machine resolves to loopback, the trap that
+(``bind_address``); when it is not (a name this machine resolves to loopback, the trap that
 ``choose_gloo_interface`` handles), they fall back to torchrun's own store, on every interface.
 """
 
@@ -80,12 +80,6 @@ def bind_address(host: str, *, one_machine: bool) -> str | None:
     return address if address in interfaces.addresses().values() else None
 
 
-def own_address(host: str) -> str | None:
-    """The address ``host`` resolves to, when it is one of this machine's interfaces and not loopback: where a
-    store that other machines reach under that name listens. None: not this machine's, or loopback."""
-    return bind_address(host, one_machine=False)
-
-
 def loopback_store(timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> dist.TCPStore:
     return store_on(LOOPBACK, timeout_s=timeout_s)
 
@@ -140,7 +134,7 @@ def _static_class():
     from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
     class ChosenAddressStatic(StaticTCPRendezvous):
-        """torchrun's static rendezvous; node 0's store listens on the master address only (``own_address``)."""
+        """torchrun's static rendezvous; node 0's store listens on the master address only (``bind_address``)."""
 
         def get_backend(self) -> str:
             return STATIC  # torchrun checks that the handler is the backend it asked for
