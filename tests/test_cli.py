@@ -77,6 +77,7 @@ NO_GPU = torch.cuda.device_count() == 0
         (["bench", "--nproc", "one,two"], "--nproc takes a comma-separated list, got 'one,two'"),
         (["bench", "--strategies", "ddp,fsdp"], "--strategies takes a comma list of single, dp, ddp"),
         (["bench", "--steps", "0"], "--steps must be at least 1, got 0"),
+        (["bench", "--image-size", "0"], "--image-size must be at least 1, got 0"),
         (["bench", "--model", "resnet"], "unknown model 'resnet'"),
         (["bench", "--link-gbps", "0"], "--link-gbps takes positive numbers"),
         (["bench", "--precision", "fp8"], "invalid choice: 'fp8'"),

@@ -114,7 +114,13 @@ class BenchOptions:
 
         model = self.model or ("resnet50" if device == "cuda" else "net")
         zoo.check_model_name(model)
-        return dataclasses.replace(self, model=model, device=device, strategies=strategies, nproc=tuple(sorted(set(nproc))))
+        if self.image_size is not None and self.image_size < 1:
+            raise UsageError(f"--image-size must be at least 1, got {self.image_size}")
+        # ImageNet's size for torchvision's classifiers, synthetic data too: images/s are quoted at 224 (at
+        # ddpkit train's small default, ResNet-50's step is launch-bound and ten times shorter).
+        _, image_size = zoo.model_input(model, "folder", self.image_size)
+        return dataclasses.replace(self, model=model, device=device, strategies=strategies, image_size=image_size,
+                                   nproc=tuple(sorted(set(nproc))))
 
 
 def _default_nproc(device: str, cuda_count: int) -> tuple[int, ...]:
@@ -189,7 +195,7 @@ def measure(options: BenchOptions, job: Job) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     from_folder = options.data.startswith("folder:")
-    channels, image_size = zoo.model_input(options.model, "folder" if from_folder else "synthetic", options.image_size)
+    channels, image_size = zoo.model_input(options.model, "folder", options.image_size)
     folder = zoo.load_folder(options.data.partition(":")[2], channels, image_size) if from_folder else None
     folder_set = folder.train if folder is not None else None
     num_classes = folder.num_classes if folder is not None else 10
@@ -532,7 +538,8 @@ def format_table(options: BenchOptions, rows: list[dict]) -> str:
     header += ["DDP comm wait", "ddpkit/hand (DDP)"]
     lines = [f"ddpkit bench: {options.model}, {options.precision}"
              + (", channels_last" if options.channels_last else "") + (", compile" if options.compile else "")
-             + f", {options.data} data, batch {options.batch_size} per device, {options.device}; "
+             + f", {options.data} data {options.image_size}x{options.image_size}, batch {options.batch_size} per device, "
+             f"{options.device}; "
              f"median of {options.repeats} x {options.steps} steps", "  ".join(f"{h:>18}" for h in header)]
     for devices in sorted({r["devices"] for r in rows}):
         cells = [f"{devices:>18}"]

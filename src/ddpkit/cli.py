@@ -135,14 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", type=int, default=32, metavar="B", help="per device (default: 32)")
     bench.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: auto")
     bench.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16", "bf16"],
-                       help="fp16/bf16 use autocast, fp16 with a GradScaler; tf32 enables TF32 matmuls (default: fp32)")
+                       help="fp16/bf16 use autocast, fp16 with a GradScaler; tf32 also enables TF32 matmuls; fp32 is "
+                            "PyTorch's default, whose cuDNN convolutions already use TF32 (default: fp32)")
     bench.add_argument("--channels-last", action="store_true", help="model and images in channels_last")
     bench.add_argument("--compile", action="store_true", help="torch.compile the model")
     bench.add_argument("--data", default="synthetic", metavar="synthetic|loader|folder:PATH",
                        help="synthetic: one batch already on the device; loader: a DataLoader over pinned host "
                             "memory, copied each step; folder:PATH: an ImageFolder decoded by CPU loader "
                             "processes (default: synthetic)")
-    bench.add_argument("--image-size", type=int, default=None, metavar="PIXELS")
+    bench.add_argument("--image-size", type=int, default=None, metavar="PIXELS",
+                       help="side of the square input (default: 224 for torchvision's classifiers, as ImageNet "
+                            "numbers are quoted; a built-in model's own size)")
     bench.add_argument("--warmup", type=int, default=5,
                        help="untimed steps of each variant first, rounded up to whole rounds of --steps (default: 5)")
     bench.add_argument("--steps", type=int, default=20, help="steps per timed round (default: 20)")

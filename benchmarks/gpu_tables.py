@@ -1,0 +1,105 @@
+"""docs/benchmarks.md's GPU tables from a folder that benchmarks/gpu_pass.sh wrote.
+
+    python benchmarks/gpu_tables.py benchmarks/results/gpu-h200-2026-11-26
+
+Prints Markdown: ResNet-50 images/s per precision and strategy (median [min-max] over the rounds), the
+issue's goals as ratios of rows measured in the same pass, and the `ddpkit train` runs' speed and peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+# (bench file stem, what it measured), in the order of the table
+CONFIGS = [
+    ("bench-fp32", "fp32 (PyTorch's default: cuDNN convolutions in TF32)"),
+    ("bench-tf32", "tf32 (TF32 matmuls too)"),
+    ("bench-bf16", "bf16 autocast"),
+    ("bench-bf16-cl", "bf16 + channels_last"),
+    ("bench-bf16-cl-compile", "bf16 + channels_last + torch.compile"),
+    ("bench-folder-cpu-decode", "bf16 + channels_last, JPEG folder, CPU decoding"),
+]
+
+
+def rows_of(folder: Path, stem: str) -> dict[str, dict]:
+    path = folder / f"{stem}.json"
+    if not path.exists():
+        return {}
+    return {row["strategy"]: row for row in json.loads(path.read_text())["results"] if row["devices"] == 1}
+
+
+def cell(row: dict | None) -> str:
+    if row is None:
+        return "–"
+    low, high = row["spread"]
+    return f"{row['images_per_sec']:.0f} [{low:.0f}–{high:.0f}]"
+
+
+def bench_table(folder: Path) -> list[str]:
+    lines = ["| configuration | no DDP (single) | DDP, world size 1 | DataParallel, 1 GPU | DDP / single "
+             "| ddpkit / hand (DDP) | peak memory (DDP) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for stem, label in CONFIGS:
+        rows = rows_of(folder, stem)
+        if not rows:
+            continue
+        single, ddp, dp = rows.get("single"), rows.get("ddp"), rows.get("dp")
+        ratio = f"{ddp['images_per_sec'] / single['images_per_sec']:.1%}" if single and ddp else "–"
+        memory = f"{ddp['peak_memory_bytes'][0] / 2**30:.1f} GiB" if ddp else "–"
+        hand = f"{ddp['ddpkit_over_hand']:.3f}" if ddp else "–"
+        lines.append(f"| {label} | {cell(single)} | {cell(ddp)} | {cell(dp)} | {ratio} | {hand} | {memory} |")
+    return lines
+
+
+def ddp_rate(folder: Path, stem: str, strategy: str = "ddp") -> float | None:
+    row = rows_of(folder, stem).get(strategy)
+    return row["images_per_sec"] if row else None
+
+
+def goals(folder: Path) -> list[str]:
+    headline = ddp_rate(folder, "bench-bf16-cl", "single")
+    checks = [
+        ("ResNet-50 bf16 + channels_last, no DDP: ≥ 3,000 images/s", headline, 3000.0, "{:.0f} images/s"),
+        ("DDP at world size 1 ≥ 98% of no DDP (bf16 + channels_last)",
+         _ratio(ddp_rate(folder, "bench-bf16-cl"), headline), 0.98, "{:.1%}"),
+        ("DDP at world size 1 ≥ 98% of no DDP (fp32)",
+         _ratio(ddp_rate(folder, "bench-fp32"), ddp_rate(folder, "bench-fp32", "single")), 0.98, "{:.1%}"),
+        ("JPEG folder ≥ 80% of synthetic (DDP, bf16 + channels_last)",
+         _ratio(ddp_rate(folder, "bench-folder-cpu-decode"), ddp_rate(folder, "bench-bf16-cl")), 0.80, "{:.1%}"),
+        ("torch.compile faster than eager (DDP, bf16 + channels_last)",
+         _ratio(ddp_rate(folder, "bench-bf16-cl-compile"), ddp_rate(folder, "bench-bf16-cl")), 1.0, "{:.2f}×"),
+    ]
+    lines = ["| goal | measured | met |", "| --- | --- | --- |"]
+    for name, value, floor, form in checks:
+        if value is not None:
+            lines.append(f"| {name} | {form.format(value)} | {'yes' if value >= floor else 'no'} |")
+    return lines
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def train_table(folder: Path) -> list[str]:
+    lines = ["| run | images/s (epoch) | peak memory | train state | val accuracy |", "| --- | --- | --- | --- | --- |"]
+    for metrics in sorted(folder.glob("train-*/metrics.jsonl")):
+        row = json.loads(metrics.read_text().splitlines()[-1])
+        lines.append(f"| {metrics.parent.name.removeprefix('train-')} | {row['images_per_sec']:.0f} "
+                     f"| {row['peak_memory_mb'][0]:.0f} MiB | {row['train_state_mb'][0]:.0f} MiB | {row['val_acc']:.2%} |")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or not Path(argv[0]).is_dir():
+        print("usage: python benchmarks/gpu_tables.py RESULTS_DIR (a folder benchmarks/gpu_pass.sh wrote)", file=sys.stderr)
+        return 2
+    folder = Path(argv[0])
+    for block in (bench_table(folder), goals(folder), train_table(folder)):
+        print("\n".join(block), end="\n\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
