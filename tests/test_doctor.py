@@ -22,6 +22,9 @@ def test_every_tutorial_variable_in_effect_is_explained():
     assert set(explained) == set(TUTORIAL_VARIABLES) | {"NCCL_NEW_THING"}  # HOME is not distributed
     assert all("not one ddpkit knows" not in explained[name] for name in TUTORIAL_VARIABLES)
     assert "not one ddpkit knows" in explained["NCCL_NEW_THING"]
+    # NVIDIA's images set NCCL_VERSION (an H200 machine: 2.28.3-1, while torch's NCCL was 2.28.9): not a setting.
+    container = doctor.variables({"NCCL_VERSION": "2.28.3-1"})[0]["meaning"]
+    assert "NCCL does not read it" in container
 
 
 def test_doctor_json_names_versions_backends_variables_and_who_holds_the_port():

@@ -43,6 +43,8 @@ VARIABLES = {
     "NCCL_NET_GDR_LEVEL": "how close a NIC and a GPU must be for GPUDirect RDMA (LOC, PIX, PXB, PHB, SYS)",
     "NCCL_IGNORE_CPU_AFFINITY": "1 lets NCCL ignore the job's CPU affinity and pick cores near the GPU itself",
     "NCCL_ALGO": "force the collective algorithm (Ring, Tree, CollnetDirect, NVLS, ...)",
+    "NCCL_VERSION": "set by NVIDIA's container images to the NCCL they install; NCCL does not read it, and PyTorch "
+                    "uses the NCCL it was built with (the NCCL on the first line)",
     "NCCL_IB_HCA": "which InfiniBand adapters (and ports) NCCL may use, e.g. mlx5_0:1",
     "NCCL_IB_DISABLE": "1 turns InfiniBand off: NCCL falls back to sockets",
     "NCCL_ASYNC_ERROR_HANDLING": "older name of TORCH_NCCL_ASYNC_ERROR_HANDLING",
