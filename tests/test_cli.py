@@ -369,6 +369,22 @@ def test_ranks_stopped_after_another_ranks_usage_error_are_not_reported_as_failu
     # Every rank ended by SIGTERM (the job was stopped): each is said, as before.
     assert report_failures({0: (-15, 100), 1: (-15, 101)}) == 1
     assert capsys.readouterr().err.count("killed by signal 15; its output is above") == 2
+    # Where each rank's output is kept in a file (ddpkit train), a failed rank other than 0 is named with it.
+    assert report_failures({0: (-15, 100), 1: (1, 101)}, "/run/logs") == 1
+    assert capsys.readouterr().err.splitlines()[1] == (
+        "ddpkit: error: rank 1 (pid 101) exited with status 1; its errors are above, all its output in /run/logs/rank1.log")
+
+
+def test_rank_logs_started_for_workers_that_never_came_end_and_leave_no_pipe(tmp_path):
+    from ddpkit import rank_logs
+
+    dest = rank_logs.RankLogs(str(tmp_path / "logs")).reify({0: {"RANK": "4"}, 1: {"RANK": "5"}})
+    pipes = [*dest.stdouts.values(), *dest.stderrs.values()]
+    assert len(set(pipes)) == 4 and all(os.path.exists(pipe) for pipe in pipes)
+    copiers = [thread for thread, _ in rank_logs._copiers]
+    rank_logs.drain(timeout_s=5)  # each copier waits for a writer that will never open its pipe
+    assert not any(thread.is_alive() for thread in copiers) and not any(os.path.exists(pipe) for pipe in pipes)
+    assert sorted(path.name for path in (tmp_path / "logs").iterdir()) == ["rank4.log", "rank5.log"]
 
 
 def test_a_run_in_a_folder_whose_earlier_run_is_still_alive_names_its_processes(tmp_path):

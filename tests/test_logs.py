@@ -114,3 +114,38 @@ def test_a_rank_that_freezes_its_heap_at_exit_prints_no_leak_report():
     done = subprocess.run([sys.executable, "-c", QUICK_EXIT], capture_output=True, text=True, env=child_env(),
                           timeout=120)
     assert done.returncode == 0 and done.stderr == "done\n", done.stderr[-2000:]
+
+
+def test_the_console_shows_another_ranks_warnings_errors_and_tracebacks_only():
+    from ddpkit.rank_logs import ConsoleLines
+
+    lines = ConsoleLines(2)
+    text = (b"a print of its own\n"
+            b"[rank2]: ddpkit: 2 process(es) via torchrun\n"
+            b"[rank2]: ddpkit: warning: rank 2 is slow\n"
+            b"/tmp/model.py:11: UserWarning: careful\n"
+            b"  warnings.warn('careful')\n"
+            b"[W1126 03:24:38.295000 2844 ProcessGroupGloo.cpp:9] a c10d warning\n"
+            b"Traceback (most recent call last):\n"
+            b"  File \"train.py\", line 3, in <module>\n"
+            b"    main()\n"
+            b"ValueError: bad value\n"
+            b"after the traceback\n"
+            b"a line without its end")
+    # Fed in pieces that split lines: whole lines are judged.
+    shown = b"".join(lines.feed(text[i:i + 7]) for i in range(0, len(text), 7)) + lines.flush()
+    assert shown.decode().splitlines() == [
+        "[rank2]: ddpkit: warning: rank 2 is slow",
+        "[rank2]: /tmp/model.py:11: UserWarning: careful",
+        "[rank2]: [W1126 03:24:38.295000 2844 ProcessGroupGloo.cpp:9] a c10d warning",
+        "[rank2]: Traceback (most recent call last):",
+        "[rank2]:   File \"train.py\", line 3, in <module>",
+        "[rank2]:     main()",
+        "[rank2]: ValueError: bad value",
+    ]
+    # A traceback PyTorch prefixed already keeps its one prefix; at --log-level debug every line is shown.
+    prefixed = ConsoleLines(1).feed(b"[rank1]: Traceback (most recent call last):\n[rank1]:   File \"x.py\"\n"
+                                    b"[rank1]: RuntimeError: boom\n[rank1]: later\n")
+    assert prefixed.decode().splitlines() == ["[rank1]: Traceback (most recent call last):", "[rank1]:   File \"x.py\"",
+                                              "[rank1]: RuntimeError: boom"]
+    assert ConsoleLines(1, every_line=True).feed(b"a print\n") == b"[rank1]: a print\n"

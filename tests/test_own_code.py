@@ -16,10 +16,15 @@ from ddpkit import cli
 from ddpkit.user_code import parse_arguments
 
 MODULE = """
+import os, warnings
 import torch, torch.nn as nn
 from torch.utils.data import TensorDataset
 
 def model(width=16, classes=3):
+    rank = os.environ.get("RANK", "0")
+    print(f"building the model on rank {rank}")
+    if rank == "1":
+        warnings.warn("rank 1 has a warning")
     return nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, classes))
 
 def data(n=96, classes=3):
@@ -67,6 +72,13 @@ def test_a_model_and_data_of_ones_own_train_under_ddp(tmp_path, own):
     assert [(row["world_size"], row["val_count"]) for row in rows] == [(2, 64)] * 3  # each sample evaluated once
     assert rows[-1]["train_loss"] < rows[0]["train_loss"] and rows[-1]["val_acc"] > 0.5  # it learns
     assert 'model-arg = ["width=32"]' in (out / "config.toml").read_text()
+    # Each rank's whole output is in its file; the console has rank 0's, and rank 1's warning, prefixed.
+    assert "building the model on rank 0" in result.stdout and "on rank 1" not in result.stdout + result.stderr
+    assert result.stderr.count("[rank1]: ") == result.stderr.count("UserWarning: rank 1 has a warning") == 1
+    rank0, rank1 = ((out / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1))
+    assert "building the model on rank 0" in rank0 and "epoch 3/3:" in rank0
+    assert "building the model on rank 1" in rank1 and "UserWarning: rank 1 has a warning" in rank1
+    assert "[rank1]: ddpkit: 2 process(es) via torchrun" in rank1 and "epoch 3/3:" not in rank1
 
 
 @pytest.mark.parametrize("model, image_args", [("net", []), ("convnet", ["--data-arg", "channels=3",

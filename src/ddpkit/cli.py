@@ -11,6 +11,7 @@ where the mistake can be seen from the command line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -367,6 +368,9 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str], parser: argparse.Argu
     if options.launcher == "spawn":
         return _workers_done(spawn(_spawn_train_worker, options.nproc_per_node, (cfg,)))
     os.environ[CONFIG_WRITTEN_ENV] = "1"  # its workers run this command again: they need not write it again
+    # Each rank's whole output kept in OUTPUT_DIR/logs/rank<N>.log; the console shows rank 0 and the others'
+    # warnings and errors (ddpkit.rank_logs).
+    options = dataclasses.replace(options, rank_logs=os.path.join(cfg.output_dir, trainer.LOGS_FOLDER))
     return _workers_done(elastic(options, ["-m", "ddpkit", *argv]))
 
 

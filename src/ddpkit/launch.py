@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ddpkit import logs
 from ddpkit.errors import EXIT_USAGE, UsageError, first_line
 from ddpkit.logs import logger
 
@@ -48,6 +49,7 @@ class LaunchOptions:
     rdzv_id: str | None = None  # None: DEFAULT_RDZV_ID, with an endpoint
     min_nodes: int | None = None  # elastic: start once this many nodes joined (None: nnodes)
     rdzv_timeout_s: float = DEFAULT_RDZV_TIMEOUT_S  # how long a node waits for the others to join
+    rank_logs: str | None = None  # a folder: each rank's whole output in rank<N>.log there (ddpkit.rank_logs)
 
     def __post_init__(self) -> None:
         if self.rdzv_endpoint is not None:
@@ -145,6 +147,10 @@ def torchrun_argv(options: LaunchOptions, command: Sequence[str]) -> list[str]:
             "--rdzv-conf", f"rank={options.node_rank},timeout={math.ceil(options.rdzv_timeout_s)}",
         ]
     argv += ["--max-restarts", str(options.max_restarts)]
+    if options.rank_logs is not None:
+        from ddpkit import rank_logs
+
+        argv += ["--logs-specs", rank_logs.ENTRY_POINT, "--log-dir", options.rank_logs]
     return argv + list(command)
 
 
@@ -156,11 +162,7 @@ def _threads_per_process(nproc: int) -> str:
 
 def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: bool = False) -> int:
     """Run ``command`` on every process of this node through torchrun's agent; returns an exit status."""
-    from torch.distributed import DistNetworkError
     from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     # torchrun would force 1 thread per process (and warn); a fair share of the cores is faster on CPU.
     os.environ.setdefault("OMP_NUM_THREADS", _threads_per_process(options.nproc_per_node))
@@ -189,18 +191,34 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
     from ddpkit import rendezvous
 
     rendezvous.register()
-    args = torchrun.parse_args(torchrun_argv(options, command))
-    # The legacy torch.distributed.launch behaviour: pass --local-rank=N instead of only LOCAL_RANK.
-    args.use_env = not local_rank_arg
+    with _rank_logs_environment(options) as options:
+        args = torchrun.parse_args(torchrun_argv(options, command))
+        # The legacy torch.distributed.launch behaviour: pass --local-rank=N instead of only LOCAL_RANK.
+        args.use_env = not local_rank_arg
+        return _run_agent(torchrun, args, options)
+
+
+def _run_agent(torchrun, args, options: LaunchOptions) -> int:
+    """torchrun's agent on ``args``; its failures said as ddpkit says them."""
+    from torch.distributed import DistNetworkError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    from ddpkit import rank_logs
+
     try:
         torchrun.run(args)
     except ChildFailedError as failed:
-        return report_failures({rank: (f.exitcode, f.pid) for rank, f in failed.failures.items()})
+        rank_logs.drain()  # every line the failed ranks wrote is on the console and in their files first
+        return report_failures({rank: (f.exitcode, f.pid) for rank, f in failed.failures.items()},
+                               options.rank_logs)
     except SignalException as stopped:
         # Ctrl-C or SIGTERM reached the agent, which passed it on and gave the workers its grace period
         # to checkpoint and exit. A second signal interrupts that wait: end whatever is left, now.
         killed = kill_children()
         detail = f"; {killed} worker(s) still running were killed" if killed else ""
+        rank_logs.drain(2.0)  # the workers' last lines (rank 0's checkpoint) before this one
         logger.info(f"stopped by signal {stopped.sigval.name}{detail}")
         # Leave now. The interrupted agent can leave threads behind (its rendezvous' keep-alive) that hold
         # the interpreter's exit: once in a CI run the launcher printed this line and never exited.
@@ -219,7 +237,40 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
             f"could not set up the rendezvous at {where} ({first_line(error)}); "
             "check --master-addr, and that --master-port is free on node 0 (or omit it on one node)"
         ) from None
+    finally:
+        rank_logs.drain()
     return 0
+
+
+@contextlib.contextmanager
+def _rank_logs_environment(options: LaunchOptions):
+    """``options`` with their workers' output kept per rank (ddpkit.rank_logs), when asked for and when torchrun
+    can find ddpkit's log plugin, and the workers' variables for it set meanwhile. Without the plugin (ddpkit
+    used from its source folder, not installed), the workers write to the console as they would under
+    torchrun, and the rank files keep ddpkit's messages only."""
+    from ddpkit import rank_logs
+
+    if options.rank_logs is None:
+        yield options
+        return
+    if not rank_logs.available():
+        logger.debug("ddpkit's torchrun log plugin is not installed (pip install ddpkit): each rank writes to the "
+                     "console, and logs/rank<N>.log holds its ddpkit messages only")
+        yield dataclasses.replace(options, rank_logs=None)
+        return
+    variables = {rank_logs.ENV: "1", "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1")}
+    if sys.stderr.isatty():  # rank 0's progress bar writes there, not into its file
+        variables[logs.TERMINAL_ENV] = os.ttyname(sys.stderr.fileno())
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)  # PYTHONUNBUFFERED: a worker's prints reach its file and the console as printed
+    try:
+        yield options
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 WATCH_INTERVAL_S = 2.0
@@ -239,7 +290,7 @@ def watch_rendezvous_host(options: LaunchOptions) -> None:
     store (closing the rendezvous, 60 s per call, again and again: a partitioned node waited for minutes)."""
     import threading
 
-    from ddpkit import interfaces
+    from ddpkit import interfaces, rank_logs
 
     host, port, flags = rendezvous_host(options)
     if is_this_machine(host) or not os.path.isdir("/proc"):
@@ -257,6 +308,7 @@ def watch_rendezvous_host(options: LaunchOptions) -> None:
                 logger.error(f"this node's workers have ended, and the rendezvous host {host}:{port} "
                              f"({flags}) does not answer: the network to it is cut, or it is down; ending this "
                              "node now instead of waiting on it")
+                rank_logs.drain(2.0)
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(1)
@@ -466,8 +518,9 @@ def kill_children(grace_s: float = 5.0) -> int:
     return len(children)
 
 
-def report_failures(failures: dict[int, tuple[int, int]]) -> int:
+def report_failures(failures: dict[int, tuple[int, int]], rank_logs_dir: str | None = None) -> int:
     """One line per failed rank; exit 2 if a rank rejected its input (it printed why), else 1.
+    ``rank_logs_dir``: where each rank's whole output is (ddpkit.rank_logs), named in the line.
 
     When a rank rejected its input, the ranks the agent then stopped with SIGTERM are not failures of
     their own, and are not reported; after another failure they are said to have been ended (not an error).
@@ -484,7 +537,13 @@ def report_failures(failures: dict[int, tuple[int, int]]) -> int:
             logger.info(f"rank {rank} (pid {pid}) was ended by the launcher (SIGTERM) when another rank failed")
         elif exitcode != EXIT_USAGE:
             how = f"killed by signal {-exitcode}" if exitcode < 0 else f"exited with status {exitcode}"
-            logger.error(f"rank {rank} (pid {pid}) {how}; its output is above")
+            if rank_logs_dir is None or rank == 0:
+                where = "its output is above"
+            else:
+                from ddpkit.rank_logs import path_for
+
+                where = f"its errors are above, all its output in {path_for(rank_logs_dir, rank)}"
+            logger.error(f"rank {rank} (pid {pid}) {how}; {where}")
     return EXIT_USAGE if EXIT_USAGE in codes else 1
 
 

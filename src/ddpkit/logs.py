@@ -26,6 +26,7 @@ would print each line a second time); a handler the user attaches to it gets the
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -35,6 +36,10 @@ from typing import TextIO
 from ddpkit.errors import EXIT_USAGE, UsageError
 
 LEVEL_ENV = "DDPKIT_LOG_LEVEL"
+# Set by the launcher when it keeps each worker's whole output in a file of its own (ddpkit.rank_logs): every
+# rank then writes all its messages to its stderr, and the launcher shows the console those it would.
+RANK_LOGS_ENV = "DDPKIT_RANK_LOGS"
+TERMINAL_ENV = "DDPKIT_TERMINAL"  # then: the launcher's terminal (its stderr's), for rank 0's progress bar
 LEVELS = ("debug", "info", "warning", "error")
 logger = logging.getLogger("ddpkit")
 
@@ -97,7 +102,10 @@ class FileRankHandler(RankHandler):
 def kept_in_file(path: str | os.PathLike, rank: int | None) -> Iterator[None]:
     """Inside the block, also write this process's ddpkit messages to ``path``, appended (a restart adds its
     lines): all of them at the logger's level, a rank other than 0's ``info`` lines too, which the console
-    leaves out."""
+    leaves out. Nothing to do where the launcher keeps this process's whole output in ``path`` already."""
+    if os.environ.get(RANK_LOGS_ENV) == "1":
+        yield
+        return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a", buffering=1, encoding="utf-8") as handle:
         handler = FileRankHandler(rank, every_rank=True, stream=handle)
@@ -108,10 +116,24 @@ def kept_in_file(path: str | os.PathLike, rank: int | None) -> Iterator[None]:
             logger.removeHandler(handler)
 
 
+@functools.lru_cache(maxsize=1)
+def launcher_terminal() -> TextIO | None:
+    """The launcher's terminal, opened for writing, where the launcher keeps this process's output in a file
+    (``TERMINAL_ENV``); else None. Opened once per process."""
+    path = os.environ.get(TERMINAL_ENV) if os.environ.get(RANK_LOGS_ENV) == "1" else None
+    if not path:
+        return None
+    try:
+        return open(path, "w", encoding="utf-8")  # noqa: SIM115 - the process's, until it exits
+    except OSError:
+        return None  # the terminal went away: no progress bar
+
+
 def _install(rank: int | None, chosen: str, stream: TextIO | None) -> None:
     for handler in [handler for handler in logger.handlers if type(handler) is RankHandler]:
         logger.removeHandler(handler)
-    logger.addHandler(RankHandler(rank, every_rank=chosen == "debug", stream=stream))
+    every_rank = chosen == "debug" or os.environ.get(RANK_LOGS_ENV) == "1"
+    logger.addHandler(RankHandler(rank, every_rank=every_rank, stream=stream))
     logger.setLevel(chosen.upper())
     logger.propagate = False  # one line per message, not a second one from a root handler
 

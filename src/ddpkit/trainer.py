@@ -47,7 +47,7 @@ CHECKPOINTS = "checkpoints (DIR/checkpoints)"
 DDP_KNOBS = "DistributedDataParallel knobs"
 CLI_STRATEGIES = ("single", "dp", "ddp", "fsdp", "pipeline")  # ZeRO is --strategy ddp --zero
 CHECKPOINT_FORMATS = ("auto", "full", "sharded")
-LOGS_FOLDER = "logs"  # OUTPUT_DIR/logs/rank<N>.log: each rank's ddpkit messages
+LOGS_FOLDER = "logs"  # OUTPUT_DIR/logs/rank<N>.log: all each rank wrote (ddpkit.rank_logs), or its ddpkit messages
 
 
 @dataclasses.dataclass
@@ -676,10 +676,12 @@ def progress_bar(run_state: RunState, steps: int, epoch: int):
         return None
     from tqdm import tqdm
 
-    # disable=None: only on a terminal, so logs and CI output stay free of carriage returns.
+    # disable=None: only on a terminal, so logs and CI output stay free of carriage returns. Where the launcher
+    # keeps this rank's output in a file, the bar goes straight to the launcher's terminal, if it has one.
     # Counted in global images, so the rate reads as images/s and the ETA as time left in the epoch.
+    stream = logs.launcher_terminal() or sys.stderr
     return tqdm(total=steps * run_state.global_batch, desc=f"epoch {epoch + 1}/{run_state.cfg.epochs}", unit="img",
-                unit_scale=True, disable=None, leave=False, file=sys.stderr)
+                unit_scale=True, disable=None, leave=False, file=stream)
 
 
 def memory(job: Job, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[float]]:
