@@ -381,7 +381,7 @@ def test_rank_logs_started_for_workers_that_never_came_end_and_leave_no_pipe(tmp
     dest = rank_logs.RankLogs(str(tmp_path / "logs")).reify({0: {"RANK": "4"}, 1: {"RANK": "5"}})
     pipes = [*dest.stdouts.values(), *dest.stderrs.values()]
     assert len(set(pipes)) == 4 and all(os.path.exists(pipe) for pipe in pipes)
-    copiers = [thread for thread, _ in rank_logs._copiers]
+    copiers = list(rank_logs._copiers)
     rank_logs.drain(timeout_s=5)  # each copier waits for a writer that will never open its pipe
     assert not any(thread.is_alive() for thread in copiers) and not any(os.path.exists(pipe) for pipe in pipes)
     assert sorted(path.name for path in (tmp_path / "logs").iterdir()) == ["rank4.log", "rank5.log"]

@@ -38,7 +38,7 @@ ENV = RANK_LOGS_ENV  # set in the workers: their output is kept in the rank file
 ENTRY_POINT = "ddpkit"  # torchrun --logs-specs ddpkit
 DRAIN_TIMEOUT_S = 10.0  # after the workers ended: a loader process they left may hold a pipe open
 
-_copiers: list[tuple[threading.Thread, str]] = []  # (copier, its pipe)
+_copiers: list[threading.Thread] = []
 _draining = threading.Event()  # the workers have ended: copy what is left in the pipes, then stop
 POLL_MS = 200
 _pipe_dirs: list[str] = []
@@ -92,14 +92,16 @@ def _start(pipe: str, log: str, console, lines: ConsoleLines | None) -> None:
     thread = threading.Thread(target=_copy, args=(pipe, log, console, lines),
                               name=f"ddpkit-rank-log-{os.path.basename(pipe)}", daemon=True)
     thread.start()
-    _copiers.append((thread, pipe))
+    _copiers.append(thread)
 
 
 def _copy(pipe: str, log: str, console, lines: ConsoleLines | None) -> None:
     """Copy one pipe to the rank's file, and to the console all of it (``lines`` None) or the lines that
     ``lines`` chooses, until every writer has closed it, or ``drain`` was called and nothing is left to read
     (torchrun's agent can keep its copy of a dead worker's pipe open)."""
-    with open(pipe, "rb", buffering=0) as source, open(log, "ab", buffering=0) as kept:
+    # Opened without waiting for a writer: a worker that never starts leaves nothing to wait for.
+    source = os.fdopen(os.open(pipe, os.O_RDONLY | os.O_NONBLOCK), "rb", buffering=0)
+    with source, open(log, "ab", buffering=0) as kept:
         waiting = select.poll()
         waiting.register(source, select.POLLIN)
         while True:
@@ -108,6 +110,8 @@ def _copy(pipe: str, log: str, console, lines: ConsoleLines | None) -> None:
                     break
                 continue
             chunk = source.read(65536)
+            if chunk is None:  # nothing to read yet
+                continue
             if not chunk:  # every writer closed it
                 break
             kept.write(chunk)
@@ -165,16 +169,10 @@ class ConsoleLines:
 
 def drain(timeout_s: float = DRAIN_TIMEOUT_S) -> None:
     """Wait for the copier threads to reach the end of their pipes (the workers have ended), then remove the
-    pipes. A thread still blocked after ``timeout_s`` (a process the workers left holds a pipe) is left."""
-    for _, pipe in _copiers:
-        # A copier still waiting for its writer (the workers never started) opens, reads nothing and ends.
-        try:
-            os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError:  # no reader waits on it any more (ENXIO), or it is gone
-            continue
+    pipes. A copier still copying after ``timeout_s`` (a process the workers left writes on) is left."""
     _draining.set()
     while _copiers:
-        _copiers.pop()[0].join(timeout_s)
+        _copiers.pop().join(timeout_s)
     _draining.clear()
     while _pipe_dirs:
         shutil.rmtree(_pipe_dirs.pop(), ignore_errors=True)
