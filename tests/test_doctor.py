@@ -111,6 +111,21 @@ def test_without_find_hangs_the_ranks_check_in_after_the_timeout_and_the_missing
     assert result.stderr.count("a collective timed out") == 1  # one line for the job
 
 
+def test_a_collective_whose_peer_went_away_is_one_line():
+    from ddpkit.process_group import explain_lost_peer
+
+    # What gloo said on rank 0 when the other node's launcher and rank were killed (SIGKILL) mid-training.
+    reset = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error "
+                         "[127.0.0.1]:43402: Connection reset by peer. This is typically caused by a remote worker "
+                         "hanging or bugs in the application.")
+    said = explain_lost_peer(reset)
+    assert said.startswith("a collective failed: another rank's connection went away (Connection reset by peer, "
+                           "from 127.0.0.1:43402): that rank, or its whole node, died or was killed.")
+    assert "remote process exited" in explain_lost_peer(RuntimeError(
+        "NCCL error: remote process exited or there was a network error, NCCL version 2.28.9"))
+    assert explain_lost_peer(RuntimeError("[pair.cc:534] Timed out waiting 5000ms for recv operation")) is None
+
+
 def test_a_timeout_explained_with_and_without_the_missing_ranks():
     from ddpkit.process_group import explain_hang
 

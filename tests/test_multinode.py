@@ -299,3 +299,46 @@ def test_a_partition_between_two_nodes_ends_both_within_a_minute_each_saying_why
     assert (f"rank 1 (host {other}) is cut off from the job's store at " in stderr
             and f"the network between {other} and {first} is cut (a partition), or {first} is down" in stderr), stderr
     assert "Traceback" not in stderr, stderr
+
+
+def test_a_dead_node_ends_the_other_in_seconds_with_one_line(tmp_path, two_nodes):
+    # Node b's launcher and rank killed at once (SIGKILL), its kernel still up: its connections are reset,
+    # and node a's rank learns it in its next collective (a powered-off node is the partition case above).
+    (a, host_a), (b, host_b) = two_nodes
+    common = [sys.executable, "-m", "ddpkit", "train", *RUN, "--epochs", "100", "--nproc-per-node", "1", "--nnodes",
+              "2", "--master-addr", host_a, "--master-port", "29614", "--checkpoint-every", "5"]
+    killed_at = []
+
+    def kill_node_b_after_an_epoch(procs) -> None:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "node0" / "metrics.jsonl").exists():
+            assert time.monotonic() < deadline, "no epoch ended in 120 s"
+            time.sleep(0.2)
+        node_b = _pids_running(str(tmp_path / "node1"))
+        assert procs[1].pid in node_b and len(node_b) >= 2, node_b  # its launcher and its rank
+        for pid in node_b:
+            os.kill(pid, signal.SIGKILL)
+        killed_at.append(time.monotonic())
+
+    results = _run_on_nodes([(a, host_a, [*common, "--node-rank", "0", "--output-dir", str(tmp_path / "node0")]),
+                             (b, host_b, [*common, "--node-rank", "1", "--output-dir", str(tmp_path / "node1")])],
+                            timeout=150, meanwhile=kill_node_b_after_an_epoch)
+    took = time.monotonic() - killed_at[0]
+    node_a = results[0]
+    assert node_a.returncode == 1 and results[1].returncode == -signal.SIGKILL, node_a.stderr
+    assert took < 30, f"node a ended {took:.0f} s after node b died"
+    assert node_a.stderr.count("[rank0]: ddpkit: error: a collective failed: another rank's connection went away "
+                               "(Connection reset by peer, from ") == 1, node_a.stderr
+    assert "Traceback" not in node_a.stderr and "rank 0 (pid " in node_a.stderr
+    assert (tmp_path / "node0" / "checkpoints" / "latest").exists()  # what it trained before is kept
+
+
+def _pids_running(argument: str) -> list[int]:
+    """The processes whose command line holds ``argument``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if argument.encode() in (entry / "cmdline").read_bytes().split(b"\0"):
+                    pids.append(int(entry.name))
+    return pids

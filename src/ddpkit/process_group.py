@@ -362,6 +362,23 @@ def explain_hang(error: BaseException, missing_ranks: list[int] | None = None) -
             "never reached it")
 
 
+# A peer's end of a collective went away: gloo's read/write errors on a connection the other side closed or
+# reset (its process died; a node whose kernel is up answers with a reset), NCCL's "remote process exited".
+_LOST_PEER = re.compile(r"(?:Read|Write) error \[([^\]]+)\]:(\d+): (Connection reset by peer|Connection closed by peer|"
+                        r"Broken pipe)|(remote process exited or there was a network error)")
+
+
+def explain_lost_peer(error: BaseException) -> str | None:
+    """One line for a collective that failed because another rank's connection went away, or None."""
+    lost = _LOST_PEER.search(str(error))
+    if lost is None:
+        return None
+    seen = f"{lost.group(3)}, from {lost.group(1)}:{lost.group(2)}" if lost.group(3) else lost.group(4)
+    return (f"a collective failed: another rank's connection went away ({seen}): that rank, or its whole node, "
+            "died or was killed. Its own output (on its node: its launcher's console, OUTPUT_DIR/logs/rank<N>.log) "
+            "says why; the last checkpoint written is kept")
+
+
 CHECK_IN_WAIT_S = 5.0  # how long a timed-out rank waits for the others' check-ins
 
 
@@ -396,6 +413,10 @@ def distributed(**kwargs) -> Iterator[Runtime]:
     try:
         yield runtime
     except RuntimeError as error:
+        lost = explain_lost_peer(error)
+        if lost is not None:  # one line, no traceback: nothing in this rank's own code went wrong
+            logger.error("%s", lost)
+            raise SystemExit(1) from None
         missing = None
         if is_timeout(error) and not _MISSING_RANKS.search(str(error)) and runtime.backend is not None:
             missing = ranks_missing_at_store(runtime)
