@@ -311,7 +311,8 @@ def test_a_dead_node_ends_the_other_in_seconds_with_one_line(tmp_path, two_nodes
 
     def kill_node_b_after_an_epoch(procs) -> None:
         deadline = time.monotonic() + 120
-        while not (tmp_path / "node0" / "metrics.jsonl").exists():
+        metrics = tmp_path / "node0" / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n")):  # the file is made before the epoch
             assert time.monotonic() < deadline, "no epoch ended in 120 s"
             time.sleep(0.2)
         node_b = _pids_running(str(tmp_path / "node1"))
@@ -330,7 +331,8 @@ def test_a_dead_node_ends_the_other_in_seconds_with_one_line(tmp_path, two_nodes
     assert node_a.stderr.count("[rank0]: ddpkit: error: a collective failed: another rank's connection went away "
                                "(Connection reset by peer, from ") == 1, node_a.stderr
     assert "Traceback" not in node_a.stderr and "rank 0 (pid " in node_a.stderr
-    assert (tmp_path / "node0" / "checkpoints" / "latest").exists()  # what it trained before is kept
+    kept = sorted(str(path.relative_to(tmp_path)) for path in (tmp_path / "node0").rglob("*"))
+    assert "node0/checkpoints/latest" in kept, (kept, node_a.stderr)  # what it trained before is kept
 
 
 def _pids_running(argument: str) -> list[int]:
