@@ -121,6 +121,8 @@ def test_a_collective_whose_peer_went_away_is_one_line():
     said = explain_lost_peer(reset)
     assert said.startswith("a collective failed: another rank's connection went away (Connection reset by peer, "
                            "from 127.0.0.1:43402): that rank, or its whole node, died or was killed.")
+    closed = RuntimeError("[gloo/transport/tcp/pair.cc:590] Connection closed by peer [10.231.0.2]:61234")
+    assert "(Connection closed by peer, from 10.231.0.2:61234)" in explain_lost_peer(closed)
     assert "remote process exited" in explain_lost_peer(RuntimeError(
         "NCCL error: remote process exited or there was a network error, NCCL version 2.28.9"))
     assert explain_lost_peer(RuntimeError("[pair.cc:534] Timed out waiting 5000ms for recv operation")) is None

@@ -364,16 +364,19 @@ def explain_hang(error: BaseException, missing_ranks: list[int] | None = None) -
 
 # A peer's end of a collective went away: gloo's read/write errors on a connection the other side closed or
 # reset (its process died; a node whose kernel is up answers with a reset), NCCL's "remote process exited".
-_LOST_PEER = re.compile(r"(?:Read|Write) error \[([^\]]+)\]:(\d+): (Connection reset by peer|Connection closed by peer|"
-                        r"Broken pipe)|(remote process exited or there was a network error)")
+_LOST_PEER = (re.compile(r"(?:Read|Write) error \[(?P<host>[^\]]+)\]:(?P<port>\d+): (?P<what>Connection reset by peer|"
+                         r"Broken pipe)"),
+              re.compile(r"(?P<what>Connection closed by peer) \[(?P<host>[^\]]+)\]:(?P<port>\d+)"),
+              re.compile(r"(?P<what>remote process exited or there was a network error)"))
 
 
 def explain_lost_peer(error: BaseException) -> str | None:
     """One line for a collective that failed because another rank's connection went away, or None."""
-    lost = _LOST_PEER.search(str(error))
+    lost = next(filter(None, (pattern.search(str(error)) for pattern in _LOST_PEER)), None)
     if lost is None:
         return None
-    seen = f"{lost.group(3)}, from {lost.group(1)}:{lost.group(2)}" if lost.group(3) else lost.group(4)
+    where = lost.groupdict()
+    seen = f"{where['what']}, from {where['host']}:{where['port']}" if where.get("host") else where["what"]
     return (f"a collective failed: another rank's connection went away ({seen}): that rank, or its whole node, "
             "died or was killed. Its own output (on its node: its launcher's console, OUTPUT_DIR/logs/rank<N>.log) "
             "says why; the last checkpoint written is kept")
