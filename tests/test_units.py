@@ -279,3 +279,14 @@ def test_waiting_until_only_python_holds_tensors_returns_once_the_other_holder_l
     held = tensor.view(1)  # never let go: it gives up after its timeout
     wait_until_only_python_holds([tensor], timeout_s=0.05)
     assert tensor._use_count() == 2 and held is not None
+
+
+def test_variables_set_for_a_block_are_as_before_after_it(monkeypatch):
+    from ddpkit.launch import variables_set
+
+    monkeypatch.setenv("DDPKIT_TEST_KEPT", "before")
+    monkeypatch.delenv("DDPKIT_TEST_NEW", raising=False)
+    with pytest.raises(RuntimeError), variables_set({"DDPKIT_TEST_KEPT": "inside", "DDPKIT_TEST_NEW": "1"}):
+        assert os.environ["DDPKIT_TEST_KEPT"] == "inside" and os.environ["DDPKIT_TEST_NEW"] == "1"
+        raise RuntimeError("the block failed")
+    assert os.environ["DDPKIT_TEST_KEPT"] == "before" and "DDPKIT_TEST_NEW" not in os.environ

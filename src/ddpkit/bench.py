@@ -488,21 +488,10 @@ def run(options: BenchOptions) -> dict:
 
 def _run_dp(options: BenchOptions, devices: int) -> dict:
     """DataParallel over ``devices`` GPUs: one process, launched like the others."""
-    with _visible_gpus(devices):
+    from ddpkit.launch import variables_set
+
+    with variables_set({"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(devices))}):
         return _run_one(options, "dp", 1)
-
-
-@contextlib.contextmanager
-def _visible_gpus(count: int):
-    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(count))
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = previous
 
 
 def _projection(options: BenchOptions, rows: list[dict]) -> dict:

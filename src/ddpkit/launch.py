@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -258,13 +258,22 @@ def _rank_logs_environment(options: LaunchOptions):
                      "console, and logs/rank<N>.log holds its ddpkit messages only")
         yield dataclasses.replace(options, rank_logs=None)
         return
+    # PYTHONUNBUFFERED: a worker's prints reach its file and the console as printed.
     variables = {rank_logs.ENV: "1", "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1")}
     if sys.stderr.isatty():  # rank 0's progress bar writes there, not into its file
         variables[logs.TERMINAL_ENV] = os.ttyname(sys.stderr.fileno())
-    before = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)  # PYTHONUNBUFFERED: a worker's prints reach its file and the console as printed
-    try:
+    with variables_set(variables):
         yield options
+
+
+@contextlib.contextmanager
+def variables_set(variables: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``variables`` set inside the block (the workers started there inherit them), and as
+    it was before after it."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
     finally:
         for name, value in before.items():
             if value is None:

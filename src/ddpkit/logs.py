@@ -103,7 +103,7 @@ def kept_in_file(path: str | os.PathLike, rank: int | None) -> Iterator[None]:
     """Inside the block, also write this process's ddpkit messages to ``path``, appended (a restart adds its
     lines): all of them at the logger's level, a rank other than 0's ``info`` lines too, which the console
     leaves out. Nothing to do where the launcher keeps this process's whole output in ``path`` already."""
-    if os.environ.get(RANK_LOGS_ENV) == "1":
+    if output_kept_by_launcher():
         yield
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -116,11 +116,16 @@ def kept_in_file(path: str | os.PathLike, rank: int | None) -> Iterator[None]:
             logger.removeHandler(handler)
 
 
+def output_kept_by_launcher() -> bool:
+    """Whether the launcher keeps this process's whole output in a file of its own (``RANK_LOGS_ENV``)."""
+    return os.environ.get(RANK_LOGS_ENV) == "1"
+
+
 @functools.lru_cache(maxsize=1)
 def launcher_terminal() -> TextIO | None:
     """The launcher's terminal, opened for writing, where the launcher keeps this process's output in a file
     (``TERMINAL_ENV``); else None. Opened once per process."""
-    path = os.environ.get(TERMINAL_ENV) if os.environ.get(RANK_LOGS_ENV) == "1" else None
+    path = os.environ.get(TERMINAL_ENV) if output_kept_by_launcher() else None
     if not path:
         return None
     try:
@@ -132,7 +137,7 @@ def launcher_terminal() -> TextIO | None:
 def _install(rank: int | None, chosen: str, stream: TextIO | None) -> None:
     for handler in [handler for handler in logger.handlers if type(handler) is RankHandler]:
         logger.removeHandler(handler)
-    every_rank = chosen == "debug" or os.environ.get(RANK_LOGS_ENV) == "1"
+    every_rank = chosen == "debug" or output_kept_by_launcher()
     logger.addHandler(RankHandler(rank, every_rank=every_rank, stream=stream))
     logger.setLevel(chosen.upper())
     logger.propagate = False  # one line per message, not a second one from a root handler
