@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -328,8 +329,10 @@ def test_a_dead_node_ends_the_other_in_seconds_with_one_line(tmp_path, two_nodes
     node_a = results[0]
     assert node_a.returncode == 1 and results[1].returncode == -signal.SIGKILL, node_a.stderr
     assert took < 30, f"node a ended {took:.0f} s after node b died"
-    assert node_a.stderr.count("[rank0]: ddpkit: error: a collective failed: another rank's connection went away "
-                               "(Connection reset by peer, from ") == 1, node_a.stderr
+    # gloo reads a reset or an end of stream, depending on where its thread was when the peer died.
+    said = re.findall(r"\[rank0\]: ddpkit: error: a collective failed: another rank's connection went away "
+                      r"\(Connection (?:reset|closed) by peer, from 10\.231\.0\.2:\d+\)", node_a.stderr)
+    assert len(said) == 1, node_a.stderr
     assert "Traceback" not in node_a.stderr and "rank 0 (pid " in node_a.stderr
     kept = sorted(str(path.relative_to(tmp_path)) for path in (tmp_path / "node0").rglob("*"))
     assert "node0/checkpoints/latest" in kept, (kept, node_a.stderr)  # what it trained before is kept
