@@ -28,7 +28,7 @@ in CPU time (``time.process_time``, mean of the ranks), which other load on the 
 ``--aa`` is the A/A control: the ddpkit slot runs a second, identical hand loop. Its ratio is 1 in
 truth, so how far it strays from 1 is this machine's noise floor for the ratio.
 
-``--heartbeat`` prices the stall watch and the slow-rank timing (``ddpkit.heartbeat``, ``ddpkit.pace``):
+``--heartbeat`` prices the stall watch and the slow-rank timing (``ddpkit.watch.heartbeat``, ``ddpkit.watch.pace``):
 both slots run ddpkit's loop, the hand slot with both off (no marks, no DDP wait hooks, the heartbeat
 thread idle) and the ddpkit slot with both on (every mark, a hook per parameter in backward and two per
 forward, and the thread publishing and watching every 5 s, as in any job), so the ratio is what they cost.
@@ -59,7 +59,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 import ddpkit
-from ddpkit import heartbeat, pace, trainer, zoo
+from ddpkit.watch import heartbeat, pace
+from ddpkit.app import trainer
+from ddpkit import zoo
 
 SIDES = ("hand", "ddpkit")
 

@@ -1,4 +1,4 @@
-"""What the replica check (``--check-replicas``, ``ddpkit.replicas``) costs, against a training step of
+"""What the replica check (``--check-replicas``, ``ddpkit.watch.replicas``) costs, against a training step of
 the same model in the same run.
 
     ddpkit run --nproc-per-node 2 benchmarks/replica_check_cost.py [--models convnet,resnet50] [--rounds 7]
@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 import ddpkit
-from ddpkit import replicas, zoo
+from ddpkit.watch import replicas
+from ddpkit import zoo
 
 SHAPES = {"convnet": (3, 32), "net": (1, 28)}  # (channels, image size); torchvision models: 3 x --image-size
 

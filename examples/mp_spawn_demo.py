@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.optim as optim
 
 import ddpkit  # ddpkit: instead of `from torch.nn.parallel import DistributedDataParallel as DDP`
-from ddpkit.process_group import free_port  # ddpkit: instead of the hard-coded MASTER_PORT
+from ddpkit.core.process_group import free_port  # ddpkit: instead of the hard-coded MASTER_PORT
 
 
 class ToyModel(nn.Module):
@@ -34,7 +34,7 @@ class ToyModel(nn.Module):
 def example(rank, world_size, port, args):  # ddpkit: also gets the port and the flags
     # ddpkit: replaces dist.init_process_group("nccl", rank=rank, world_size=world_size); picks
     # nccl + this rank's GPU, or gloo + CPU, and destroys the group however the block ends
-    environment = ddpkit.env.from_spawn(rank, world_size, master_port=port)
+    environment = ddpkit.from_spawn(rank, world_size, master_port=port)
     with ddpkit.distributed(environment=environment, backend=args.backend, device=args.device) as rt:
         # create local model
         # ddpkit: the tutorial's ToyModel (from its torchrun demo) instead of nn.Linear(10, 10).to(rank);

@@ -68,7 +68,7 @@ def pytest_runtest_protocol(item, nextitem):
 def ddpkit_logger_as_the_command_sets_it(monkeypatch):
     """Each test starts with the ``ddpkit`` logger of a launcher at the default level, whatever rank or
     stream an earlier test in this process configured it with."""
-    from ddpkit import logs
+    from ddpkit.core import logs
 
     monkeypatch.delenv(logs.LEVEL_ENV, raising=False)
     logs.configure()
@@ -134,7 +134,7 @@ def train(tmp: Path, *args: str, timeout: float = 240) -> tuple[dict, list[dict]
 def train_here(tmp: Path, *args: str) -> tuple[dict, list[dict]]:
     """``ddpkit train --nproc-per-node 1 ARGS`` in this process, as ``main`` runs it (one process starts no
     launcher and no workers: the same code, without 3-4 s of starting Python and torch); (state, rows)."""
-    from ddpkit.cli import main
+    from ddpkit.app.cli import main
 
     status = main(["train", "--output-dir", str(tmp), "--no-progress", *args, "--nproc-per-node", "1"])
     assert status == 0, f"ddpkit train {' '.join(args)} exited {status}"
@@ -193,9 +193,9 @@ def max_relative_difference(a: dict, b: dict) -> float:
 
 def children_of(launcher: int) -> list[int]:
     """Every process below ``launcher``."""
-    from ddpkit.launch import _children
+    from ddpkit.launch import processes
 
-    return _children(launcher)
+    return processes.children_of(launcher)
 
 
 def rank_pid(launcher: int, rank: int) -> int | None:

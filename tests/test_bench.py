@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import run_ddpkit
-from ddpkit import bench, projection
+from ddpkit.app import bench, projection
 
 
 # ------------------------------------------------------------------------------------------ projection

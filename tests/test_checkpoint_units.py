@@ -23,9 +23,9 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from ddpkit import checkpoint
 from ddpkit.checkpoint import Checkpointer, CheckpointError
 from ddpkit.data import ResumableSampler, train_loader
-from ddpkit.env import DistEnv
-from ddpkit.process_group import Runtime
-from ddpkit.trainer import TrainConfig, lr_factor, make_scheduler, place_scheduler
+from ddpkit.core.env import DistEnv
+from ddpkit.core.process_group import Runtime
+from ddpkit.app.trainer import TrainConfig, lr_factor, make_scheduler, place_scheduler
 from ddpkit.zoo import ConvNet, Net
 
 
@@ -451,7 +451,7 @@ def test_the_module_docstring_example_runs():
 
 def test_export_writes_the_checkpoints_model_as_model_pt_is(tmp_path, capsys):
     from conftest import train_here
-    from ddpkit.cli import main
+    from ddpkit.app.cli import main
 
     run = tmp_path / "run"
     state, _ = train_here(run, "--data", "synthetic:64", "--model", "convnet", "--batch-size", "16", "--epochs", "1")
@@ -474,7 +474,7 @@ def test_export_takes_the_tutorials_layout_with_ddps_prefix(tmp_path):
 
 
 def test_export_mistakes_are_one_line(tmp_path, capsys):
-    from ddpkit.cli import main
+    from ddpkit.app.cli import main
 
     (tmp_path / "empty").mkdir()
     assert main(["checkpoint", "export", str(tmp_path / "empty"), str(tmp_path / "m.pt")]) == 2

@@ -11,7 +11,7 @@ import torch
 
 from conftest import run_ddpkit
 from listening import not_loopback
-from ddpkit.cli import main
+from ddpkit.app.cli import main
 
 NO_GPU = torch.cuda.device_count() == 0
 
@@ -99,7 +99,7 @@ def test_bad_input_is_one_line_and_status_2(argv, message, capsys):
         (["train", "--strategy", "dp"], "--strategy dp needs at least one CUDA GPU"),
         (["train", "--backend", "nccl"], "--backend nccl needs one CUDA GPU per process"),
         (["train", "--device", "cuda"], "no CUDA GPU is visible"),
-        (["bench", "--strategies", "dp"], "--strategies dp needs CUDA GPUs"),
+        (["bench", "--strategies", "dp"], "--strategies dp needs at least one CUDA GPU and none is visible; drop dp"),
         (["bench", "--precision", "tf32"], "--precision tf32 is a GPU mode"),
         (["bench", "--device", "cuda"], "no CUDA GPU is visible"),
     ],
@@ -250,7 +250,7 @@ def test_run_of_a_module_that_takes_local_rank_like_the_legacy_launcher(tmp_path
 
 
 def test_this_machine_is_an_address_it_can_bind():
-    from ddpkit.launch import is_this_machine
+    from ddpkit.launch.launcher import is_this_machine
 
     assert is_this_machine("127.0.0.1") and is_this_machine("localhost") and is_this_machine(socket.gethostname())
     assert not is_this_machine("192.0.2.1")  # TEST-NET-1: never a local address (only a bind is tried, no packet)
@@ -329,7 +329,7 @@ def test_run_under_srun_makes_each_task_one_rank(tmp_path):
     import sys
 
     from conftest import child_env
-    from ddpkit.process_group import free_port
+    from ddpkit.core.process_group import free_port
 
     script = tmp_path / "task.py"
     script.write_text(SLURM_TASK)
@@ -349,7 +349,7 @@ def test_run_under_srun_makes_each_task_one_rank(tmp_path):
 
 
 def test_ranks_stopped_after_another_ranks_usage_error_are_not_reported_as_failures(capsys):
-    from ddpkit.launch import report_failures
+    from ddpkit.launch.launcher import report_failures
 
     # Rank 1 rejected its input (it printed why); the agent then stopped rank 0 with SIGTERM.
     assert report_failures({0: (-15, 100), 1: (2, 101)}) == 2
@@ -376,7 +376,7 @@ def test_ranks_stopped_after_another_ranks_usage_error_are_not_reported_as_failu
 
 
 def test_rank_logs_started_for_workers_that_never_came_end_and_leave_no_pipe(tmp_path):
-    from ddpkit import rank_logs
+    from ddpkit.launch import rank_logs
 
     dest = rank_logs.RankLogs(str(tmp_path / "logs")).reify({0: {"RANK": "4"}, 1: {"RANK": "5"}})
     pipes = [*dest.stdouts.values(), *dest.stderrs.values()]

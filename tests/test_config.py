@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import train_here
-from ddpkit import cli
-from ddpkit.config import CONFIG_FILE, file_keys, read_config_file, toml_value
-from ddpkit.errors import UsageError
+from ddpkit.app import cli, parser
+from ddpkit.app.config import CONFIG_FILE, file_keys, read_config_file, toml_value
+from ddpkit.core.errors import UsageError
 
 try:
     import tomllib
@@ -84,7 +84,7 @@ def test_every_run_writes_its_resolved_settings(first_run):
     assert settings["no-progress"] is True and settings["sync-bn"] is False
     assert settings["output-dir"] == str(folder)
     assert "# Left to their defaults: " in text and "workers" not in settings  # None: said, not written
-    assert set(settings) | {"workers"} <= set(file_keys(cli._subcommand(cli.build_parser(), "train")))
+    assert set(settings) | {"workers"} <= set(file_keys(parser.subcommand(parser.build_parser(), "train")))
 
 
 def test_the_written_settings_repeat_the_run_bit_identically(first_run, tmp_path):
@@ -113,4 +113,4 @@ def test_read_config_file_raises_usage_error(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text("batch_size = 'x'\n")
     with pytest.raises(UsageError, match="invalid int value"):
-        read_config_file(str(config), cli._subcommand(cli.build_parser(), "train"))
+        read_config_file(str(config), parser.subcommand(parser.build_parser(), "train"))

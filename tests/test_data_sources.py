@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from ddpkit.cli import main
+from ddpkit.app.cli import main
 from ddpkit.zoo import load_data, parse_data_spec
 
 
@@ -100,7 +100,7 @@ def test_the_digits_are_scikit_learns_read_without_importing_it(monkeypatch):
     images, labels = zoo.digits_arrays()
     assert np.array_equal(images, expected.images) and np.array_equal(labels, expected.target)
     # A scikit-learn that keeps the file elsewhere: its load_digits, the same arrays.
-    monkeypatch.setattr(zoo, "DIGITS_FILE", ("no", "such", "digits.csv.gz"))
+    monkeypatch.setattr(zoo.datasets, "DIGITS_FILE", ("no", "such", "digits.csv.gz"))
     images, labels = zoo.digits_arrays()
     assert np.array_equal(images, expected.images) and np.array_equal(labels, expected.target)
 

@@ -12,7 +12,7 @@ import torch
 
 from conftest import leftover_processes, run_ddpkit
 from ddpkit import checkpoint
-from ddpkit.errors import DiskFull, disk_full
+from ddpkit.core.errors import DiskFull, disk_full
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def test_the_full_disk_is_found_behind_the_error_that_reports_it():
 
 
 def test_any_write_in_a_job_that_fills_the_disk_is_one_line(small_disk, capfd):
-    from ddpkit.process_group import distributed
+    from ddpkit.core.process_group import distributed
 
     with pytest.raises(SystemExit) as ended:
         with distributed(device="cpu"):
@@ -87,7 +87,7 @@ def test_any_write_in_a_job_that_fills_the_disk_is_one_line(small_disk, capfd):
 
 
 def test_a_metrics_line_that_does_not_fit_names_the_file(small_disk):
-    from ddpkit.trainer import append_record
+    from ddpkit.app.trainer import append_record
 
     (small_disk / "filler").write_bytes(b"x" * (2**20 - 4096))  # the disk holds one block more
     with pytest.raises(DiskFull, match=f"writing {small_disk}/metrics.jsonl failed: no space left on the device"):

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from conftest import run_ddpkit
-from ddpkit import doctor
+from ddpkit.app import doctor
 
 TUTORIAL_VARIABLES = [
     "NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_SOCKET_NTHREADS", "NCCL_BUFFSIZE", "NCCL_MIN_NCHANNELS",
@@ -112,7 +112,7 @@ def test_without_find_hangs_the_ranks_check_in_after_the_timeout_and_the_missing
 
 
 def test_a_collective_whose_peer_went_away_is_one_line():
-    from ddpkit.process_group import explain_lost_peer
+    from ddpkit.core.process_group import explain_lost_peer
 
     # What gloo said on rank 0 when the other node's launcher and rank were killed (SIGKILL) mid-training.
     reset = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error "
@@ -129,7 +129,7 @@ def test_a_collective_whose_peer_went_away_is_one_line():
 
 
 def test_a_timeout_explained_with_and_without_the_missing_ranks():
-    from ddpkit.process_group import explain_hang
+    from ddpkit.core.process_group import explain_hang
 
     timeout = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 5000ms for recv operation")
     assert "rank(s) 1, 3 never reached it" in explain_hang(timeout, [1, 3])
@@ -190,7 +190,7 @@ def test_unequal_batch_counts_neither_hang_nor_pass_silently(tmp_path):
 def test_find_hangs_turns_the_nccl_flight_recorder_on_where_there_is_cuda(monkeypatch, tmp_path):
     import torch
 
-    from ddpkit import cli
+    from ddpkit.app import cli
 
     import tempfile
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ddpkit.env import (
+from ddpkit.core.env import (
     SLURM_PORT_BASE,
     DistEnv,
     detect,

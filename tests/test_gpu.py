@@ -70,7 +70,7 @@ def test_resume_state_with_cuda_rng_round_trips(tmp_path):
 def test_fsdp_saves_sharded_checkpoints_asynchronously_from_the_gpu(tmp_path):
     # CUDA tensors staged to host memory by DCP's async save, its collectives on a gloo group beside NCCL;
     # the epoch's last checkpoint holds the model that model.pt holds.
-    from ddpkit.cli import main
+    from ddpkit.app.cli import main
 
     state, _ = train(tmp_path, *SMALL, "--nproc-per-node", "1", "--backend", "nccl", "--strategy", "fsdp",
                      "--async-checkpoint", "--checkpoint-every", "3")

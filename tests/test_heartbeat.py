@@ -16,9 +16,10 @@ import pytest
 import torch.distributed as dist
 
 from conftest import child_env, children_of, leftover_processes, run_ddpkit
-from ddpkit import checkpoint, heartbeat
-from ddpkit.errors import UsageError
-from ddpkit.heartbeat import Heartbeat, Seen, find_stall, stall_after
+from ddpkit import checkpoint
+from ddpkit.watch import heartbeat
+from ddpkit.core.errors import UsageError
+from ddpkit.watch.heartbeat import Heartbeat, Seen, find_stall, stall_after
 
 
 def seen(rank: int, step: int = 10, phase: str = "backward", idle_s: float = 100.0, silent_s: float = 1.0,
@@ -88,7 +89,7 @@ def test_the_setting_comes_from_the_argument_or_the_environment(monkeypatch):
                                                 "got inf"),
 ])
 def test_bad_stall_timeouts_are_one_line_errors(argv, message, capsys):
-    from ddpkit.cli import main
+    from ddpkit.app.cli import main
 
     assert main(argv) == 2
     assert capsys.readouterr().err == f"ddpkit: error: {message}\n"
@@ -248,7 +249,7 @@ def _stack_shown(err: str, pid: int) -> None:
     """The stalled process's stack, read from outside while it is stopped: inside the trainer, wherever in
     the epoch (its steps, evaluation, a checkpoint) the stop found it."""
     assert f"its stack (py-spy dump --pid {pid}):" in err, err
-    assert "train (ddpkit/trainer.py:" in err.split("its stack", 1)[1], err
+    assert "train (ddpkit/app/trainer.py:" in err.split("its stack", 1)[1], err
 
 
 def _last_checkpoint_kept(out: Path, *, writer_killed: bool = False) -> None:

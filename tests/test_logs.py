@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from conftest import child_env, run_ddpkit
-from ddpkit import logs
-from ddpkit.errors import UsageError
+from ddpkit.core import logs
+from ddpkit.core.errors import UsageError
 
 
 def test_the_module_docstring_example_runs():
@@ -80,7 +80,7 @@ def test_a_bad_level_is_a_usage_error_said_the_usual_way(monkeypatch, capsys):
 
 SCRIPT = """
 import ddpkit
-from ddpkit.logs import logger
+from ddpkit.core.logs import logger
 
 with ddpkit.Job("ddp", device="cpu") as job:
     logger.info(f"info from {job.rank}")
@@ -101,7 +101,7 @@ def test_log_level_debug_reaches_every_rank_of_a_run(tmp_path):
 QUICK_EXIT = """
 import sys
 import triton  # what torch._dynamo (which DDP imports) imports wherever triton is installed
-from ddpkit.process_group import freeze_for_exit
+from ddpkit.core.process_group import freeze_for_exit
 freeze_for_exit()
 print("done", file=sys.stderr)
 """
@@ -117,7 +117,7 @@ def test_a_rank_that_freezes_its_heap_at_exit_prints_no_leak_report():
 
 
 def test_the_console_shows_another_ranks_warnings_errors_and_tracebacks_only():
-    from ddpkit.rank_logs import ConsoleLines
+    from ddpkit.launch.rank_logs import ConsoleLines
 
     lines = ConsoleLines(2)
     text = (b"a print of its own\n"

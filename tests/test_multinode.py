@@ -238,7 +238,7 @@ def test_a_node_named_loopback_with_several_interfaces_and_no_route_says_which_t
         _ip("-n", name, "addr", "del", "10.242.0.5/24", "dev", "eth2")
         chosen = subprocess.run(["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c",
                                  'hostname node-c && exec "$@"', "node", sys.executable, "-c",
-                                 "from ddpkit import interfaces; print(interfaces.gloo_interface('node-c'))"],
+                                 "from ddpkit.core import network; print(network.gloo_interface('node-c'))"],
                                 env=child_env(), capture_output=True, text=True, timeout=60)
     finally:
         with contextlib.suppress(subprocess.CalledProcessError):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import run_ddpkit, train_here
-from ddpkit import cli
-from ddpkit.user_code import parse_arguments
+from ddpkit.app import cli
+from ddpkit.zoo.user_code import parse_arguments
 
 MODULE = """
 import os, warnings

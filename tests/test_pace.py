@@ -14,13 +14,15 @@ import time
 import pytest
 
 from conftest import child_env, leftover_processes, rank_pid
-from ddpkit import pace
-from ddpkit.pace import Pace, compare, slow_rank_warning
+from ddpkit.core import progress
+from ddpkit.core.progress import Pace
+from ddpkit.watch import pace
+from ddpkit.watch.pace import compare, slow_rank_warning
 
 
 def test_the_time_between_marks_goes_to_the_phase_that_was_marked(monkeypatch):
     clock = iter([0.0, 1.0, 1.5, 3.5, 4.0, 4.25, 10.0]).__next__
-    monkeypatch.setattr(pace.time, "monotonic", clock)
+    monkeypatch.setattr(progress.time, "monotonic", clock)
     p = Pace()  # 0.0, starting
     p.mark("data")  # 1.0: a second of starting
     p.mark("forward")  # 1.5
@@ -37,7 +39,7 @@ def test_the_time_between_marks_goes_to_the_phase_that_was_marked(monkeypatch):
 
 def test_a_backward_without_gradients_here_is_all_backward(monkeypatch):
     clock = iter([0.0, 1.0, 2.0]).__next__
-    monkeypatch.setattr(pace.time, "monotonic", clock)
+    monkeypatch.setattr(progress.time, "monotonic", clock)
     p = Pace()
     p.grads_at = 0.5  # from an earlier backward
     p.mark("backward")
@@ -47,16 +49,16 @@ def test_a_backward_without_gradients_here_is_all_backward(monkeypatch):
 
 def test_marks_reach_the_pace_that_is_kept_and_busy_restores_the_phase():
     p = Pace()
-    pace.mark("data")  # no pace kept: nothing happens
+    progress.mark("data")  # no pace kept: nothing happens
     assert p.phase == "starting"
-    with pace.kept(p):
-        pace.mark("forward", step=3)
-        with pace.busy():
+    with progress.kept(p):
+        progress.mark("forward", step=3)
+        with progress.busy():
             assert p.phase == "busy"
         assert (p.phase, p.step) == ("forward", 3)
-        pace.grads_ready()
+        progress.grads_ready()
         assert p.grads_at > 0
-    assert pace.current() is None
+    assert progress.current() is None
 
 
 def test_the_slowest_rank_against_the_median_of_the_others():

@@ -21,9 +21,10 @@ import torchvision
 
 from conftest import (DIGITS_CONVNET, finish, max_relative_difference, run_ddpkit, start_train, train, train_here,
                       worker_pid)
-from ddpkit import checkpoint, sharded
-from ddpkit.cli import main
-from ddpkit.errors import UsageError
+from ddpkit import checkpoint
+from ddpkit.checkpoint import sharded
+from ddpkit.app.cli import main
+from ddpkit.core.errors import UsageError
 from ddpkit.strategies import PipelineLayout, split, state
 from ddpkit.zoo import build_model
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import leftover_processes, run_ddpkit
-from ddpkit import replicas
-from ddpkit.errors import UsageError
+from ddpkit.watch import replicas
+from ddpkit.core.errors import UsageError
 
 
 def test_the_doctest():

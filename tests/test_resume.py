@@ -90,7 +90,7 @@ def test_resume_auto_falls_back_past_a_corrupt_newest_checkpoint(tmp_path, refer
 def on_one_process(capsys, folder: Path, *args: str) -> tuple[int, str]:
     """``ddpkit train`` with RUN's settings on one process, in this process (no launcher, no workers, the
     same code): its exit status and what it said on stderr."""
-    from ddpkit.cli import main
+    from ddpkit.app.cli import main
 
     capsys.readouterr()
     status = main(["train", "--output-dir", str(folder), "--no-progress", *RUN, "--nproc-per-node", "1", *args])

@@ -11,7 +11,8 @@ import torch.nn as nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
-from ddpkit import checkpoint, sharded
+from ddpkit import checkpoint
+from ddpkit.checkpoint import sharded
 from ddpkit.checkpoint import CheckpointError
 
 DATA = TensorDataset(torch.randn(48, 6), torch.randint(0, 3, (48,)))

@@ -75,7 +75,7 @@ REPEATED = textwrap.dedent(
     """
     import os, signal, sys, threading, time
     import ddpkit
-    from ddpkit.signals import Terminated
+    from ddpkit.core.signals import Terminated
     out = sys.argv[1]
 
     def repeat():  # the same SIGTERM again, 50 ms later: a dead launcher's next thread, or Slurm then torchrun

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import child_env, run_command
-from ddpkit.process_group import free_port
+from ddpkit.core.process_group import free_port
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("slurmctld", "slurmd", "srun", "munged")),

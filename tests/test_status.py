@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import run_ddpkit
-from ddpkit import status
+from ddpkit.watch import status
 
 
 def test_the_doctest():

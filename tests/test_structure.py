@@ -1,5 +1,6 @@
-"""The code's shape, checked: no module uses another module's underscore names, no import cycle, one owner of
-signal handlers, and nothing registered (signal handlers, exit hooks, logging handlers) at import.
+"""The code's shape, checked: imports run one way between the packages (docs/architecture.md), no module uses
+another module's underscore names, no import cycle, no branch on a strategy's name outside ``ddpkit.strategies``,
+one owner of signal handlers, and nothing registered (signal handlers, exit hooks, logging handlers) at import.
 
 Reading of the source with ``ast``, except the import check, which imports every module in a fresh process.
 """
@@ -65,6 +66,50 @@ def edges() -> dict[str, set[str]]:
     return graph
 
 
+# What each package may import besides itself (docs/architecture.md): the core nothing; the library's parts the
+# core (a checkpoint also asks the strategies); the Job all of the library; the application everything. The top
+# package, the public facade, re-exports the library and is left out (edges() drops it).
+ALLOWED = {
+    "core": set(),
+    "strategies": {"core"},
+    "data": {"core"},
+    "zoo": {"core"},
+    "watch": {"core"},
+    "launch": {"core"},
+    "checkpoint": {"core", "strategies"},
+    "job": {"core", "strategies", "data", "checkpoint", "watch"},
+    "app": {"core", "strategies", "data", "zoo", "watch", "launch", "checkpoint", "job"},
+}
+
+
+def package_of(module: str) -> str:
+    """``ddpkit.core.env`` -> core; ``ddpkit.job`` -> job; ``ddpkit.__main__`` (the command) -> app."""
+    part = module.split(".")[1]
+    return "app" if part == "__main__" else part
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a package that its package may not import (ALLOWED), as 'importer -> imported'."""
+    return sorted(f"{source} -> {target}" for source, targets in graph.items() if source != "ddpkit"
+                  for target in targets if package_of(target) != package_of(source)
+                  and package_of(target) not in ALLOWED[package_of(source)])
+
+
+# Strategy names, which only ddpkit.strategies may branch on: elsewhere, code asks the strategy object.
+STRATEGY_NAMES = {"single", "dp", "ddp", "zero", "fsdp", "pipeline"}
+
+
+def name_comparisons(path: Path) -> list[str]:
+    """Comparisons (==, !=, in, not in) with a strategy's name as a literal string (or a literal collection of them)."""
+    def names_in(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in STRATEGY_NAMES
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(names_in(item) for item in node.elts)
+
+    return [f"{path.name}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Compare) and any(names_in(side) for side in [node.left, *node.comparators])]
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}
     stack: list[str] = []
@@ -124,6 +169,19 @@ def test_there_is_no_import_cycle():
     assert find_cycle(edges()) is None
 
 
+def test_every_module_is_in_a_package_of_the_map():
+    assert {package_of(name) for name in MODULES if name != "ddpkit"} == set(ALLOWED)
+
+
+def test_imports_run_one_way_between_the_packages():
+    assert upward_imports(edges()) == []
+
+
+def test_only_the_strategies_branch_on_a_strategy_name():
+    outside = [path for path in PACKAGE_FILES if "strategies" not in path.relative_to(SRC).parts]
+    assert [found for path in outside for found in name_comparisons(path)] == []
+
+
 def test_only_ddpkit_signals_installs_signal_handlers():
     owners = {path.name for path in PACKAGE_FILES if signal_installers(path)}
     assert owners == {"signals.py"}
@@ -140,8 +198,17 @@ def test_importing_ddpkit_registers_nothing():
 def test_the_checks_find_what_they_look_for(tmp_path):
     # A checker that cannot fail proves nothing: each is shown a case it must catch.
     bad = tmp_path / "bad.py"
-    bad.write_text("from ddpkit.trainer import _hidden\nfrom ddpkit import trainer\ntrainer._Loop\n")
+    bad.write_text("from ddpkit.app.trainer import _hidden\nfrom ddpkit.app import trainer\ntrainer._Loop\n")
     assert len(private_uses(bad)) == 2
+    # The core importing the launcher and the application; the Job the launcher; the app anything.
+    graph = {"ddpkit.core.env": {"ddpkit.launch.launcher", "ddpkit.core.errors"},
+             "ddpkit.core.errors": {"ddpkit.app.cli"}, "ddpkit.job": {"ddpkit.launch.nccl", "ddpkit.data.loaders"},
+             "ddpkit.app.cli": {"ddpkit.job", "ddpkit.launch.launcher"}}
+    assert upward_imports(graph) == ["ddpkit.core.env -> ddpkit.launch.launcher",
+                                     "ddpkit.core.errors -> ddpkit.app.cli", "ddpkit.job -> ddpkit.launch.nccl"]
+    bad.write_text('if job.strategy.name == "ddp":\n    pass\nok = kind in ("single", "dp")\nfine = name == "sweep"\n'
+                   'also_fine = s.name\n')
+    assert name_comparisons(bad) == ["bad.py:1", "bad.py:3"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     bad.write_text("import signal\nsignal.signal(signal.SIGTERM, print)\n")

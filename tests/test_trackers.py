@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import train_here
-from ddpkit import cli, trackers
+from ddpkit.app import cli, trackers
 
 SMALL = ["--data", "synthetic:96", "--model", "convnet", "--optimizer", "sgd", "--batch-size", "16", "--epochs", "2"]
 
@@ -109,7 +109,7 @@ def test_a_tracker_that_fails_is_said_and_training_goes_on(tmp_path, monkeypatch
         def close(self):
             pass
 
-    from ddpkit.logs import logger
+    from ddpkit.core.logs import logger
 
     monkeypatch.setitem(trackers.KINDS, "csv", Broken)
     logger.addHandler(caplog.handler)  # ddpkit's logger does not propagate to the root, where caplog listens

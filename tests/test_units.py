@@ -10,14 +10,14 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from ddpkit import interfaces
+from ddpkit.core import network
 from ddpkit.data import eval_indices, train_loader
-from ddpkit.env import DistEnv
-from ddpkit.errors import UsageError
-from ddpkit.launch import LaunchOptions, resolve_nproc, torchrun_argv
-from ddpkit.process_group import Runtime, choose_backend, choose_device, free_port, job_store
-from ddpkit.rendezvous import bind_address
-from ddpkit.trainer import TrainConfig
+from ddpkit.core.env import DistEnv
+from ddpkit.core.errors import UsageError
+from ddpkit.launch.launcher import LaunchOptions, resolve_nproc, torchrun_argv
+from ddpkit.core.process_group import Runtime, choose_backend, choose_device, free_port, job_store
+from ddpkit.launch.rendezvous import bind_address
+from ddpkit.app.trainer import TrainConfig
 from listening import listening
 
 
@@ -144,7 +144,7 @@ def test_the_job_store_listens_on_loopback_when_every_rank_is_on_this_machine():
 
 
 def test_the_job_store_across_machines_listens_on_the_address_the_other_nodes_use():
-    address = next((ip for ip in interfaces.addresses().values() if not interfaces.is_loopback(ip)), None)
+    address = next((ip for ip in network.addresses().values() if not network.is_loopback(ip)), None)
     if address is None:
         pytest.skip("this machine has no address besides loopback")
     port, found = _stores_of_a_two_rank_job(address, local_world_size=1)
@@ -222,7 +222,7 @@ def test_train_config_validation(fields, message):
 def test_every_train_setting_is_one_flag_with_the_configs_default_and_choices():
     import dataclasses
 
-    from ddpkit.cli import _train_config, build_parser
+    from ddpkit.app.cli import _train_config, build_parser
 
     parser = build_parser()
     assert _train_config(parser.parse_args(["train"])) == TrainConfig()
@@ -242,7 +242,7 @@ def test_every_train_setting_is_one_flag_with_the_configs_default_and_choices():
 def test_the_config_module_docstring_example_runs():
     import doctest
 
-    from ddpkit import config
+    from ddpkit.app import config
 
     failures, tried = doctest.testmod(config)
     assert tried >= 6 and failures == 0
@@ -251,7 +251,7 @@ def test_the_config_module_docstring_example_runs():
 def test_secrets_in_the_environment_are_never_printed_or_recorded():
     import doctest
 
-    from ddpkit import nccl
+    from ddpkit.launch import nccl
 
     failures, tried = doctest.testmod(nccl)
     assert tried >= 2 and failures == 0
@@ -261,7 +261,7 @@ def test_secrets_in_the_environment_are_never_printed_or_recorded():
 
 
 def test_batchnorm_is_found_where_it_is_and_only_there():
-    from ddpkit.trainer import has_batchnorm
+    from ddpkit.app.trainer import has_batchnorm
     from ddpkit.zoo import ConvNet, Net
 
     assert has_batchnorm(Net()) and not has_batchnorm(ConvNet())
@@ -282,7 +282,7 @@ def test_waiting_until_only_python_holds_tensors_returns_once_the_other_holder_l
 
 
 def test_variables_set_for_a_block_are_as_before_after_it(monkeypatch):
-    from ddpkit.launch import variables_set
+    from ddpkit.launch.launcher import variables_set
 
     monkeypatch.setenv("DDPKIT_TEST_KEPT", "before")
     monkeypatch.delenv("DDPKIT_TEST_NEW", raising=False)

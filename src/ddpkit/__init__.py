@@ -18,12 +18,12 @@ below (``distributed``, ``prepare_model``, ``train_loader``, ...) are the same p
 """
 
 from ddpkit.checkpoint import CheckpointError, Checkpointer, Resumed, atomic_save, load_model_state, model_state_dict, read_contents
-from ddpkit.preempt import StopSignal, stop_on_signal
+from ddpkit.core.preempt import StopSignal, stop_on_signal
 from ddpkit.data import check_equal_batches, eval_loader, reduce_sums, to_device, train_loader
-from ddpkit.env import DistEnv, detect
-from ddpkit.errors import UsageError
+from ddpkit.core.env import DistEnv, detect, from_spawn
+from ddpkit.core.errors import UsageError
 from ddpkit import zoo
-from ddpkit.process_group import Runtime, barrier, broadcast_buffers, distributed, free_port, main_process_first, setup, teardown
+from ddpkit.core.process_group import Runtime, barrier, broadcast_buffers, distributed, free_port, main_process_first, setup, teardown
 from ddpkit.job import Job, evaluate
 from ddpkit.strategies import STRATEGIES, Strategy, create, model_parallel, strategy_of, unwrap
 from ddpkit.strategies.sync_bn import convert_sync_batchnorm
@@ -61,7 +61,7 @@ __all__ = [
     "CheckpointError", "Checkpointer", "DistEnv", "Job", "Strategy", "create", "evaluate", "strategy_of", "Resumed", "StopSignal", "check_equal_batches",
     "load_model_state", "read_contents",
     "stop_on_signal", "Runtime", "STRATEGIES", "UsageError", "atomic_save", "barrier", "broadcast_buffers", "convert_sync_batchnorm",
-    "detect", "distributed", "eval_loader", "free_port", "full_model_state", "full_optimizer_state", "main_process_first",
+    "detect", "distributed", "from_spawn", "eval_loader", "free_port", "full_model_state", "full_optimizer_state", "main_process_first",
     "model_parallel", "model_state_dict", "prepare_model", "print0",
     "reduce_sums", "setup", "teardown", "to_device", "train_loader", "unwrap", "zoo",
 ]

@@ -2,6 +2,6 @@
 
 import sys
 
-from ddpkit.cli import main
+from ddpkit.app.cli import main
 
 sys.exit(main())

@@ -36,10 +36,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddpkit import checkpoint, data, heartbeat, pace, process_group, replicas, strategies
-from ddpkit.errors import UsageError
-from ddpkit.logs import logger
-from ddpkit.snapshot import snapshot
+from ddpkit import checkpoint, data, strategies
+from ddpkit.core import progress
+from ddpkit.watch import heartbeat, pace, replicas
+from ddpkit.core import process_group
+from ddpkit.core.errors import UsageError
+from ddpkit.core.logs import logger
+from ddpkit.core.snapshot import snapshot
 from ddpkit.strategies.sync_bn import convert_sync_batchnorm
 
 AMP_DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -56,13 +59,13 @@ class Job:
     global batch. ``clip_grad_norm``: clip the gradients' total norm before each step.
     ``backend``, ``device``, ``timeout_s``, ``environment``, ``log_level``: as ``ddpkit.setup``.
     ``stall_timeout_s``: end the job, naming the rank that holds it up, once no rank has advanced for this
-    long (at least 20 typical steps, at most ``timeout_s``; ``ddpkit.heartbeat``); 0 turns it off. Default:
+    long (at least 20 typical steps, at most ``timeout_s``; ``ddpkit.watch.heartbeat``); 0 turns it off. Default:
     DDPKIT_STALL_TIMEOUT_S, else 60. ``check_replicas``: every this many optimizer steps, compare an exact
     checksum of every rank's weights where the strategy replicates them (ddp, zero) and stop the job, naming
-    the rank that differs (``ddpkit.replicas``); 0 turns it off. Default: 1000. ``status_file``: rank 0
+    the rank that differs (``ddpkit.watch.replicas``); 0 turns it off. Default: 1000. ``status_file``: rank 0
     writes every rank's step, phase, last heartbeat, step time and memory there every few seconds, and how
     the job ended (``ddpkit status`` reads it from a folder's ``status.json``). Messages
-    go to the ``ddpkit`` logger (``ddpkit.logs``): rank 0's, and every rank's warnings and errors.
+    go to the ``ddpkit`` logger (``ddpkit.core.logs``): rank 0's, and every rank's warnings and errors.
     """
 
     def __init__(self, strategy: str | strategies.Strategy = "ddp", *, amp: str = "off", accumulate: int = 1,
@@ -87,7 +90,7 @@ class Job:
             backend=backend, device=device, timeout_s=timeout_s, force_group=self.strategy.needs_group,
             environment=environment, log_level=log_level))
         # This rank's phases and steps, marked as it trains: each rank's own step time, and its heartbeat.
-        self.pace = self._stack.enter_context(pace.kept(pace.Pace()))
+        self.pace = self._stack.enter_context(progress.kept(progress.Pace()))
         self.heartbeat = self._stack.enter_context(heartbeat.watch(
             self.runtime, pace=self.pace, stall_s=heartbeat.stall_setting(stall_timeout_s),
             timeout_s=self.runtime.timeout_s, status_path=None if status_file is None else os.fspath(status_file)))
@@ -140,7 +143,7 @@ class Job:
         wrapped = self.strategy.wrap(model, self.runtime, example=example)
         if self.strategy.replicated and self.world_size > 1:
             self._weights_compared = list(strategies.unwrap(wrapped).named_parameters())
-        if pace.current() is not None:
+        if progress.current() is not None:
             self.strategy.mark_waits(wrapped)  # this rank's waits for the others apart from its own work
         if self.accumulate > 1:
             # Set before each forward (DDP reads it there): reduce gradients on the last micro-step only.
@@ -169,7 +172,7 @@ class Job:
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, divided over the micro-steps and scaled for fp16."""
-        pace.mark("backward")
+        progress.mark("backward")
         self.scaler.scale(loss / self.accumulate).backward()
         self._backward_done = True
 
@@ -181,10 +184,10 @@ class Job:
     def step(self, optimizer: torch.optim.Optimizer, scheduler=None) -> bool:
         """Count one micro-step; on the last of ``accumulate``, step the optimizer (unscaling and clipping
         first), the scaler and the scheduler, and zero the gradients. True when it stepped."""
-        pace.mark("optimizer")
+        progress.mark("optimizer")
         self.micro_step += 1
         if self.micro_step < self.accumulate:
-            pace.mark("data")
+            progress.mark("data")
             return False
         self.micro_step = 0
         if self.clip_grad_norm is not None:
@@ -199,7 +202,7 @@ class Job:
         self.global_step += 1
         if self._weights_compared and self.check_replicas and self.global_step % self.check_replicas == 0:
             replicas.check(self._weights_compared, self.runtime, step=self.global_step)
-        pace.mark("data", self.global_step)
+        progress.mark("data", self.global_step)
         return True
 
     # -- evaluation, output
@@ -207,7 +210,7 @@ class Job:
     def evaluate(self, model: nn.Module, loader, loss_fn=F.cross_entropy) -> tuple[float, float, int]:
         """Mean loss, accuracy and count over the whole validation set, each sample once, with rank 0's
         BatchNorm statistics on every rank (what ``save_model`` writes). Every rank calls it."""
-        pace.mark("evaluate")
+        progress.mark("evaluate")
         self.strategy.sync_buffers(model, self.runtime)
         return evaluate(self.strategy.eval_module(model), loader, self.runtime, self.amp,
                         lockstep=self.strategy.eval_lockstep, loss_fn=loss_fn)
@@ -215,13 +218,13 @@ class Job:
     def busy(self):
         """``with job.busy():`` around work one rank does alone while the others wait (a large file written by
         rank 0, say), so that the stall watch (``stall_timeout_s``) does not end the job for it."""
-        return pace.busy()
+        return progress.busy()
 
     def compare_ranks(self) -> dict:
         """Each rank's own step time since the last call (its data, forward, backward and optimizer time,
         without its waits for the others) side by side: ``rank_step_time_s`` (one per rank), ``slowest_rank``,
         its ``slowdown_pct`` against the median of the other ranks, and ``slow_phase``, where its extra time
-        goes (``ddpkit.pace.compare``). Rank 0 warns when the slowdown is over 20%. Every rank calls it (one
+        goes (``ddpkit.watch.pace.compare``). Rank 0 warns when the slowdown is over 20%. Every rank calls it (one
         small all_gather), at the end of an epoch say; counting starts again."""
         compared = pace.compare(pace.gather_rows(self.pace, self.runtime))
         self.pace.reset()
@@ -245,7 +248,7 @@ class Job:
 
     def save_model(self, model: nn.Module, path: str | os.PathLike) -> None:
         """Write the bare model's state_dict atomically from rank 0 (every rank calls it)."""
-        pace.mark("checkpoint")
+        progress.mark("checkpoint")
         state = self.full_model_state(model)
         if self.is_main:
             checkpoint.atomic_save(state, path)
@@ -279,7 +282,7 @@ def evaluate(model: nn.Module, loader, runtime: process_group.Runtime, amp: str 
     model.eval()
     loss_sum, correct, count = 0.0, 0.0, 0.0
     for images, labels in lockstep_batches(loader, runtime) if lockstep else loader:
-        pace.mark("evaluate")
+        progress.mark("evaluate")
         with autocast(runtime.device, amp):
             output = model(images)
         if output is None:  # a pipeline stage other than the last

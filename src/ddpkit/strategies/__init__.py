@@ -19,7 +19,7 @@ import sys
 
 import torch.nn as nn
 
-from ddpkit.errors import UsageError
+from ddpkit.core.errors import UsageError
 from ddpkit.strategies.base import Strategy, unwrap
 from ddpkit.strategies.ddp import DDP
 from ddpkit.strategies.dp import DataParallel

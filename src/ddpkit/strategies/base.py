@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.process_group import Runtime
+from ddpkit.core.process_group import Runtime
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -68,11 +68,17 @@ class Strategy(Protocol):
     shards_model: ClassVar[bool] = False
     # Evaluation forwards are collectives: every rank must run as many as the rank with the most batches.
     eval_lockstep: ClassVar[bool] = False
-    # Every rank holds the whole model, the same weights after each step (ddp, zero): ``ddpkit.replicas``
+    # Every rank holds the whole model, the same weights after each step (ddp, zero): ``ddpkit.watch.replicas``
     # compares them. Not where ranks hold different parts (fsdp, pipelines) or there is one process.
     replicated: ClassVar[bool] = False
     # Whether checkpoints are sharded by default: every rank writes its own part and none gathers the whole (fsdp, zero).
     sharded_checkpoints: ClassVar[bool] = False
+    # Whether it can write sharded checkpoints at all (torch.distributed.checkpoint's layout of its state).
+    can_shard_checkpoints: ClassVar[bool] = True
+    # Each rank keeps only its share of the optimizer state (zero, fsdp).
+    shards_optimizer: ClassVar[bool] = False
+    # The registered strategy that is this one with ZeRO's sharded optimizer (ddp's is "zero"), or None.
+    with_zero: ClassVar[str | None] = None
 
     def check(self, *, world_size: int, cuda_count: int, batch_size: int | None = None,
               build_model: Callable[[], nn.Module] | None = None) -> None:
@@ -82,6 +88,11 @@ class Strategy(Protocol):
 
     def check_training(self, *, accumulate: int, amp: str) -> None:
         """Raise UsageError for training settings this strategy cannot honour."""
+
+    def devices_per_process(self, cuda_count: int) -> int:
+        """How many devices one process drives (DataParallel: every visible GPU), so a step of ``batch_size`` per
+        device takes ``batch_size * devices_per_process`` samples in each process."""
+        return 1
 
     def data_part(self, rank: int, world_size: int) -> tuple[int, int]:
         """(index, count): the data is split ``count`` ways and this rank takes part ``index``."""
@@ -109,7 +120,7 @@ class Strategy(Protocol):
         return loss
 
     def mark_waits(self, model: nn.Module) -> None:
-        """Hooks on the wrapped model that mark, for ``ddpkit.pace``, where this rank waits for the others
+        """Hooks on the wrapped model that mark, for ``ddpkit.core.progress``, where this rank waits for the others
         inside its forward and backward. The default marks none: a wait counts in the phase it happens in."""
 
     def eval_module(self, model: nn.Module) -> nn.Module:

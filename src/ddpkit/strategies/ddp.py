@@ -8,9 +8,9 @@ from typing import ClassVar
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit import pace
-from ddpkit.errors import UsageError
-from ddpkit.process_group import Runtime, broadcast_buffers
+from ddpkit.core import progress
+from ddpkit.core.errors import UsageError
+from ddpkit.core.process_group import Runtime, broadcast_buffers
 from ddpkit.strategies.base import Strategy, unwrap
 
 
@@ -29,6 +29,7 @@ class DDP(Strategy):
 
     name: ClassVar[str] = "ddp"
     replicated: ClassVar[bool] = True
+    with_zero: ClassVar[str | None] = "zero"
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
@@ -53,11 +54,11 @@ class DDP(Strategy):
         # DDP's forward broadcasts rank 0's buffers before the replica's own forward runs; its backward
         # all-reduces the gradients bucket by bucket as they are computed, and waits at its end for the last
         # all-reduce: from this rank's last gradient on, it waits for the others.
-        model.register_forward_pre_hook(lambda module, args: pace.switch("wait", after=("data", "forward")))
-        unwrap(model).register_forward_pre_hook(lambda module, args: pace.switch("forward", after=("wait",)))
+        model.register_forward_pre_hook(lambda module, args: progress.switch("wait", after=("data", "forward")))
+        unwrap(model).register_forward_pre_hook(lambda module, args: progress.switch("forward", after=("wait",)))
         for parameter in model.parameters():
             if parameter.requires_grad:
-                parameter.register_post_accumulate_grad_hook(pace.grads_ready)
+                parameter.register_post_accumulate_grad_hook(progress.grads_ready)
 
     def set_gradient_sync(self, model: nn.Module, enabled: bool, *, first_backward: bool) -> None:
         # What DDP's no_sync() sets; read by DDP's forward, so it must be set before the forward. With

@@ -12,8 +12,8 @@ from typing import ClassVar
 import torch
 import torch.nn as nn
 
-from ddpkit.errors import UsageError
-from ddpkit.process_group import Runtime
+from ddpkit.core.errors import UsageError
+from ddpkit.core.process_group import Runtime
 from ddpkit.strategies.base import Strategy
 
 
@@ -30,17 +30,19 @@ class DataParallel(Strategy):
             raise UsageError("`strategy` dp needs at least one CUDA GPU and none is visible; use `strategy` ddp")
         if world_size > 1:
             raise UsageError(f"`strategy` dp is one process driving all GPUs; use `nproc_per_node` 1, not {world_size}")
-        gpus = len(self.device_ids) if self.device_ids else cuda_count
+        gpus = self.devices_per_process(cuda_count)
         # DataParallel's batch is the global one; each GPU needs at least one sample of it.
         if batch_size is not None and batch_size < gpus:
             raise UsageError(f"`strategy` dp splits each batch across {gpus} GPUs, so `batch_size` must be at least "
                              f"{gpus}, got {batch_size}")
 
+    def devices_per_process(self, cuda_count: int) -> int:
+        return len(self.device_ids) if self.device_ids else cuda_count
+
     def wrap(self, model: nn.Module, runtime: Runtime, *, example=None) -> nn.Module:  # noqa: ARG002
         self.check(world_size=runtime.world_size, cuda_count=torch.cuda.device_count())
         ids = list(self.device_ids or range(torch.cuda.device_count()))
         return nn.DataParallel(model.to(torch.device("cuda", ids[0])), device_ids=ids, output_device=ids[0])
-
 
     def eval_module(self, model: nn.Module) -> nn.Module:
         return model  # through the wrapper: the batch is split over the GPUs as in training

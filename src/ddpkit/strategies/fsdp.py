@@ -18,8 +18,8 @@ from typing import ClassVar
 import torch
 import torch.nn as nn
 
-from ddpkit.errors import UsageError
-from ddpkit.process_group import Runtime, broadcast_buffers
+from ddpkit.core.errors import UsageError
+from ddpkit.core.process_group import Runtime, broadcast_buffers
 from ddpkit.strategies import split
 from ddpkit.strategies.base import Strategy, state_dicts
 from ddpkit.strategies import state as state_layouts
@@ -43,6 +43,7 @@ class FSDP(Strategy):
     name: ClassVar[str] = "fsdp"
     shards_model: ClassVar[bool] = True
     sharded_checkpoints: ClassVar[bool] = True
+    shards_optimizer: ClassVar[bool] = True
     eval_lockstep: ClassVar[bool] = True  # each forward all-gathers: every rank runs as many
 
     def wrap(self, model: nn.Module, runtime: Runtime, *, example=None) -> nn.Module:  # noqa: ARG002

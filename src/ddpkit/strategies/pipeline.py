@@ -27,9 +27,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.errors import UsageError
-from ddpkit.process_group import Runtime, broadcast_buffers
-from ddpkit.snapshot import snapshot
+from ddpkit.core.errors import UsageError
+from ddpkit.core.process_group import Runtime, broadcast_buffers
+from ddpkit.core.snapshot import snapshot
 from ddpkit.strategies import split
 from ddpkit.strategies.base import Strategy, unwrap
 from ddpkit.strategies import state as state_layouts
@@ -149,6 +149,7 @@ class PipelineParallel(Strategy):
 
     name: ClassVar[str] = "pipeline"
     shards_model: ClassVar[bool] = True
+    can_shard_checkpoints: ClassVar[bool] = False  # its stages' state has no sharded layout yet: full checkpoints
 
     def __post_init__(self) -> None:
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:

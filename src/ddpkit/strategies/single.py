@@ -7,8 +7,8 @@ from typing import ClassVar
 
 import torch.nn as nn
 
-from ddpkit.errors import UsageError
-from ddpkit.process_group import Runtime
+from ddpkit.core.errors import UsageError
+from ddpkit.core.process_group import Runtime
 from ddpkit.strategies.base import Strategy
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ddpkit.errors import UsageError
+from ddpkit.core.errors import UsageError
 
 # torchvision classifiers whose forward is these children in this order, with a flatten where named.
 TORCHVISION_LAYOUTS = {

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ddpkit.errors import UsageError
-from ddpkit.process_group import Runtime, control_group
+from ddpkit.core.errors import UsageError
+from ddpkit.core.process_group import Runtime, control_group
 
 def merge_stages(replica: int, runtime: Runtime, mine, merge):
     """Gather the stages of pipeline 0 to rank 0 and merge them (the replicas hold the same values)."""

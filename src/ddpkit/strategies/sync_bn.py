@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import torch.nn as nn
 
-from ddpkit.process_group import Runtime
+from ddpkit.core.process_group import Runtime
 
 
 def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:

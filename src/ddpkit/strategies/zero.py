@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 import torch.nn as nn
 
-from ddpkit.process_group import Runtime
+from ddpkit.core.process_group import Runtime
 from ddpkit.strategies.base import dcp_state, held_bytes, load_dcp_state, unwrap
 from ddpkit.strategies.ddp import DDP
 
@@ -23,6 +23,8 @@ from ddpkit.strategies.ddp import DDP
 class ZeRO(DDP):
     name: ClassVar[str] = "zero"
     sharded_checkpoints: ClassVar[bool] = True
+    shards_optimizer: ClassVar[bool] = True
+    with_zero: ClassVar[str | None] = None  # it is ddp's
 
     def make_optimizer(self, optimizer_class: type, model: nn.Module, **settings) -> torch.optim.Optimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer  # imported on use: it pulls in RPC

@@ -1,0 +1,400 @@
+"""The ``ddpkit`` command: ``train`` and ``run``.
+
+    $ ddpkit train                                   # digits, net, one process per GPU (2 on a CPU machine)
+    $ ddpkit train --model resnet18 --data folder:/data/imagenette --nproc-per-node 4
+    $ ddpkit run --nproc-per-node 2 my_torchrun_script.py --its-own-flags
+
+Every user mistake ends here as one line on stderr and exit status 2, before any process starts
+where the mistake can be seen from the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from collections.abc import Sequence
+
+from ddpkit.core import env as env_mod
+from ddpkit.core import logs, signals
+from ddpkit.core.errors import UsageError, said_once
+from ddpkit.launch.launcher import LaunchOptions, elastic, parse_nnodes, resolve_nproc, spawn
+from ddpkit.core.logs import logger, report_usage_error
+from ddpkit.launch.processes import warn_earlier_run
+from ddpkit.app.parser import build_parser, subcommand
+from ddpkit.core.process_group import LAUNCHED_BY_TORCHRUN, freeze_for_exit, read_environment
+
+
+def cmd_checkpoint(ns: argparse.Namespace) -> int:
+    from ddpkit import checkpoint
+
+    if os.path.isdir(ns.destination):
+        raise UsageError(f"{ns.destination} is a folder; give the file to write, e.g. {ns.destination}/model.pt")
+    chosen, count = checkpoint.export_model(ns.source, ns.destination)
+    print(f"wrote {ns.destination}: the {count} tensors of {chosen}'s model")
+    return 0
+
+
+def cmd_plot(ns: argparse.Namespace) -> int:
+    from ddpkit.app import plot
+
+    print(f"wrote {plot.draw(ns.output_dir, ns.output)}")
+    return 0
+
+
+def cmd_doctor(ns: argparse.Namespace, argv: Sequence[str]) -> int:
+    import json
+
+    from ddpkit.app import doctor
+
+    if _already_a_rank():
+        from ddpkit.core import process_group
+
+        with process_group.distributed() as runtime:
+            check = doctor.connectivity(runtime)
+            if not runtime.is_main:
+                return 0 if check["ok"] else 1
+    else:
+        check = None
+        if ns.nproc_per_node != "auto" or ns.nnodes != "1" or ns.rdzv_endpoint:
+            options = _launch_options(ns)
+            if options.world_size > 1:
+                # Every process runs this command again as one rank; rank 0 prints the report.
+                return elastic(options, ["-m", "ddpkit", *argv])
+    report = doctor.machine_report(ns.port)
+    if check is not None:
+        report["connectivity"] = check
+        report["port"], report["port_holders"] = None, []  # the job's own store is what holds it
+    if ns.json == "-":
+        print(json.dumps(report, indent=2))
+    else:
+        print(doctor.format_report(report))
+        if ns.json:
+            with open(ns.json, "w") as handle:
+                json.dump(report, handle, indent=2)
+    return 0 if check is None or check["ok"] else 1
+
+
+def cmd_status(ns: argparse.Namespace) -> int:
+    from ddpkit.watch import status
+
+    if not (math.isfinite(ns.every) and ns.every > 0):
+        raise UsageError(f"--every must be a number of seconds above 0, got {ns.every}")
+    return status.show(ns.output_dir, watch=ns.watch, every_s=ns.every)
+
+
+def cmd_bench(ns: argparse.Namespace) -> int:
+    from ddpkit.app import bench
+
+    options = bench.BenchOptions(
+        model=ns.model, strategies=bench.parse_list(ns.strategies, str, "--strategies"),
+        nproc=bench.parse_list(ns.nproc, int, "--nproc") if ns.nproc else None, batch_size=ns.batch_size,
+        device=ns.device, precision=ns.precision, channels_last=ns.channels_last, compile=ns.compile, data=ns.data,
+        image_size=ns.image_size, warmup=ns.warmup, steps=ns.steps, repeats=ns.repeats,
+        link_gbps=bench.parse_list(ns.link_gbps, float, "--link-gbps"), sweep=ns.sweep, json_path=ns.json, csv_path=ns.csv,
+        plot_path=ns.plot,
+    )
+    try:
+        bench.run(options)
+    except RuntimeError as error:
+        logger.error("%s", error)
+        return 1
+    return 0
+
+
+def _train_config(ns: argparse.Namespace):
+    from ddpkit.app.config import from_namespace
+    from ddpkit.app.trainer import TrainConfig
+
+    return from_namespace(TrainConfig, ns)
+
+
+def _launch_options(ns: argparse.Namespace, launcher: str = "torchrun", one_process: bool = False) -> LaunchOptions:
+    # single and dp are one process per node by nature: there `auto` means 1.
+    nproc = 1 if one_process and ns.nproc_per_node == "auto" else resolve_nproc(ns.nproc_per_node)
+    min_nodes, nnodes = parse_nnodes(ns.nnodes)
+    return LaunchOptions(
+        nproc_per_node=nproc, nnodes=nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
+        master_port=ns.master_port, max_restarts=ns.max_restarts, launcher=launcher, rdzv_endpoint=ns.rdzv_endpoint,
+        rdzv_id=ns.rdzv_id, min_nodes=min_nodes, rdzv_timeout_s=ns.rdzv_timeout,
+    )
+
+
+def _check_before_launch(cfg, options: LaunchOptions) -> None:
+    """Refuse what this machine or the world size cannot run, before starting any process."""
+    import torch
+
+    from ddpkit import zoo
+    from ddpkit.core.process_group import choose_backend, choose_device
+    from ddpkit.app.trainer import strategy_for
+
+    strategy = strategy_for(cfg)
+    nproc, cuda_count = options.nproc_per_node, torch.cuda.device_count()
+    # The last local rank is the one that runs out of GPUs first.
+    device = choose_device(cfg.device, local_rank=nproc - 1, local_world_size=nproc, cuda_count=cuda_count)
+    choose_backend(cfg.backend, device=device, local_world_size=nproc, cuda_count=cuda_count)
+
+    data_kind = zoo.parse_data_spec(cfg.data).kind
+
+    def build_model():
+        channels, image_size = zoo.model_input(cfg.model, data_kind, cfg.image_size)
+        return zoo.build_model(cfg.model, in_channels=channels, num_classes=10, image_size=image_size,
+                               arguments=cfg.model_arguments())
+
+    # An elastic job may run at any size from its least to its most nodes. A data set of the user's own decides
+    # the model's input only once loaded, by the workers: they check what needs the model.
+    for nodes in sorted({options.min_nodes or options.nnodes, options.nnodes}):
+        strategy.check(world_size=nodes * nproc, cuda_count=cuda_count, batch_size=cfg.batch_size,
+                       build_model=None if data_kind == zoo.USER_DATA else build_model)
+
+
+def _spawn_train_worker(rank: int, world_size: int, port: int, cfg) -> None:
+    from ddpkit.app import trainer
+
+    signals.end_with_parent()  # the launcher is the parent: if it is killed, this rank ends too
+    environment = env_mod.from_spawn(rank, world_size, master_port=port)
+    try:
+        trainer.run(cfg, environment=environment)
+    except UsageError as error:
+        sys.exit(report_usage_error(_in_flag_terms(error)))
+    freeze_for_exit()
+
+
+CONFIG_WRITTEN_ENV = "DDPKIT_CONFIG_WRITTEN"  # set by the launcher that wrote config.toml, for its workers
+
+
+def _write_resolved_config(ns: argparse.Namespace, parser: argparse.ArgumentParser, cfg, nproc_per_node: int) -> None:
+    """OUTPUT_DIR/config.toml: every setting of this run, with what ``auto`` and the defaults came to, so that
+    ``ddpkit train --config OUTPUT_DIR/config.toml`` repeats it (on a machine with other device counts too)."""
+    from ddpkit import checkpoint
+    from ddpkit.app import config, trainer
+
+    resolved = {"nproc-per-node": nproc_per_node, "lr": trainer.optimizer_settings(cfg.optimizer, cfg.lr)[1]["lr"]}
+    settings, unset = config.resolved_settings(ns, parser, resolved)
+    text = config.config_text(settings, unset, "ddpkit train")
+    path = os.path.join(cfg.output_dir, config.CONFIG_FILE)
+    checkpoint.atomic_write(path, lambda handle: handle.write(text.encode()))
+
+
+def cmd_train(ns: argparse.Namespace, argv: Sequence[str], parser: argparse.ArgumentParser) -> int:
+    from ddpkit.app import trainer
+    from ddpkit import zoo
+
+    if ns.list_models:
+        print("\n".join(["net", "convnet", *zoo.torchvision_classifiers()]))
+        return 0
+    with _same_on_every_rank():
+        cfg = _train_config(ns)
+        cfg.validate()
+        trainer.check_output_dir(cfg.output_dir)
+    if _already_a_rank():
+        # Already one rank of a job (torchrun, Slurm's srun, the legacy launcher): train, launch nothing.
+        environment = read_environment(argv=())
+        if environment.rank == 0 and CONFIG_WRITTEN_ENV not in os.environ:  # no launcher of ours wrote it
+            _write_resolved_config(ns, parser, cfg, environment.local_world_size)
+        trainer.run(cfg)
+        freeze_for_exit()  # done, and the group is down: end in a fraction of a second, not two
+        return 0
+    options = _launch_options(ns, ns.launcher, one_process=trainer.strategy_for(cfg).one_process)
+    _check_before_launch(cfg, options)
+    warn_earlier_run(cfg.output_dir)
+    _write_resolved_config(ns, parser, cfg, options.nproc_per_node)
+    if options.world_size == 1 and options.rdzv_endpoint is None:
+        trainer.run(cfg)
+        freeze_for_exit()
+        return 0
+    if options.launcher == "spawn":
+        return _workers_done(spawn(_spawn_train_worker, options.nproc_per_node, (cfg,)))
+    os.environ[CONFIG_WRITTEN_ENV] = "1"  # its workers run this command again: they need not write it again
+    # Each rank's whole output kept in OUTPUT_DIR/logs/rank<N>.log; the console shows rank 0 and the others'
+    # warnings and errors (ddpkit.launch.rank_logs).
+    options = dataclasses.replace(options, rank_logs=os.path.join(cfg.output_dir, trainer.LOGS_FOLDER))
+    return _workers_done(elastic(options, ["-m", "ddpkit", *argv]))
+
+
+def _workers_done(status: int) -> int:
+    """The launcher's work is over once its workers are: end it in a fraction of a second, not one."""
+    freeze_for_exit()
+    return status
+
+
+def _in_flag_terms(error: UsageError) -> UsageError:
+    """The library's error with its parameter names said as this command's flags."""
+    if "`" not in str(error):
+        return error  # nothing to translate: no need to import the trainer (and torch) for it
+    from ddpkit.app.config import said_in_flags
+    from ddpkit.app.trainer import OTHER_FLAGS, TrainConfig
+
+    return said_in_flags(error, TrainConfig, OTHER_FLAGS)
+
+
+def _speaks_for_the_job() -> bool:
+    """Whether this process says what every rank of its job would say alike: one not started as a rank, or
+    rank 0 of a job that another launcher (srun, mpirun, torchrun) started with the same command line."""
+    try:
+        return not env_mod.is_launched(os.environ) or env_mod.detect(os.environ).rank == 0
+    except ValueError:  # the launcher's variables are themselves the mistake: every rank says so
+        return True
+
+
+def _same_on_every_rank():
+    """A block whose mistakes (in the command line) are the same on every rank: rank 0 says them."""
+    return said_once(_speaks_for_the_job())
+
+
+def _already_a_rank() -> bool:
+    try:
+        return env_mod.is_launched(os.environ)
+    except ValueError as error:
+        raise UsageError(f"cannot read the launcher's environment: {error}") from None
+
+
+def torchrun_variables(environment: env_mod.DistEnv) -> dict[str, str]:
+    """The variables torchrun gives each worker, for a rank some other launcher (Slurm) started."""
+    return {
+        "RANK": str(environment.rank),
+        "LOCAL_RANK": str(environment.local_rank),
+        "WORLD_SIZE": str(environment.world_size),
+        "LOCAL_WORLD_SIZE": str(environment.local_world_size),
+        "GROUP_RANK": str(environment.node_rank),
+        "MASTER_ADDR": environment.master_addr,
+        "MASTER_PORT": str(environment.master_port),
+    }
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    if ns.module:
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(ns.script) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise UsageError(f"module {ns.script!r} cannot be imported from here")
+    elif not os.path.isfile(ns.script):
+        raise UsageError(f"script {ns.script!r} does not exist")
+    script = (["-m"] if ns.module else []) + [ns.script]
+    if _already_a_rank():
+        # srun -n N ddpkit run script.py: this task is one rank. Give the script torchrun's variables
+        # (rank, world, master from Slurm) and become it; starting N more processes would be wrong.
+        environment = read_environment(argv=())
+        os.environ.update(torchrun_variables(environment))
+        # Where torchrun puts it: right after the script, before the script's own arguments.
+        local_rank = [f"--local-rank={environment.local_rank}"] if ns.local_rank_arg else []
+        sys.stdout.flush()
+        os.execv(sys.executable, [sys.executable, "-u", *script, *local_rank, *ns.script_args])
+    return _workers_done(elastic(_launch_options(ns), [*script, *ns.script_args], local_rank_arg=ns.local_rank_arg))
+
+
+FLIGHT_RECORDER_FOLDER = "ddpkit-flight-recorder"  # in the temporary folder of each machine
+
+
+def _says_it_once() -> bool:
+    """Whether this process speaks for the job: ddpkit's launcher (not the workers torchrun starts with the
+    same flags), or under srun or mpirun, where every process is a rank, rank 0."""
+    return LAUNCHED_BY_TORCHRUN not in os.environ and _speaks_for_the_job()
+
+
+def _flight_recorder() -> str | None:
+    """On GPUs, PyTorch's NCCL flight recorder: every rank keeps its last collectives and writes them out
+    when one times out, for ``torchfrtrace FOLDER -p rank_``. Returns the folder (None without CUDA).
+
+    One fixed folder per machine, so that the launcher, its workers and srun's tasks agree on it without
+    talking; the newest hang's records replace the last one's.
+    """
+    import tempfile
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None  # it records NCCL's collectives only
+    folder = os.path.join(tempfile.gettempdir(), FLIGHT_RECORDER_FOLDER)
+    os.makedirs(folder, exist_ok=True)
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(folder, "rank_"))
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_FR_DUMP_ON_TIMEOUT", "1")
+    if _says_it_once():
+        logger.info(f"flight recorder on: a timed-out collective leaves each rank's record in {folder} "
+                    f"(read it with `torchfrtrace {folder} -p rank_`)")
+    return folder
+
+
+def _export_debug_settings(ns: argparse.Namespace) -> None:
+    """Settings the workers read from their environment (they inherit the launcher's)."""
+    from ddpkit.launch import nccl
+
+    level = "debug" if getattr(ns, "debug", False) else getattr(ns, "log_level", None)
+    if level is not None:
+        os.environ[logs.LEVEL_ENV] = level
+    logs.configure(level=level)  # this process's lines; each worker configures its own, with its rank
+
+    nccl.apply(nccl.settings(getattr(ns, "nccl", [])), echo=_says_it_once())
+    if getattr(ns, "find_hangs", False):
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        _flight_recorder()
+    timeout = getattr(ns, "timeout", None)
+    if ns.command == "run" and timeout is not None:
+        from ddpkit.core.process_group import TIMEOUT_ENV, check_timeout
+
+        os.environ[TIMEOUT_ENV] = str(check_timeout(timeout))  # its `timeout_s` is said as --timeout
+    stall = getattr(ns, "stall_timeout", None)
+    if ns.command == "run" and stall is not None:
+        from ddpkit.watch import heartbeat
+
+        try:
+            os.environ[heartbeat.STALL_ENV] = str(heartbeat.stall_setting(stall))
+        except UsageError as error:
+            raise UsageError(str(error).replace("`stall_timeout_s`", "--stall-timeout")) from None
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The command line, with a ``train --config FILE``'s settings put before the command line's own flags
+    (which therefore override them)."""
+    ns = parser.parse_args(argv)
+    if ns.command == "train" and ns.config is not None:
+        from ddpkit.app.config import read_config_file
+
+        flags = read_config_file(ns.config, subcommand(parser, "train"))
+        ns = parser.parse_args([argv[0], *flags, *argv[1:]])
+    return ns
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        logs.configure()
+        parser = build_parser()
+        with _same_on_every_rank():
+            ns = _parse(parser, argv)
+            _export_debug_settings(ns)
+        if ns.command == "train":
+            return cmd_train(ns, argv, subcommand(parser, "train"))
+        if ns.command == "bench":
+            return cmd_bench(ns)
+        if ns.command == "doctor":
+            return cmd_doctor(ns, argv)
+        if ns.command == "status":
+            return cmd_status(ns)
+        if ns.command == "plot":
+            return cmd_plot(ns)
+        if ns.command == "checkpoint":
+            return cmd_checkpoint(ns)
+        return cmd_run(ns)
+    except UsageError as error:
+        return report_usage_error(_in_flag_terms(error))
+    except SystemExit as stop:
+        # ddpkit.distributed() reports a UsageError found inside the job and exits 2 (or a stop signal's
+        # status): main() returns it, as it does every status.
+        if isinstance(stop.code, int):
+            return stop.code
+        raise
+    except KeyboardInterrupt:
+        logger.info("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

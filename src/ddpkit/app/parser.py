@@ -1,0 +1,212 @@
+"""The ``ddpkit`` command line: every sub-command's flags, their defaults and help.
+
+``ddpkit train``'s own flags are TrainConfig's fields (``ddpkit.app.config`` turns each into a flag); the launch
+flags are shared by train, run and doctor.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ddpkit.core import logs
+from ddpkit.core.errors import UsageError
+from ddpkit.launch.launcher import DEFAULT_RDZV_TIMEOUT_S, LAUNCHERS
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (not usage + error) and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+def add_nccl_flag(group) -> None:
+    group.add_argument("--nccl", action="append", default=[], metavar="KEY=VALUE|PRESET",
+                       help="an NCCL setting for every rank, e.g. NCCL_ALGO=Ring (repeatable), or a preset: "
+                            "debug, no-p2p, no-ib; echoed at start and recorded (docs/nccl.md)")
+
+def add_log_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default=None, choices=logs.LEVELS,
+                        help="debug: every rank's messages; info: rank 0's, and warnings and errors from every rank; "
+                             "warning; error (default: info, or DDPKIT_LOG_LEVEL)")
+
+def add_launch_flags(parser: argparse.ArgumentParser, *, with_launcher: bool = False) -> None:
+    group = parser.add_argument_group("launching (as torchrun)")
+    if with_launcher:
+        group.add_argument("--launcher", default="torchrun", choices=LAUNCHERS,
+                           help="torchrun (its elastic agent) or spawn (torch.multiprocessing.spawn) (default: torchrun)")
+    group.add_argument("--nproc-per-node", default="auto", metavar="N|auto",
+                       help="processes on this node; auto = one per GPU, or 2 without GPUs (default: auto)")
+    group.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                       help="number of machines; MIN:MAX (with --rdzv-endpoint) starts once MIN joined and lets "
+                            "up to MAX take part (default: 1)")
+    group.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1 (default: 0)")
+    group.add_argument("--master-addr", default=None, metavar="A",
+                       help="address of node 0, reachable from every node (default: 127.0.0.1)")
+    group.add_argument("--master-port", type=int, default=None, metavar="P",
+                       help="free TCP port on node 0 (default: a free port on one node, 29500 on several)")
+    group.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="torchrun's c10d rendezvous instead of --master-addr/--node-rank: the same command on "
+                            "every node, HOST one of them; the nodes are numbered as they join")
+    group.add_argument("--rdzv-timeout", type=float, default=DEFAULT_RDZV_TIMEOUT_S, metavar="SECONDS",
+                       help="on several machines: how long one waits for node 0 (or the rendezvous) and the others "
+                            "to join before it ends with one line (default: 900)")
+    group.add_argument("--rdzv-id", default=None, metavar="ID",
+                       help="the job's name at the rendezvous; jobs sharing an endpoint need their own (default: ddpkit)")
+    add_nccl_flag(group)
+    group.add_argument("--find-hangs", action="store_true",
+                       help="TORCH_DISTRIBUTED_DEBUG=DETAIL for the workers: before each collective the ranks check "
+                            "in, so a timeout names the rank(s) that never arrived (slower; for debugging)")
+    group.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                       help="restart the whole group up to K times when a process fails; `ddpkit train` then "
+                            "resumes from its newest checkpoint (default: 0)")
+
+def add_train_flags(parser: argparse.ArgumentParser) -> None:
+    from ddpkit.app.config import add_flags
+    from ddpkit.app.trainer import TrainConfig
+
+    add_flags(parser, TrainConfig)  # flags, defaults, choices and help: TrainConfig's fields declare them
+    parser.add_argument("--list-models", action="store_true", help="print the model names and exit")
+    parser.add_argument("--config", default=None, metavar="FILE.toml",
+                        help="settings from a TOML file whose keys are these flags' long names (batch-size = 64); "
+                             "flags given on the command line override them. Every run writes its own to "
+                             "OUTPUT_DIR/config.toml, which --config takes back to repeat it")
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: one sub-command each for train, run, doctor, bench, status, checkpoint and plot."""
+    parser = Parser(prog="ddpkit", description="Data-parallel PyTorch training, launched and checked.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    add_train_command(commands)
+    add_run_command(commands)
+    add_doctor_command(commands)
+    add_bench_command(commands)
+    add_status_command(commands)
+    add_checkpoint_command(commands)
+    add_plot_command(commands)
+    return parser
+
+
+def add_train_command(commands) -> None:
+    """``ddpkit train``: TrainConfig's flags, the launch flags and --config."""
+    train = commands.add_parser("train", help="train a built-in or torchvision model",
+                                description="Train a model data-parallel on every device of this machine (or many).")
+    add_train_flags(train)
+    add_launch_flags(train, with_launcher=True)
+
+
+def add_run_command(commands) -> None:
+    """``ddpkit run SCRIPT``: the launch flags and the script's own arguments."""
+    run = commands.add_parser(
+        "run", help="start a torchrun-style script on N processes",
+        description="Run SCRIPT on every process, like torchrun: each gets RANK, LOCAL_RANK, WORLD_SIZE, "
+                    "MASTER_ADDR and MASTER_PORT in its environment.")
+    add_launch_flags(run)
+    add_log_flag(run)
+    run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                     help="collective timeout for scripts using ddpkit.distributed() (default: 1800)")
+    run.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
+                     help="for scripts using ddpkit.Job: end the job, naming the rank that holds it up and its "
+                          "stack, once no rank has advanced for this long (0: off) (default: 60)")
+    run.add_argument("--local-rank-arg", action="store_true",
+                     help="also pass --local-rank=N, like the old `python -m torch.distributed.launch`")
+    run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as in `python -m`")
+    run.add_argument("script", metavar="SCRIPT", help="the training script (or module with -m)")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to SCRIPT unchanged")
+
+
+def add_doctor_command(commands) -> None:
+    """``ddpkit doctor``: the machine report, and with launch flags a check across processes."""
+    doctor = commands.add_parser(
+        "doctor", help="versions, backends, GPUs, variables, leftovers; a connectivity check across processes",
+        description="Explain this machine before a run and after a hang: versions, backends, GPUs and their "
+                    "topology, the NCCL/GLOO/TORCH variables in effect with what each does, processes holding "
+                    "the master port or GPU memory; with --nproc-per-node N (or under torchrun/srun) also an "
+                    "all-reduce check across the processes, with latency, bandwidth and each rank's interface.")
+    doctor.add_argument("--json", default=None, metavar="FILE|-", help="write the report as JSON (- for stdout)")
+    doctor.add_argument("--port", type=int, default=None,
+                        help="port to look for holders of (default: MASTER_PORT, else 29500)")
+    add_launch_flags(doctor)
+    add_log_flag(doctor)
+
+
+def add_bench_command(commands) -> None:
+    """``ddpkit bench``: what it measures and how it reports it."""
+    bench = commands.add_parser(
+        "bench", help="images/s of single, DP and DDP at 1, 2, ... devices",
+        description="Measure training throughput for each strategy and device count: a table like the "
+                    "tutorials', scaling efficiency, communication wait, ddpkit's overhead over a hand-written "
+                    "loop, and a projection to more devices.")
+    bench.add_argument("--model", default=None, help="default: resnet50 on GPU, net on CPU")
+    bench.add_argument("--strategies", default="single,dp,ddp", metavar="LIST",
+                       help="comma list of single, dp, ddp (dp is skipped without GPUs) (default: single,dp,ddp)")
+    bench.add_argument("--nproc", default=None, metavar="LIST",
+                       help="device counts to try, e.g. 1,2,4 (default: 1,2 on CPU; 1,2,4,... up to the GPUs)")
+    bench.add_argument("--batch-size", type=int, default=32, metavar="B", help="per device (default: 32)")
+    bench.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: auto")
+    bench.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16", "bf16"],
+                       help="fp16/bf16 use autocast, fp16 with a GradScaler; tf32 also enables TF32 matmuls; fp32 is "
+                            "PyTorch's default, whose cuDNN convolutions already use TF32 (default: fp32)")
+    bench.add_argument("--channels-last", action="store_true", help="model and images in channels_last")
+    bench.add_argument("--compile", action="store_true", help="torch.compile the model")
+    bench.add_argument("--data", default="synthetic", metavar="synthetic|loader|folder:PATH",
+                       help="synthetic: one batch already on the device; loader: a DataLoader over pinned host "
+                            "memory, copied each step; folder:PATH: an ImageFolder decoded by CPU loader "
+                            "processes (default: synthetic)")
+    bench.add_argument("--image-size", type=int, default=None, metavar="PIXELS",
+                       help="side of the square input (default: 224 for torchvision's classifiers, as ImageNet "
+                            "numbers are quoted; a built-in model's own size)")
+    bench.add_argument("--warmup", type=int, default=5,
+                       help="untimed steps of each variant first, rounded up to whole rounds of --steps (default: 5)")
+    bench.add_argument("--steps", type=int, default=20, help="steps per timed round (default: 20)")
+    bench.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported (default: 3)")
+    bench.add_argument("--link-gbps", default="100,400", metavar="LIST",
+                       help="link bandwidths (Gb/s) to project DDP efficiency for (default: 100,400)")
+    add_nccl_flag(bench)
+    add_log_flag(bench)
+    bench.add_argument("--sweep", action="store_true",
+                       help="also time DDP on the most devices for bucket sizes 1/5/25/100 MB and the fp16, bf16 "
+                            "and PowerSGD gradient-compression hooks, and name the best")
+    bench.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
+    bench.add_argument("--csv", default=None, metavar="FILE", help="write the result rows as CSV")
+    bench.add_argument("--plot", default=None, metavar="FILE.png", help="plot throughput and efficiency (matplotlib)")
+
+
+def add_status_command(commands) -> None:
+    """``ddpkit status OUTPUT_DIR``."""
+    status = commands.add_parser(
+        "status", help="every rank's step, phase, last heartbeat, step time and memory",
+        description="Show a run of `ddpkit train` from its output folder, while it runs or after it ended: how it "
+                    "stands (running, ended, failed, stopped, stalled), each rank's step, phase, last heartbeat, "
+                    "step time and memory, and its last epoch's metrics.")
+    status.add_argument("output_dir", metavar="OUTPUT_DIR", help="the run's --output-dir")
+    status.add_argument("--watch", action="store_true", help="show it again every --every seconds while it runs")
+    status.add_argument("--every", type=float, default=5.0, metavar="SECONDS", help="with --watch (default: 5)")
+
+
+def add_checkpoint_command(commands) -> None:
+    """``ddpkit checkpoint export SOURCE DEST``."""
+    checkpoint = commands.add_parser(
+        "checkpoint", help="work with checkpoints: export one's model weights as a plain state_dict",
+        description="Work with the checkpoints of `ddpkit train` (and the tutorials' layouts).")
+    actions = checkpoint.add_subparsers(dest="action", required=True, parser_class=Parser)
+    export = actions.add_parser(
+        "export", help="the model weights of a checkpoint as a plain state_dict, like model.pt",
+        description="Write the model weights of SOURCE as the plain state_dict that model.pt is (no `module.` "
+                    "prefix), for torch.load(DEST, weights_only=True) into the bare model.")
+    export.add_argument("source", metavar="SOURCE",
+                        help="a checkpoint file, a checkpoint folder (its newest complete one) or a run's --output-dir")
+    export.add_argument("destination", metavar="DEST", help="the file to write (replaced in one piece)")
+
+
+def add_plot_command(commands) -> None:
+    """``ddpkit plot OUTPUT_DIR``."""
+    plot = commands.add_parser(
+        "plot", help="draw a run's metrics per epoch to a PNG",
+        description="Draw the metrics.jsonl of a `ddpkit train` run per epoch: losses, validation accuracy, "
+                    "images per second and each rank's own step time (needs matplotlib: ddpkit[bench]).")
+    plot.add_argument("output_dir", metavar="OUTPUT_DIR", help="the run's --output-dir")
+    plot.add_argument("--output", default=None, metavar="FILE.png", help="default: OUTPUT_DIR/metrics.png")
+
+
+def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))  # noqa: SLF001
+    return commands.choices[name]

@@ -1,0 +1,512 @@
+"""Process group: backend and device choice, initialisation, teardown, signals.
+
+    >>> import ddpkit
+    >>> with ddpkit.distributed() as rt:          # doctest: +SKIP
+    ...     model = ddpkit.prepare_model(Net(), rt)
+    ...     print(rt.rank, rt.world_size, rt.device)
+
+``distributed()`` reads who this process is (``ddpkit.core.env``), binds it to its GPU *before* anything
+touches CUDA, starts the process group when there is more than one process, and always destroys it:
+on normal exit, on an exception, on Ctrl-C and on SIGTERM (which torchrun and Slurm send on shutdown).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import datetime
+import gc
+import math
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.core import env as env_mod
+from ddpkit.core import logs, signals
+from ddpkit.core.errors import UsageError, disk_full, first_line
+from ddpkit.core.logs import logger, report_usage_error
+
+BACKENDS = ("auto", "nccl", "gloo")
+DEVICES = ("auto", "cpu", "cuda")
+# PyTorch's own default collective timeout is 10 minutes (NCCL) / 30 minutes (gloo); one value for both.
+LAUNCHED_BY_TORCHRUN = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent in every worker it starts
+DEFAULT_TIMEOUT_S = 1800.0
+MIN_TIMEOUT_S = 1.0  # below this not even two processes on one machine can connect
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """This process's place in the job, with the backend and device it was bound to."""
+
+    env: env_mod.DistEnv
+    backend: str | None  # None when no process group was started (one process, no DDP)
+    device: torch.device
+    timeout_s: float = DEFAULT_TIMEOUT_S  # how long a collective waits (``setup``'s timeout_s)
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its machine (the index of its GPU)."""
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        """How many processes the job has in all."""
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the one that prints and saves."""
+        return self.env.is_main
+
+
+def read_environment(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> env_mod.DistEnv:
+    """``env.detect`` on this process's environment and arguments; malformed launcher variables are bad input."""
+    try:
+        return env_mod.detect(os.environ if environ is None else environ, sys.argv if argv is None else argv)
+    except ValueError as error:
+        raise UsageError(f"cannot read the launcher's environment: {error}") from None
+
+
+def choose_device(requested: str, *, local_rank: int, local_world_size: int, cuda_count: int) -> str:
+    """"cuda" or "cpu" for this process. ``auto`` takes the GPU when every local process gets its own."""
+    if requested not in DEVICES:
+        raise UsageError(f"`device` must be one of {', '.join(DEVICES)}, got {requested!r}")
+    if requested == "cpu":
+        return "cpu"
+    if requested == "cuda":
+        if cuda_count == 0:
+            raise UsageError("`device` cuda was asked for but no CUDA GPU is visible; use `device` cpu")
+        if local_rank >= cuda_count:
+            raise UsageError(
+                f"local rank {local_rank} has no GPU of its own: {cuda_count} visible for "
+                f"{local_world_size} processes on this node; lower `nproc_per_node` to {cuda_count}"
+            )
+        return "cuda"
+    return "cuda" if 0 < cuda_count and local_world_size <= cuda_count else "cpu"
+
+
+def choose_backend(requested: str, *, device: str, local_world_size: int, cuda_count: int) -> str:
+    """NCCL when each process has its own CUDA device, gloo otherwise; ``nccl`` without one is refused."""
+    if requested not in BACKENDS:
+        raise UsageError(f"`backend` must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    if requested == "nccl":
+        if device != "cuda":
+            raise UsageError(
+                f"`backend` nccl needs one CUDA GPU per process, but {cuda_count} GPU(s) are visible for "
+                f"{local_world_size} process(es) on this node; use `backend` gloo (or auto)"
+            )
+        if not dist.is_nccl_available():
+            raise UsageError("`backend` nccl: this PyTorch build has no NCCL; use `backend` gloo")
+        return "nccl"
+    if requested == "gloo":
+        return "gloo"
+    return "nccl" if device == "cuda" and dist.is_nccl_available() else "gloo"
+
+
+def setup(
+    *,
+    backend: str = "auto",
+    device: str = "auto",
+    init_method: str | None = None,
+    timeout_s: float | None = None,
+    force_group: bool = True,
+    environ: Mapping[str, str] | None = None,
+    argv: Sequence[str] | None = None,
+    environment: env_mod.DistEnv | None = None,
+    log_level: str | None = None,
+) -> Runtime:
+    """Bind this process to its device and start the process group.
+
+    With one process, ``force_group`` (the default) still starts a group of one on a free local port,
+    because DistributedDataParallel needs one: the same script then runs under ``python script.py``
+    and under a launcher. Pass ``force_group=False`` to skip it when nothing will communicate.
+    ``log_level``: for the ``ddpkit`` logger, which this configures for this rank (``ddpkit.core.logs``).
+    """
+    if timeout_s is None:
+        timeout_s = _timeout_from(os.environ if environ is None else environ)
+    check_timeout(timeout_s)
+    if environment is None:
+        environment = read_environment(environ, argv)
+    logs.configure(rank=environment.rank, level=log_level)
+    if environment.launcher == "mpi":
+        share_cores(environment.local_world_size, os.environ if environ is None else environ)
+    cuda_count = torch.cuda.device_count()
+    device_type = choose_device(
+        device, local_rank=environment.local_rank, local_world_size=environment.local_world_size, cuda_count=cuda_count
+    )
+    chosen_backend = choose_backend(
+        backend, device=device_type, local_world_size=environment.local_world_size, cuda_count=cuda_count
+    )
+    if device_type == "cuda":
+        # Before anything else touches CUDA: otherwise every process builds a context on GPU 0.
+        torch.cuda.set_device(environment.local_rank)
+        bound = torch.device("cuda", environment.local_rank)
+    else:
+        bound = torch.device("cpu")
+    signals.catch((signal.SIGTERM,), signals.raise_terminated)
+    if LAUNCHED_BY_TORCHRUN in (os.environ if environ is None else environ):
+        signals.end_with_parent()  # the agent is the parent: if it is killed, this rank ends too
+    if not (environment.is_distributed or force_group or init_method):
+        return Runtime(env=environment, backend=None, device=bound, timeout_s=timeout_s)
+    # ddpkit makes the store itself unless the caller named a rendezvous or torchrun's agent hosts one.
+    own_store = init_method is None and not _agent_serves_store(environment)
+    if own_store and environment.world_size > 1 and environment.master_port is None:
+        raise ValueError("no master port known: set MASTER_PORT or pass init_method='tcp://HOST:PORT'")
+    if not own_store:
+        init_method = init_method or "env://"  # the agent exported MASTER_ADDR and MASTER_PORT
+    collect_garbage_at_exit()
+    where = f"{environment.master_addr}:{environment.master_port}" if init_method in (None, "env://") else init_method
+    try:
+        store = job_store(environment, timeout_s) if own_store else None
+        dist.init_process_group(
+            backend=chosen_backend,
+            init_method=None if own_store else init_method,
+            store=store,
+            rank=environment.rank,
+            world_size=environment.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=bound if chosen_backend == "nccl" else None,
+        )
+    except (dist.DistNetworkError, OSError) as error:
+        raise UsageError(
+            f"cannot start the process group at {where} ({first_line(error)}); "
+            "is the port already in use (a stale MASTER_PORT?) or the master address unreachable?"
+        ) from None
+    return Runtime(env=environment, backend=chosen_backend, device=bound, timeout_s=timeout_s)
+
+
+def _agent_serves_store(environment: env_mod.DistEnv) -> bool:
+    """Whether torchrun's agent hosts the store at MASTER_ADDR:MASTER_PORT (the workers are all clients)."""
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and environment.launcher in ("torchrun", "torch.distributed.launch", "env"))
+
+
+def job_store(environment: env_mod.DistEnv, timeout_s: float) -> dist.Store:
+    """The job's key-value store, which rank 0 hosts, listening only where it must (PyTorch's own listens on
+    every interface): on loopback when every rank runs on this machine (they all connect there), else on
+    the address MASTER_ADDR names, when it is one of this machine's and not loopback; else everywhere.
+    Wrapped like ``init_process_group``'s own (the "default_pg" key prefix)."""
+    from ddpkit.core import network
+
+    one_machine = environment.local_world_size >= environment.world_size
+    host = network.LOOPBACK if one_machine else environment.master_addr
+    port = environment.master_port or 0  # none known: one process (no client needs to find it)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if environment.rank != 0:
+        store = dist.TCPStore(host, port, environment.world_size, is_master=False, timeout=timeout)
+    else:
+        bind = network.bind_address(host, one_machine=one_machine)
+        if bind is None:
+            store = dist.TCPStore(host, port, environment.world_size, is_master=True, timeout=timeout)
+        else:
+            store = network.store_on(bind, port=port, world_size=environment.world_size, timeout_s=timeout_s)
+    return dist.PrefixStore("default_pg", store)
+
+
+def collect_garbage_at_exit() -> None:
+    """Make this process collect cyclic garbage (DDP models, their reducers and process groups) when it
+    exits, before the interpreter shuts down; called by ``setup``, not at import.
+
+    A DDP model only reachable through reference cycles is otherwise freed during interpreter
+    finalization, and tearing gloo's C++ objects down then aborts the process now and then ("terminate
+    called without an active exception", signal 6) after the work is done; see docs/examples.md.
+    Unregistering first keeps it to one entry however often it is called.
+    """
+    atexit.unregister(gc.collect)
+    atexit.register(gc.collect)
+
+
+def freeze_for_exit() -> None:
+    """For a process whose work is done and whose process group is torn down (``ddpkit train``'s ranks, and
+    the launcher once its workers are gone): collect the garbage now, then freeze what is left, so that
+    the interpreter's shutdown does not walk it.
+
+    What is left is mostly torch's modules (torch._dynamo alone, which DDP imports, is tens of thousands
+    of objects): the last collections at shutdown spend 1.5 to 2 s on them on a small CPU, and about 1 s
+    in a launcher, which holds torch without torch._dynamo. Not for a user's script, whose globals may
+    still hold a DDP model: frozen, its cycles would be torn down in another order, and that ended a
+    test run with the signal-6 abort above.
+
+    One cost: objects of C extensions that are still alive at shutdown stay so, and triton's (which
+    ``torch._dynamo`` imports wherever triton is installed) then prints nanobind's leak report, 27 lines
+    per process, after the work is done. Where triton is loaded, what the interpreter's teardown writes to
+    stderr is therefore dropped (``_quiet_teardown``); the exit status still says if the teardown failed.
+    """
+    gc.collect()
+    gc.freeze()
+    if "triton" in sys.modules:
+        atexit.unregister(_quiet_teardown)
+        atexit.register(_quiet_teardown)  # registered last, so it runs first of the exit handlers
+
+
+def _quiet_teardown() -> None:
+    """At exit: flush what Python has buffered, then point file descriptor 2 at the null device."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+
+
+def teardown() -> None:
+    """Destroy the process group if one is up; safe to call twice."""
+    _side_groups.clear()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# Waiting for rank 0 to finish writing a checkpoint may take long on a slow disk; that wait must not be
+# bounded by --timeout, which is meant for collectives of the training step.
+CONTROL_TIMEOUT_S = 24 * 3600.0
+_side_groups: dict[str, dist.ProcessGroup] = {}  # gloo groups beside the training one, by purpose
+
+
+def _side_group(purpose: str, runtime: Runtime):
+    if runtime.backend is None:
+        return None
+    if purpose not in _side_groups:
+        _side_groups[purpose] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
+    return _side_groups[purpose]
+
+
+def control_group(runtime: Runtime):
+    """A gloo group beside the training one, for small CPU messages (stop flags, checkpoint hand-offs).
+
+    It has its own long timeout and works whatever the main backend is (NCCL cannot carry CPU objects).
+    Created on first use; every rank must make its first call at the same point, like any collective.
+    ``None`` when there is no process group.
+    """
+    return _side_group("control", runtime)
+
+
+def background_group(runtime: Runtime):
+    """A gloo group for collectives that run in a background thread (asynchronous checkpoint saves), which
+    must not share a group with the main thread's. Created on first use, by every rank at the same point;
+    ``None`` when there is no process group."""
+    return _side_group("background", runtime)
+
+
+TIMEOUT_ENV = "DDPKIT_TIMEOUT_S"  # set by `ddpkit run --timeout`: the default for setup(timeout_s=None)
+
+
+def check_timeout(timeout_s: float) -> float:
+    """``timeout_s`` if a collective can be given it; else UsageError. NaN and infinity would end in
+    a traceback inside torch, and a timeout far below a second in a group that never forms."""
+    if not (math.isfinite(timeout_s) and timeout_s >= MIN_TIMEOUT_S):
+        raise UsageError(f"`timeout_s` must be a finite number of seconds, at least {MIN_TIMEOUT_S:g}, got {timeout_s}")
+    return timeout_s
+
+
+def _timeout_from(environ: Mapping[str, str]) -> float:
+    value = environ.get(TIMEOUT_ENV)
+    if value is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        return check_timeout(float(value))
+    except (ValueError, UsageError):
+        raise UsageError(f"{TIMEOUT_ENV} must be a finite number of seconds, at least {MIN_TIMEOUT_S:g}, "
+                         f"got {value!r}") from None
+
+
+_MISSING_RANKS = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier in (\d+) ms")
+
+
+_STUCK_HINT = ("they are stuck before it; `ddpkit train --debug` prints each rank's pid, `py-spy dump --pid PID` "
+               "shows where it is")
+
+
+def is_timeout(error: BaseException) -> bool:
+    """Whether ``error`` is a collective's timeout (gloo's or NCCL's words), not, say, a DataLoader's."""
+    text = str(error)
+    lowered = text.lower()
+    timed_out = "timed out" in lowered or "timing out" in lowered
+    return timed_out and ("gloo" in lowered or "WorkNCCL" in text or "monitoredBarrier" in text or "ProcessGroup" in text)
+
+
+# NCCL's watchdog names the operation: "WorkNCCL(SeqNum=12, OpType=ALLREDUCE, ...) ran for ... ms".
+_NCCL_WORK = re.compile(r"SeqNum=(\d+), OpType=(\w+)")
+
+
+def explain_hang(error: BaseException, missing_ranks: list[int] | None = None) -> str | None:
+    """One line for a collective that timed out, naming the ranks that never arrived when they are known.
+
+    PyTorch names them with TORCH_DISTRIBUTED_DEBUG=DETAIL (``--find-hangs``); otherwise ``missing_ranks``
+    (from ``ranks_missing_at_store``) does. NCCL's errors also name the collective and its number.
+    """
+    text = str(error)
+    work = _NCCL_WORK.search(text)
+    what = f"a collective ({work.group(2)}, the group's #{work.group(1)})" if work else "a collective"
+    missing = _MISSING_RANKS.search(text)
+    if missing:
+        ranks = missing.group(1).strip().rstrip(",")
+        return (f"{what} timed out after {int(missing.group(2)) / 1000:g} s: rank(s) {ranks} never reached it "
+                f"({_STUCK_HINT})")
+    if not is_timeout(error):
+        return None
+    if missing_ranks:
+        return (f"{what} timed out: rank(s) {', '.join(map(str, missing_ranks))} never reached it (the others "
+                f"checked in at the job's store after the timeout; {_STUCK_HINT})")
+    return (f"{what} timed out waiting for another rank; rerun with --find-hangs to learn which rank "
+            "never reached it")
+
+
+# A peer's end of a collective went away: gloo's read/write errors on a connection the other side closed or
+# reset (its process died; a node whose kernel is up answers with a reset), NCCL's "remote process exited".
+_LOST_PEER = (re.compile(r"(?:Read|Write) error \[(?P<host>[^\]]+)\]:(?P<port>\d+): (?P<what>Connection reset by peer|"
+                         r"Broken pipe)"),
+              re.compile(r"(?P<what>Connection closed by peer) \[(?P<host>[^\]]+)\]:(?P<port>\d+)"),
+              re.compile(r"(?P<what>remote process exited or there was a network error)"))
+
+
+def explain_lost_peer(error: BaseException) -> str | None:
+    """One line for a collective that failed because another rank's connection went away, or None."""
+    lost = next(filter(None, (pattern.search(str(error)) for pattern in _LOST_PEER)), None)
+    if lost is None:
+        return None
+    where = lost.groupdict()
+    seen = f"{where['what']}, from {where['host']}:{where['port']}" if where.get("host") else where["what"]
+    return (f"a collective failed: another rank's connection went away ({seen}): that rank, or its whole node, "
+            "died or was killed. Its own output (on its node: its launcher's console, OUTPUT_DIR/logs/rank<N>.log) "
+            "says why; the last checkpoint written is kept")
+
+
+CHECK_IN_WAIT_S = 5.0  # how long a timed-out rank waits for the others' check-ins
+
+
+def ranks_missing_at_store(runtime: Runtime, wait_s: float = CHECK_IN_WAIT_S) -> list[int] | None:
+    """After a collective timed out on this rank: check in at the job's key-value store and wait for the
+    other ranks' check-ins. Every rank that waited in the collective times out too and checks in; the
+    ranks that do not are the ones that never reached it. None when the store cannot be reached.
+
+    Costs nothing while training (it runs only after a timeout), unlike ``--find-hangs``.
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        # The store's own timeout is the group's (--timeout): a store that went away must not double the wait.
+        store.set_timeout(datetime.timedelta(seconds=wait_s))
+        store.set(f"ddpkit/timed-out/{runtime.rank}", "1")
+        keys = [f"ddpkit/timed-out/{rank}" for rank in range(runtime.world_size)]
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.2)
+    except (RuntimeError, AttributeError):  # the store went with a dead rank 0, or this torch lacks the call
+        return None
+
+
+@contextlib.contextmanager
+def distributed(**kwargs) -> Iterator[Runtime]:
+    """``setup(**kwargs)``, then ``teardown()`` however the block ends (error, Ctrl-C, SIGTERM)."""
+    previous = signals.current((signal.SIGTERM,))
+    runtime = setup(**kwargs)
+    try:
+        yield runtime
+    except RuntimeError as error:
+        lost = explain_lost_peer(error)
+        if lost is not None:  # one line, no traceback: nothing in this rank's own code went wrong
+            logger.error("%s", lost)
+            raise SystemExit(1) from None
+        missing = None
+        if is_timeout(error) and not _MISSING_RANKS.search(str(error)) and runtime.backend is not None:
+            missing = ranks_missing_at_store(runtime)
+        explanation = explain_hang(error, missing)
+        # With the missing ranks known, one line for the job: from the first rank that checked in (each would
+        # say the same). Without (the store is gone too), each rank says what it saw.
+        first = min(set(range(runtime.world_size)) - set(missing or []), default=runtime.rank)
+        if explanation and (not missing or runtime.rank == first):
+            logger.error("%s", explanation)
+        raise
+    except UsageError as error:
+        # A user mistake ddpkit found inside the job (bad data, a checkpoint of another model): one line, exit 2.
+        raise SystemExit(report_usage_error(error)) from None
+    except OSError as error:
+        full = disk_full(error)  # metrics, a log, the user's own file: one line that says the disk is full
+        if full is None:
+            raise
+        raise SystemExit(report_usage_error(full)) from None
+    finally:
+        # The handler that raises Terminated goes first: a SIGTERM that reaches a rank while its group is
+        # torn down (torchrun's agent sends one to the others as soon as one rank has exited, which after a
+        # usage error every rank does at once) must end it, not raise in the middle of destroy_process_group
+        # and leave a gloo thread running into the interpreter's exit (std::terminate, signal 6). Unless it
+        # repeats the SIGTERM this block ends of: a launcher killed with SIGKILL sends its ranks one per
+        # thread of it as they end, and the second, ending a rank in its teardown, skipped its finally blocks.
+        if signals.is_repeat():
+            signals.restore_dropping_repeats(previous)
+        else:
+            signals.restore(previous)
+        teardown()
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which Slurm and containers narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def share_cores(local_world_size: int, environ: Mapping[str, str]) -> None:
+    """Give this rank its share of the machine's cores for torch's threads, as torchrun and ddpkit's launcher
+    do through OMP_NUM_THREADS, for launchers that set none (mpirun): otherwise every rank starts a thread per
+    core, and the ranks of one machine slow each other down many times over. A rank that mpirun bound to
+    fewer cores than its share keeps its own. OMP_NUM_THREADS, where set, decides."""
+    if environ.get("OMP_NUM_THREADS"):
+        return
+    torch.set_num_threads(max(1, min(usable_cores(), (os.cpu_count() or 1) // local_world_size)))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the kernel's pick)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU): before reading a clock, say."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def barrier(runtime: Runtime) -> None:
+    """Wait until every rank has come here (nothing to wait for without a process group)."""
+    if runtime.backend is not None:
+        dist.barrier()
+
+
+def broadcast_buffers(model: torch.nn.Module, runtime: Runtime, group=None) -> None:
+    """Give every rank global rank 0's buffers (BatchNorm running statistics); with ``group``, its first rank's."""
+    if runtime.backend is None:
+        return
+    source = 0 if group is None else dist.get_global_rank(group, 0)
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=source, group=group)
+
+
+@contextlib.contextmanager
+def main_process_first(runtime: Runtime) -> Iterator[None]:
+    """Let global rank 0 go first (download, cache), the others wait, then run the same block."""
+    if not runtime.is_main:
+        barrier(runtime)
+    try:
+        yield
+    finally:
+        if runtime.is_main:
+            barrier(runtime)

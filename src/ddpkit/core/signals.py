@@ -1,0 +1,145 @@
+"""The one place where ddpkit installs signal handlers; none is installed at import.
+
+    >>> import signal
+    >>> from ddpkit.core import signals
+    >>> before = signal.getsignal(signal.SIGTERM)
+    >>> previous = signals.catch((signal.SIGTERM,), signals.raise_terminated)
+    >>> signal.getsignal(signal.SIGTERM) is signals.raise_terminated
+    True
+    >>> signals.restore(previous)
+    >>> signal.getsignal(signal.SIGTERM) is before
+    True
+
+Who installs what, and for how long:
+- ``ddpkit.setup`` (so ``distributed()`` and ``Job``): SIGTERM raises ``Terminated`` in the main thread,
+  so ``finally`` blocks (teardown, a checkpoint's wait) still run; ``distributed()`` restores the
+  previous handler when its block ends. A SIGTERM within ``REPEAT_WINDOW_S`` of the one that raised
+  ``Terminated`` is the same stop said again, and is dropped, there and after (``restore_dropping_repeats``):
+  Linux repeats a dead launcher's SIGTERM once for each of its threads as they end, and under Slurm a
+  rank gets Slurm's SIGTERM and, a moment later, torchrun's agent's.
+- ``ddpkit.stop_on_signal`` (``ddpkit train``'s loop): SIGTERM and SIGINT only raise a flag while the
+  loop runs, so that every rank stops at the same step; restored when the loop ends.
+- DataLoader worker processes ignore SIGTERM and SIGINT (``ignore_stop_signals``): their rank stops them.
+- A rank a launcher started (torchrun's agent, ``ddpkit train --launcher spawn``) asks Linux for SIGTERM
+  when that launcher ends (``end_with_parent``): a launcher killed with SIGKILL leaves no rank training on.
+Only the main thread may install handlers (Python's rule); elsewhere these functions do nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from types import FrameType
+
+Handler = Callable[[int, FrameType | None], object]
+
+
+REPEAT_WINDOW_S = 1.0  # a second signal within this time of the first is taken as the same one
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread on SIGTERM, so ``finally`` blocks (teardown, checkpoint) still run."""
+
+
+_terminated_at: float | None = None  # when raise_terminated last raised (time.monotonic())
+
+
+def raise_terminated(signum: int, frame: FrameType | None) -> None:  # noqa: ARG001 - signal's signature
+    """Raise ``Terminated``, unless a signal raised it less than ``REPEAT_WINDOW_S`` ago (the same stop)."""
+    global _terminated_at
+    if is_repeat():
+        return
+    _terminated_at = time.monotonic()
+    raise Terminated(128 + signum)
+
+
+def is_repeat() -> bool:
+    """Whether a signal now comes within ``REPEAT_WINDOW_S`` of the one that last raised ``Terminated``."""
+    return _terminated_at is not None and time.monotonic() - _terminated_at <= REPEAT_WINDOW_S
+
+
+def catch(signals: Iterable[int], handler: Handler | int) -> dict[int, object]:
+    """Install ``handler`` for each of ``signals``; return the handlers it replaced, for ``restore``.
+
+    An empty dict off the main thread, where Python allows no handler to be installed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {}
+    for sig in signals:
+        previous[sig] = signal.getsignal(sig)
+        signal.signal(sig, handler)
+    return previous
+
+
+def current(signals: Iterable[int]) -> dict[int, object]:
+    """The handlers installed now for ``signals`` (empty off the main thread), for ``restore`` later."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in signals}
+
+
+def restore(previous: dict[int, object]) -> None:
+    """Put back the handlers ``catch`` replaced."""
+    for sig, handler in previous.items():
+        if handler is not None:  # None: a handler installed outside Python, which cannot be put back
+            signal.signal(sig, handler)
+
+
+def restore_dropping_repeats(previous: dict[int, object]) -> None:
+    """Like ``restore``, for a block that ends because of ``Terminated``: until ``REPEAT_WINDOW_S`` after
+    the signal that raised it, a repeat of it is dropped; after that, each signal gets its previous handler
+    (the default one ends the process at once, as before).
+
+    While ``previous`` is the default handler, a signal that is no repeat ends the process only once Python
+    runs again (the main thread between two bytecodes), not in the middle of a call into C++: a teardown
+    that hangs there is ended by the launcher's SIGKILL after its grace period.
+    """
+    for sig, handler in previous.items():
+        signal.signal(sig, _unless_repeat(handler))
+
+
+def _unless_repeat(handler: object) -> Handler:
+    def handle(signum: int, frame: FrameType | None) -> None:
+        if is_repeat():
+            return
+        signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        if callable(handler):
+            handler(signum, frame)
+        elif handler in (signal.SIG_DFL, None):
+            signal.raise_signal(signum)  # its default action, now installed: the process ends of it
+    return handle
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when the thread that started it ends
+
+
+def end_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Have Linux send ``sig`` to this process when its parent ends, whatever ends it (SIGKILL included);
+    return whether that is set (not on other systems).
+
+    For a rank whose launcher started it: otherwise a launcher killed with SIGKILL leaves its ranks training
+    on, holding their GPUs and ports. SIGTERM then stops the rank as a signal from the launcher would.
+    Not for a script run by hand, whose parent is a shell: ``nohup`` must keep it running.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    if os.getppid() == 1:  # the parent ended before the request was made: nobody will send it now
+        os.kill(os.getpid(), sig)
+    return True
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:  # noqa: ARG001 - DataLoader's worker_init_fn signature
+    """For loader worker processes: leave SIGTERM/SIGINT to their rank, which stops at a step boundary and
+    ends them. torchrun signals a worker's whole process group; a loader process dying of it would abort
+    the rank in the middle of the step it is meant to finish cleanly.
+    """
+    catch((signal.SIGTERM, signal.SIGINT), signal.SIG_IGN)
