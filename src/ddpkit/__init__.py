@@ -24,7 +24,8 @@ from ddpkit.core.env import DistEnv, detect, from_spawn
 from ddpkit.core.errors import UsageError
 from ddpkit import zoo
 from ddpkit.core.process_group import Runtime, barrier, broadcast_buffers, distributed, free_port, main_process_first, setup, teardown
-from ddpkit.job import Job, evaluate
+from ddpkit.data.evaluation import evaluate
+from ddpkit.job import Job
 from ddpkit.strategies import STRATEGIES, Strategy, create, model_parallel, strategy_of, unwrap
 from ddpkit.strategies.sync_bn import convert_sync_batchnorm
 

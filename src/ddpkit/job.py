@@ -15,8 +15,15 @@
             job.print(f"epoch {epoch}: val_acc {val_acc:.2%} over {count} samples")   # rank 0 only
         job.save_model(model, "model.pt")              # the bare model's weights, written by rank 0
 
+A script of one's own keeps its objects: ``model, optimizer, scheduler, train_dl, val_dl =
+job.prepare(model, optimizer, scheduler, train_dl, val_dl)`` wraps the model, keeps the optimizer and
+scheduler driving it, and gives each DataLoader this rank's share (its collate_fn, batch size, workers and the
+rest kept); ``loss.backward()`` and ``optimizer.step()`` then work as they did, and after the validation loop
+``total, count = job.sum(total, count)`` counts every sample once.
+
 Checkpoints: ``ckpt = job.checkpointer(folder, model=model, optimizer=optimizer, loader=loader)``, then
-``ckpt.resume("auto")`` before the loop and ``ckpt.save()`` at any step boundary.
+``ckpt.resume("auto")`` before the loop and ``ckpt.save()`` at any step boundary; or the script's own dict with
+``"job": job.state_dict()`` in it, written by ``job.save(obj, path)`` and read back with ``job.load_state_dict``.
 
 Change ``strategy`` ("single", "ddp", "zero", "fsdp", "pipeline", "dp"), ``amp`` ("off", "bf16", "fp16")
 or ``accumulate`` and no other line changes. The job starts the process group when it is made (reading
@@ -30,11 +37,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
 from ddpkit import checkpoint, data, strategies
 from ddpkit.core import progress
@@ -42,10 +51,10 @@ from ddpkit.watch import heartbeat, pace, replicas
 from ddpkit.core import process_group
 from ddpkit.core.errors import UsageError
 from ddpkit.core.logs import logger
+from ddpkit.core.precision import AMP_DTYPES, autocast
 from ddpkit.core.snapshot import snapshot
+from ddpkit.data.evaluation import evaluate, gather, sums
 from ddpkit.strategies.sync_bn import convert_sync_batchnorm
-
-AMP_DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class Job:
@@ -54,8 +63,9 @@ class Job:
     ``strategy``: a name from ``ddpkit.strategies.STRATEGIES`` with its settings as keywords (for example
     ``Job("ddp", static_graph=True)``, ``Job("pipeline", stages=2, microbatches=4)``), or a strategy
     object. ``amp``: autocast dtype for ``autocast()``; fp16 also scales the loss in ``backward``.
-    ``accumulate``: micro-steps per optimizer step. ``seed``: seeds torch's RNG on every rank at start, so
-    a model built next starts from the same weights everywhere. ``sync_bn``: BatchNorm statistics over the
+    ``accumulate``: micro-steps per optimizer step. ``seed``: seeds torch's RNG on every rank at start (None, the
+    default: leaves the script's own seeding alone; every strategy starts each replica from rank 0's weights
+    either way). ``sync_bn``: BatchNorm statistics over the
     global batch. ``clip_grad_norm``: clip the gradients' total norm before each step.
     ``backend``, ``device``, ``timeout_s``, ``environment``, ``log_level``: as ``ddpkit.setup``.
     ``stall_timeout_s``: end the job, naming the rank that holds it up, once no rank has advanced for this
@@ -69,7 +79,7 @@ class Job:
     """
 
     def __init__(self, strategy: str | strategies.Strategy = "ddp", *, amp: str = "off", accumulate: int = 1,
-                 seed: int | None = 0, sync_bn: bool = False, clip_grad_norm: float | None = None,
+                 seed: int | None = None, sync_bn: bool = False, clip_grad_norm: float | None = None,
                  backend: str = "auto", device: str = "auto", timeout_s: float | None = None, environment=None,
                  log_level: str | None = None, stall_timeout_s: float | None = None, check_replicas: int | None = None,
                  status_file: str | os.PathLike | None = None, **strategy_settings):
@@ -99,6 +109,8 @@ class Job:
         self.micro_step = 0  # micro-steps since the last optimizer step
         self.global_step = 0  # optimizer steps taken (a resume sets it)
         self._backward_done = False
+        self._in_step = False  # inside job.step: the optimizer's own step hook leaves the counting to it
+        self.loaders: list[data.DeviceLoader] = []  # every loader made or prepared here, for state_dict
         if seed is not None:
             torch.manual_seed(seed)
 
@@ -140,7 +152,11 @@ class Job:
         """
         if self.sync_bn:
             model = convert_sync_batchnorm(model, self.runtime)
+        if self.strategy.needs_group and not self.strategy.syncs_weights:
+            process_group.broadcast_state(model, self.runtime)  # every rank starts from rank 0's weights
         wrapped = self.strategy.wrap(model, self.runtime, example=example)
+        # Any forward of the model, the bare module's too (an evaluation of one's own), is this rank at work.
+        strategies.unwrap(wrapped).register_forward_pre_hook(lambda module, args: progress.touch())
         if self.strategy.replicated and self.world_size > 1:
             self._weights_compared = list(strategies.unwrap(wrapped).named_parameters())
         if progress.current() is not None:
@@ -151,18 +167,87 @@ class Job:
                 module, self.micro_step == self.accumulate - 1, first_backward=not self._backward_done))
         if optimizer_class is None:
             return wrapped
-        return wrapped, self.strategy.make_optimizer(optimizer_class, wrapped, **optimizer_settings)
+        return wrapped, self._counted(self.strategy.make_optimizer(optimizer_class, wrapped, **optimizer_settings))
 
-    def train_loader(self, dataset, batch_size: int, **options) -> data.DeviceLoader:
-        """``ddpkit.train_loader`` for this job: this rank's share, the job's seed, whole accumulation steps."""
-        return data.train_loader(dataset, batch_size=batch_size, runtime=self.runtime,
-                                 seed=options.pop("seed", self.seed or 0), accumulate=self.accumulate,
-                                 replica=self.strategy.data_part(self.rank, self.world_size), **options)
+    def prepare(self, *objects, example: torch.Tensor | None = None):
+        """The script's own objects, ready for this job, returned in the order given (one object: itself).
 
-    def eval_loader(self, dataset, batch_size: int, **options) -> data.DeviceLoader:
-        """``ddpkit.eval_loader`` for this job: every validation sample on exactly one data replica."""
-        return data.eval_loader(dataset, batch_size=batch_size, runtime=self.runtime,
-                                replica=self.strategy.data_part(self.rank, self.world_size), **options)
+            model, optimizer, scheduler, train_dl, val_dl = job.prepare(model, optimizer, scheduler, train_dl, val_dl)
+
+        A model (``nn.Module``) is wrapped as ``setup`` does. An optimizer made over a model's parameters keeps
+        driving it: the same object where wrapping kept the tensors, pointed at FSDP's shards under fsdp, ZeRO's
+        under zero (its LR scheduler follows). A DataLoader is rebuilt around this rank's share, keeping its
+        collate_fn, batch size (now per process), workers, pin_memory, drop_last, worker_init_fn and the rest: one
+        that shuffles is a training loader (``train_loader``), one that does not an evaluation loader, every sample
+        on exactly one rank (``eval_loader``); give a loader that must not shuffle for training to
+        ``job.train_loader(loader, shuffle=False)``. Then ``loss.backward()`` and ``optimizer.step()`` work as
+        before (``job.backward`` and ``job.step`` add amp scaling and accumulation), and ``job.global_step``
+        counts the optimizer's steps.
+        """
+        ready = list(objects)
+        names: dict[int, str] = {}
+        models: dict[int, nn.Module] = {}  # id of each parameter before wrapping -> the wrapped model
+        for index, thing in enumerate(objects):
+            if isinstance(thing, nn.Module):
+                before = {id(p): name for name, p in thing.named_parameters()}
+                ready[index] = self.setup(thing, example=example)
+                names.update(before)
+                models.update(dict.fromkeys(before, ready[index]))
+        adopted = {}
+        for index, thing in enumerate(objects):
+            if isinstance(thing, torch.optim.Optimizer):
+                ready[index] = adopted[id(thing)] = self._adopt(thing, models, names)
+            elif isinstance(thing, (DataLoader, data.DeviceLoader)):
+                ready[index] = self._loader_for(thing)
+            elif not isinstance(thing, (nn.Module, torch.optim.lr_scheduler.LRScheduler)):
+                raise UsageError(f"`prepare` takes models, optimizers, LR schedulers and DataLoaders, not "
+                                 f"{type(thing).__name__}")
+        for index, thing in enumerate(objects):
+            if isinstance(thing, torch.optim.lr_scheduler.LRScheduler):
+                ready[index] = follow(thing, adopted.get(id(thing.optimizer), thing.optimizer))
+        return ready[0] if len(ready) == 1 else tuple(ready)
+
+    def _adopt(self, optimizer: torch.optim.Optimizer, models: dict[int, nn.Module], names: dict[int, str]):
+        owners = {id(models[id(p)]) for group in optimizer.param_groups for p in group["params"] if id(p) in models}
+        if not owners:
+            raise UsageError("an optimizer given to `prepare` needs its model given too (in the same call), made "
+                             "over that model's parameters")
+        model = next(model for model in models.values() if id(model) in owners)
+        return self._counted(self.strategy.adopt_optimizer(optimizer, model, names))
+
+    def _loader_for(self, loader) -> data.DeviceLoader:
+        inner = loader.loader if isinstance(loader, data.DeviceLoader) else loader
+        shuffles, _ = data.loaders.sampling_of(inner) if isinstance(inner, DataLoader) else (True, None)
+        return self.train_loader(loader) if shuffles else self.eval_loader(loader)
+
+    def _counted(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """``optimizer``, whose every step (``job.step``'s or the script's own ``optimizer.step()``) counts in
+        ``global_step`` and in the watch over this rank."""
+        optimizer.register_step_post_hook(lambda *_: None if self._in_step else self._stepped())
+        return optimizer
+
+    def _stepped(self) -> None:
+        self.global_step += 1
+        if self._weights_compared and self.check_replicas and self.global_step % self.check_replicas == 0:
+            replicas.check(self._weights_compared, self.runtime, step=self.global_step)
+        progress.mark("data", self.global_step)
+
+    def train_loader(self, dataset, batch_size: int | None = None, **options) -> data.DeviceLoader:
+        """``ddpkit.train_loader`` for this job: this rank's share of a data set or of the script's own DataLoader,
+        the job's seed, whole accumulation steps."""
+        seed = options.pop("seed", self.seed)
+        loader = data.train_loader(dataset, batch_size, runtime=self.runtime, seed=seed, accumulate=self.accumulate,
+                                   replica=self.strategy.data_part(self.rank, self.world_size), **options)
+        self.loaders.append(loader)
+        return loader
+
+    def eval_loader(self, dataset, batch_size: int | None = None, **options) -> data.DeviceLoader:
+        """``ddpkit.eval_loader`` for this job: every validation sample (of a data set, or of the script's own
+        DataLoader) on exactly one data replica."""
+        loader = data.eval_loader(dataset, batch_size, runtime=self.runtime,
+                                  replica=self.strategy.data_part(self.rank, self.world_size), **options)
+        self.loaders.append(loader)
+        return loader
 
     # -- the step
 
@@ -194,26 +279,51 @@ class Job:
             self.scaler.unscale_(optimizer)
             params = [p for group in optimizer.param_groups for p in group["params"]]
             torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-        self.scaler.step(optimizer)
+        self._in_step = True
+        try:
+            self.scaler.step(optimizer)  # may skip the optimizer's step (fp16 overflow); the job's step counts
+        finally:
+            self._in_step = False
         self.scaler.update()
         if scheduler is not None:
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        self.global_step += 1
-        if self._weights_compared and self.check_replicas and self.global_step % self.check_replicas == 0:
-            replicas.check(self._weights_compared, self.runtime, step=self.global_step)
-        progress.mark("data", self.global_step)
+        self._stepped()
         return True
 
     # -- evaluation, output
 
-    def evaluate(self, model: nn.Module, loader, loss_fn=F.cross_entropy) -> tuple[float, float, int]:
-        """Mean loss, accuracy and count over the whole validation set, each sample once, with rank 0's
-        BatchNorm statistics on every rank (what ``save_model`` writes). Every rank calls it."""
+    def evaluate(self, model: nn.Module, loader, loss_fn=F.cross_entropy, *, topk=(1,)) -> tuple:
+        """``(loss, accuracy, count)`` over the whole validation set, each sample once, with rank 0's BatchNorm
+        statistics on every rank (what ``save_model`` writes); ``topk=(1, 5)``: ``(loss, top1, top5, count)``;
+        ``topk=()``: ``(loss, count)``. Per token for a language model's outputs, on the first item of a model
+        that returns a tuple (``ddpkit.evaluate``). Every rank calls it.
+
+            loss, top1, top5, count = job.evaluate(model, val_loader, topk=(1, 5))
+        """
         progress.mark("evaluate")
         self.strategy.sync_buffers(model, self.runtime)
         return evaluate(self.strategy.eval_module(model), loader, self.runtime, self.amp,
-                        lockstep=self.strategy.eval_lockstep, loss_fn=loss_fn)
+                        lockstep=self.strategy.eval_lockstep, loss_fn=loss_fn, topk=topk)
+
+    def sum(self, *values):
+        """Each value (a number, or a tensor of any shape) added over all ranks, in one all-reduce; one value
+        back for one given, a tuple for several. After a loop over an ``eval_loader``, where each sample is on
+        exactly one rank, the sums count every sample once. Every rank calls it.
+
+            loss_sum, correct, count = job.sum(loss_sum, correct, count)
+        """
+        total = sums(values, self.runtime)
+        return total[0] if len(values) == 1 else tuple(total)
+
+    def gather(self, *tensors: torch.Tensor):
+        """Every rank's rows of each tensor, concatenated (in rank order) on every rank; one tensor back for one
+        given. For metrics over all predictions (AUC, F1): gather once after the loop. Every rank calls it.
+
+            predictions, labels = job.gather(torch.cat(predictions), torch.cat(labels))
+        """
+        every = gather(tensors, self.runtime)
+        return every[0] if len(tensors) == 1 else tuple(every)
 
     def busy(self):
         """``with job.busy():`` around work one rank does alone while the others wait (a large file written by
@@ -234,13 +344,54 @@ class Job:
         return compared
 
     def print(self, *args, **kwargs) -> None:
-        """``print`` on global rank 0 only."""
+        """``print`` on global rank 0 only (flushed, unless ``flush=False``)."""
         if self.is_main:
-            print(*args, flush=True, **kwargs)
+            kwargs.setdefault("flush", True)
+            print(*args, **kwargs)
 
     def reduce_sums(self, values: list[float]) -> list[float]:
-        """Each value added over all ranks (float64)."""
+        """Each value added over all ranks (float64): ``job.sum`` for a list."""
         return data.reduce_sums(values, self.runtime)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the job knows of the run, for a checkpoint of the script's own: every loader's position (mid-epoch
+        too), every rank's random states, the optimizer steps and the grad scaler. Every rank calls it (the
+        random states are gathered); ``load_state_dict`` puts it back.
+
+            job.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "job": job.state_dict()}, path)
+        """
+        mine = checkpoint.rng_state(self.device)
+        every: list = [mine]
+        group = process_group.control_group(self.runtime)
+        if group is not None:
+            every = [None] * self.world_size
+            dist.all_gather_object(every, mine, group=group)
+        return {"loaders": [loader.state_dict() for loader in self.loaders], "rng": every,
+                "global_step": self.global_step, "scaler": self.scaler.state_dict(), "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a ``state_dict()``: the loaders (in the order they were made) resume where they were,
+        mid-epoch; this rank's random states come back when the world size is the one that saved them (another
+        world size continues from its own); the step count and the grad scaler. Call it right before the loop."""
+        loaders = state.get("loaders", [])
+        if len(loaders) != len(self.loaders):
+            raise UsageError(f"the saved job state has {len(loaders)} loader position(s), this job made "
+                             f"{len(self.loaders)} loader(s): make the same loaders, in the same order, before loading")
+        for loader, position in zip(self.loaders, loaders):
+            loader.load_state_dict(position)
+        self.global_step = int(state.get("global_step", 0))
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        if state.get("world_size") == self.world_size and state.get("rng"):
+            checkpoint.set_rng_state(state["rng"][self.rank], self.device)
+
+    def save(self, obj: Any, path: str | os.PathLike) -> None:
+        """``torch.save(obj, path)`` by rank 0 only, atomically (a crash leaves the old file or the new one, never
+        a torn one); the other ranks go on. Call it from every rank, or from rank 0 alone: it has no collective.
+        Under fsdp a model's ``state_dict()`` is each rank's shard: save ``job.full_model_state(model)`` instead."""
+        if self.is_main:
+            with progress.busy():  # working alone while the others may wait: not a stall
+                checkpoint.atomic_save(obj, path)
 
     def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """The bare model's state_dict, on the CPU, on rank 0 (None elsewhere). Every rank calls it."""
@@ -265,46 +416,19 @@ class Job:
                                        **options)
 
 
-def autocast(device: torch.device, amp: str):
-    """``torch.autocast`` to ``amp``'s dtype on ``device`` (a no-op context for ``"off"``)."""
-    dtype = AMP_DTYPES[amp]
-    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
+def follow(scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: torch.optim.Optimizer):
+    """``scheduler``, driving ``optimizer`` where ``prepare`` replaced the one it was made with (ZeRO's)."""
+    if scheduler.optimizer is optimizer:
+        return scheduler
+    scheduler.optimizer = optimizer
+    step = optimizer.step
+    if not hasattr(step, "_wrapped_by_lr_sched"):
+        # What a scheduler does to the optimizer it is made with: note each step, so that its first step checks
+        # that the optimizer's came first.
+        def noted(*args, **kwargs):
+            optimizer._opt_called = True
+            return step(*args, **kwargs)
 
-
-@torch.no_grad()
-def evaluate(model: nn.Module, loader, runtime: process_group.Runtime, amp: str = "off", *, lockstep: bool = False,
-             loss_fn=F.cross_entropy) -> tuple[float, float, int]:
-    """Mean loss, accuracy and sample count over the whole validation set, each sample counted once.
-
-    ``lockstep``: every rank runs as many forwards as the rank with the most batches (a rank out of
-    batches runs empty ones), for models whose forward is a collective (FSDP's all-gathers).
-    """
-    model.eval()
-    loss_sum, correct, count = 0.0, 0.0, 0.0
-    for images, labels in lockstep_batches(loader, runtime) if lockstep else loader:
-        progress.mark("evaluate")
-        with autocast(runtime.device, amp):
-            output = model(images)
-        if output is None:  # a pipeline stage other than the last
-            continue
-        labels = labels.to(output.device)
-        loss_sum += loss_fn(output.float(), labels, reduction="sum").item()
-        correct += (output.argmax(dim=1) == labels).sum().item()
-        count += labels.shape[0]
-    model.train()
-    loss_sum, correct, count = data.reduce_sums([loss_sum, correct, count], runtime)
-    return loss_sum / max(count, 1.0), correct / max(count, 1.0), int(count)
-
-
-def lockstep_batches(loader, runtime: process_group.Runtime):
-    """The loader's batches, then empty batches shaped like them until every rank has run as many."""
-    batches = torch.tensor([len(loader)], device=runtime.device if runtime.backend == "nccl" else "cpu")
-    dist.all_reduce(batches, op=dist.ReduceOp.MAX)
-    last = None
-    for last in loader:
-        yield last
-    for _ in range(int(batches.item()) - len(loader)):
-        if last is None:  # this rank holds no validation sample (fewer than ranks): shape one like the set's first
-            image, label = loader.loader.dataset.dataset[0]
-            last = [torch.as_tensor(image)[None].to(runtime.device), torch.as_tensor(label)[None].to(runtime.device)]
-        yield [item[:0] for item in last]
+        noted._wrapped_by_lr_sched = True
+        optimizer.step = noted
+    return scheduler

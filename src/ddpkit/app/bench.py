@@ -38,7 +38,8 @@ from ddpkit.launch import nccl
 from ddpkit.app import projection
 from ddpkit.core.errors import EXIT_USAGE, UsageError
 from ddpkit.core.logs import report_usage_error
-from ddpkit.job import AMP_DTYPES, Job
+from ddpkit.core.precision import AMP_DTYPES
+from ddpkit.job import Job
 from ddpkit.core.process_group import control_group, synchronize
 
 STRATEGIES = ("single", "dp", "ddp")  # what the bench measures, in its table's order
@@ -230,12 +231,13 @@ def measure(options: BenchOptions, job: Job) -> dict:
     if from_folder or options.data == "loader":
         from torch.utils.data import TensorDataset
 
-        from ddpkit.data import train_loader
+        from ddpkit.data import default_workers, train_loader
 
         # ddpkit train's own loader: image files decoded and augmented by CPU loader processes, or tensors
         # in (pinned) host memory; either way every step copies its batch to the device.
         dataset = folder_set if from_folder else TensorDataset(images.cpu().repeat(4, 1, 1, 1), labels.cpu().repeat(4))
-        loader = train_loader(dataset, batch_size=per_step, runtime=runtime, seed=0)
+        loader = train_loader(dataset, batch_size=per_step, runtime=runtime, seed=0,
+                              workers=default_workers(runtime, None, dataset))
         batches = _device_batches(loader, memory_format, options.steps)
     else:
         batches = _Batches(itertools.repeat((images, labels)), options.steps)

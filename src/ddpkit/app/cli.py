@@ -277,6 +277,9 @@ def cmd_run(ns: argparse.Namespace) -> int:
     elif not os.path.isfile(ns.script):
         raise UsageError(f"script {ns.script!r} does not exist")
     script = (["-m"] if ns.module else []) + [ns.script]
+    # Each worker runs the script unedited, under ddpkit's watch (--timeout and the stall watch reach a script
+    # that starts its own process group too): ddpkit.app.watched.
+    watched = ["-m", WATCHED]
     if _already_a_rank():
         # srun -n N ddpkit run script.py: this task is one rank. Give the script torchrun's variables
         # (rank, world, master from Slurm) and become it; starting N more processes would be wrong.
@@ -285,8 +288,12 @@ def cmd_run(ns: argparse.Namespace) -> int:
         # Where torchrun puts it: right after the script, before the script's own arguments.
         local_rank = [f"--local-rank={environment.local_rank}"] if ns.local_rank_arg else []
         sys.stdout.flush()
-        os.execv(sys.executable, [sys.executable, "-u", *script, *local_rank, *ns.script_args])
-    return _workers_done(elastic(_launch_options(ns), [*script, *ns.script_args], local_rank_arg=ns.local_rank_arg))
+        os.execv(sys.executable, [sys.executable, "-u", *watched, *local_rank, *script, *ns.script_args])
+    return _workers_done(elastic(_launch_options(ns), [*watched, *script, *ns.script_args],
+                                 local_rank_arg=ns.local_rank_arg))
+
+
+WATCHED = "ddpkit.app.watched"  # the module each worker of `ddpkit run` runs the script under
 
 
 FLIGHT_RECORDER_FOLDER = "ddpkit-flight-recorder"  # in the temporary folder of each machine

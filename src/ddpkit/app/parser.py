@@ -102,10 +102,12 @@ def add_run_command(commands) -> None:
     add_launch_flags(run)
     add_log_flag(run)
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                     help="collective timeout for scripts using ddpkit.distributed() (default: 1800)")
+                     help="how long a collective waits for the other ranks before failing, for scripts on ddpkit "
+                          "and for those that start their own process group without a timeout (default: 1800 on "
+                          "ddpkit, PyTorch's otherwise)")
     run.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
-                     help="for scripts using ddpkit.Job: end the job, naming the rank that holds it up and its "
-                          "stack, once no rank has advanced for this long (0: off) (default: 60)")
+                     help="end the job, naming the rank that holds it up and its stack, once no rank has moved for "
+                          "this long (0: off) (default: 60)")
     run.add_argument("--local-rank-arg", action="store_true",
                      help="also pass --local-rank=N, like the old `python -m torch.distributed.launch`")
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as in `python -m`")

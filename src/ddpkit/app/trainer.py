@@ -35,7 +35,8 @@ from ddpkit.zoo import user_code
 from ddpkit.core.env import DistEnv
 from ddpkit.app.config import flag_terms, option
 from ddpkit.core.errors import UsageError, disk_full, said_once
-from ddpkit.job import AMP_DTYPES, Job
+from ddpkit.core.precision import AMP_DTYPES
+from ddpkit.job import Job
 from ddpkit.core.logs import logger
 from ddpkit.strategies import STRATEGIES, Strategy
 from ddpkit.strategies.pipeline import PIPELINE_SCHEDULES
@@ -428,8 +429,10 @@ def start(cfg: TrainConfig, job: Job) -> RunState:
     optimizer_class, settings = optimizer_settings(cfg.optimizer, cfg.lr)
     example = zoo.example_batch(sets, cfg.batch_size, channels, image_size)
     wrapped, optimizer = job.setup(model, optimizer_class, example=example, **settings)
-    loader = job.train_loader(sets.train, cfg.batch_size, workers=cfg.workers)
-    val_loader = job.eval_loader(sets.val, cfg.batch_size, workers=cfg.workers)
+    # --workers, else a share of the cores (none for tensors already in memory).
+    workers = data.default_workers(job.runtime, None, sets.train) if cfg.workers is None else cfg.workers
+    loader = job.train_loader(sets.train, cfg.batch_size, workers=workers)
+    val_loader = job.eval_loader(sets.val, cfg.batch_size, workers=workers)
     steps_per_epoch = len(loader) // cfg.accumulate
     if steps_per_epoch == 0:
         raise UsageError(f"one epoch has {len(loader.loader)} batches per process, fewer than --accumulate "

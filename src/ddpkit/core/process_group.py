@@ -184,7 +184,18 @@ def setup(
             f"cannot start the process group at {where} ({first_line(error)}); "
             "is the port already in use (a stale MASTER_PORT?) or the master address unreachable?"
         ) from None
+    global _set_up_here
+    _set_up_here = True
     return Runtime(env=environment, backend=chosen_backend, device=bound, timeout_s=timeout_s)
+
+
+_set_up_here = False  # this process's group was started by ``setup`` (a Job, ``ddpkit.distributed``), not by a script
+
+
+def set_up_by_ddpkit() -> bool:
+    """Whether the process group that is up was started by ``setup`` rather than by a script's own
+    ``init_process_group`` (``ddpkit run`` watches such a script itself: ``ddpkit.app.watched``)."""
+    return _set_up_here and dist.is_available() and dist.is_initialized()
 
 
 def _agent_serves_store(environment: env_mod.DistEnv) -> bool:
@@ -262,7 +273,9 @@ def _quiet_teardown() -> None:
 
 def teardown() -> None:
     """Destroy the process group if one is up; safe to call twice."""
+    global _set_up_here
     _side_groups.clear()
+    _set_up_here = False
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -498,6 +511,18 @@ def broadcast_buffers(model: torch.nn.Module, runtime: Runtime, group=None) -> N
     source = 0 if group is None else dist.get_global_rank(group, 0)
     for buffer in model.buffers():
         dist.broadcast(buffer, src=source, group=group)
+
+
+def broadcast_state(model: torch.nn.Module, runtime: Runtime) -> None:
+    """Give every rank global rank 0's parameters and buffers, in place: replicas that start alike whatever each
+    rank's random state was. Tensors on the CPU travel over the gloo control group (NCCL carries device tensors
+    only), so a model too large for one device is not moved there for it."""
+    if runtime.backend is None or runtime.world_size < 2:
+        return
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            on_device = tensor.device.type != "cpu"
+            dist.broadcast(tensor.data, src=0, group=None if on_device else control_group(runtime))
 
 
 @contextlib.contextmanager

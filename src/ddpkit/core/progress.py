@@ -20,7 +20,7 @@ import contextlib
 import time
 
 
-PHASES = ("starting", "data", "forward", "backward", "wait", "optimizer", "evaluate", "checkpoint", "busy")
+PHASES = ("starting", "running", "data", "forward", "backward", "wait", "optimizer", "evaluate", "checkpoint", "busy")
 OWN = ("data", "forward", "backward", "optimizer")  # a rank's own step: everything but waiting for the others
 WORKING_ALONE = ("checkpoint", "busy")  # phases in which a rank holds the others up by design
 
@@ -39,6 +39,7 @@ class Pace:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.steps = 0  # optimizer steps since reset
         self.grads_at = 0.0  # when backward last produced a gradient here (the DDP strategy's hooks)
+        self.active = self.moved  # when this rank was last seen at work without a mark (``touch``, the watch)
 
     def mark(self, phase: str, step: int | None = None) -> None:
         now = time.monotonic()
@@ -55,6 +56,11 @@ class Pace:
             self._stepped_at, self.step = now, step
             self.steps += 1
         self.phase, self.moved = phase, now
+
+    @property
+    def idle_s(self) -> float:
+        """Seconds since this rank last moved: a mark, or work seen without one."""
+        return time.monotonic() - max(self.moved, self.active)
 
     def reset(self) -> None:
         """Count the phases' seconds and the steps from now on."""
@@ -79,6 +85,13 @@ def mark(phase: str, step: int | None = None) -> None:
     pace = _current
     if pace is not None:
         pace.mark(phase, step)
+
+
+def touch() -> None:
+    """This rank is at work (a forward of its model, say) without changing its phase; a no-op outside a Job."""
+    pace = _current
+    if pace is not None:
+        pace.active = time.monotonic()
 
 
 def switch(phase: str, *, after: tuple[str, ...]) -> None:

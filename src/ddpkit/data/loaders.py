@@ -19,8 +19,9 @@ padding, and ``reduce_sums`` adds the per-rank sums, so every validation sample 
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -34,11 +35,9 @@ from ddpkit.data.evaluation import wait_until_only_python_holds
 from ddpkit.data.sampler import ResumableSampler, eval_indices
 
 
-def default_workers(runtime: Runtime, in_memory: bool | None, dataset: Dataset) -> int:
-    """Loader worker processes per rank: none for tensors already in memory, else a share of the cores.
-
-    ``in_memory=None`` decides by the data set's type: a TensorDataset needs no decoding workers.
-    """
+def default_workers(runtime: Runtime, in_memory: bool | None = False, dataset: Dataset | None = None) -> int:
+    """A share of this machine's cores for one rank's loader worker processes (what ``workers="auto"`` and
+    ``ddpkit train`` use): none for tensors already in memory (a TensorDataset, or ``in_memory=True``)."""
     if in_memory is None:
         in_memory = isinstance(dataset, TensorDataset)
     if in_memory:
@@ -47,28 +46,37 @@ def default_workers(runtime: Runtime, in_memory: bool | None, dataset: Dataset) 
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Move every tensor in a (nested) batch to ``device``."""
+    """Move every tensor in a (nested) batch to ``device``: tensors, lists, tuples (named too) and mappings."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple takes its fields as arguments
+        return type(batch)(*(to_device(item, device, non_blocking) for item in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(item, device, non_blocking) for item in batch)
-    if isinstance(batch, dict):
-        return {key: to_device(value, device, non_blocking) for key, value in batch.items()}
+    if isinstance(batch, Mapping):
+        moved = {key: to_device(value, device, non_blocking) for key, value in batch.items()}
+        try:
+            return type(batch)(moved)  # a dict subclass (a tokenizer's BatchEncoding) stays what it was
+        except TypeError:
+            return moved
     return batch
 
 
 class DeviceLoader:
-    """A DataLoader whose batches arrive on ``device`` (pinned memory and non-blocking copies on GPU).
+    """A DataLoader whose batches arrive on ``device`` (pinned memory and non-blocking copies on GPU), in an order
+    that depends only on the seed and the epoch, never on the world size.
 
-    With a ``DistributedSampler`` it also calls ``set_epoch`` itself. Forgetting
-    ``sampler.set_epoch(epoch)`` is the classic DDP bug: every epoch repeats the same order. Here each
-    ``iter()`` starts the next epoch; ``set_epoch`` still sets it explicitly (for resuming).
+    Epochs. A pass that runs to its end advances the epoch: the next ``iter()`` deals the next epoch's order, so
+    forgetting ``sampler.set_epoch(epoch)``, the classic DDP bug, cannot repeat an order. A pass left before its
+    end (a peek with ``next(iter(loader))``, a ``break``) does not: the next ``iter()`` starts that epoch again.
+    ``set_epoch(epoch)`` chooses the epoch of the next ``iter()``, as DistributedSampler's does.
 
     ``state_dict()`` is the position in the global sample order (epoch, samples consumed by all ranks),
     and ``load_state_dict()`` makes the next ``iter()`` continue from there: the resumed run sees
     exactly the batches the interrupted one had not reached, for any world size.
 
     ``accumulate``: batches per optimizer step; an epoch then ends at the last whole group of that many.
+    ``phase``: what this rank is doing while it consumes the batches (``ddpkit.core.progress``).
     """
 
     def __init__(self, loader: DataLoader, device: torch.device, sampler: DistributedSampler | None = None,
@@ -89,9 +97,22 @@ class DeviceLoader:
         self.phase = phase  # the heartbeat's phase once a batch is handed over ("forward" for training)
 
     def set_epoch(self, epoch: int) -> None:
+        """The epoch the next ``iter()`` runs, from its start (or from a loaded position in it)."""
         if epoch != self.epoch:
             self._start = 0
         self.epoch = epoch
+        self._running = None
+
+    @property
+    def dataset(self) -> Dataset:
+        """The data set this rank reads its share of (the script's own)."""
+        dataset = self.loader.dataset
+        return dataset.dataset if isinstance(dataset, Subset) and self.sampler is None else dataset
+
+    @property
+    def batch_size(self) -> int | None:
+        """Samples in one of this rank's batches."""
+        return self.loader.batch_size
 
     @property
     def batch_samples(self) -> int:
@@ -121,6 +142,7 @@ class DeviceLoader:
         return {"epoch": self.epoch, "samples": self._start, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from ``state`` (a ``state_dict()``) at the next ``iter()``."""
         self.epoch = int(state["epoch"])
         self._start = int(state["samples"])
         self._running = None
@@ -139,14 +161,19 @@ class DeviceLoader:
             self.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
+        if self._running is not None:
+            self._warn_unfinished()
+            self.epoch, self._start = self._running  # a pass left before its end: that epoch again, from its start
         epoch, start = self.epoch, self._start
         self._position_sampler(epoch, start)
         # The loader draws its workers' seeds from this generator, not from the global RNG: a resumed
         # run's global RNG (dropout, augmentation) then continues exactly where it was saved.
         if self.loader.generator is not None:
             self.loader.generator.manual_seed(_epoch_seed(self.seed, self.rank, epoch))
-        self.epoch, self._start = epoch + 1, 0
         self._running, self._yielded = (epoch, start), 0
+        return self._batches(epoch)
+
+    def _batches(self, epoch: int) -> Iterator[Any]:
         whole = len(self.loader) - len(self.loader) % self.accumulate
         for batch in itertools.islice(self.loader, whole):
             self._yielded += 1  # counted as handed over: a checkpoint taken now is past this batch
@@ -154,88 +181,182 @@ class DeviceLoader:
                 progress.mark(self.phase)
             yield to_device(batch, self.device, self._non_blocking)
         self._running = None
+        self.epoch, self._start = epoch + 1, 0
+
+    def _warn_unfinished(self) -> None:
+        if self._yielded > 1:  # a peek takes one batch; a loop that broke off took more
+            from ddpkit.core.logs import logger
+
+            epoch, _ = self._running
+            logger.warning(f"a pass over this loader stopped after {self._yielded} of {len(self.loader)} batches, so "
+                           f"epoch {epoch} did not end: this pass deals epoch {epoch}'s order again. Call "
+                           "loader.set_epoch(epoch) before each pass when your loop leaves its passes early")
 
 
 def _epoch_seed(seed: int, rank: int, epoch: int) -> int:
     return (seed * 1_000_003 + rank * 7_919 + epoch) % (2**63)
 
 
+# What a DataLoader was made with, read back from its attributes: a loader rebuilt around ddpkit's sampler keeps
+# all of it (its collate_fn, per-process batch size, workers, pin_memory, drop_last, worker_init_fn, ...).
+KEPT_SETTINGS = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn",
+                 "multiprocessing_context", "generator", "prefetch_factor", "persistent_workers", "pin_memory_device",
+                 "in_order")
+
+
+def loader_settings(loader: DataLoader) -> dict[str, Any]:
+    """The keyword arguments that make a DataLoader like ``loader`` (its dataset and sampler aside)."""
+    import inspect
+
+    accepted = inspect.signature(DataLoader).parameters
+    return {name: getattr(loader, name) for name in KEPT_SETTINGS if name in accepted and hasattr(loader, name)}
+
+
+def sampling_of(loader: DataLoader) -> tuple[bool, int | None]:
+    """(shuffle, seed) of the script's loader, whose sampler ddpkit replaces; UsageError for one it cannot."""
+    from torch.utils.data import IterableDataset, RandomSampler, SequentialSampler
+
+    if isinstance(loader.dataset, IterableDataset):
+        raise UsageError(f"a DataLoader over an IterableDataset ({type(loader.dataset).__name__}) cannot be split "
+                         "by sample index: let the data set yield this rank's part itself (from job.rank and "
+                         "job.world_size) and move its batches with ddpkit.to_device(batch, job.device)")
+    if loader.batch_size is None:
+        raise UsageError(f"this DataLoader takes its batches from a batch_sampler of its own "
+                         f"({type(loader.batch_sampler).__name__}); ddpkit deals samples to the ranks itself and "
+                         "needs batch_size= with shuffle=True or False (or split the batches yourself by job.rank)")
+    sampler = loader.sampler
+    if isinstance(sampler, DistributedSampler):
+        return sampler.shuffle, sampler.seed
+    if isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None:  # noqa: SLF001
+        return True, None
+    if isinstance(sampler, SequentialSampler):
+        return False, None
+    raise UsageError(f"this DataLoader draws with a {type(sampler).__name__}; ddpkit deals samples to the ranks "
+                     "itself and takes loaders made with shuffle=True or shuffle=False (or a DistributedSampler). "
+                     "Keep your sampler and split its indices by job.rank yourself, moving batches with "
+                     "ddpkit.to_device(batch, job.device)")
+
+
+def _settings(data: Dataset | DataLoader, batch_size: int | None, workers: int | str | None, in_memory: bool | None,
+              runtime: Runtime, options: dict[str, Any]) -> tuple[Dataset, dict[str, Any]]:
+    """The data set and the DataLoader settings of a loader ddpkit makes from ``data`` (a data set, or the script's
+    own DataLoader, whose settings are kept); the keyword arguments given override them."""
+    if isinstance(data, DeviceLoader):
+        data = data.loader
+    if isinstance(data, DataLoader):
+        dataset, settings = data.dataset, loader_settings(data)
+    else:
+        if batch_size is None:
+            raise UsageError("`batch_size` is needed to load a data set (a DataLoader brings its own)")
+        dataset, settings = data, {"num_workers": 0}
+    if batch_size is not None:
+        if batch_size < 1:
+            raise UsageError(f"`batch_size` must be at least 1, got {batch_size}")
+        settings["batch_size"] = batch_size
+    if workers == "auto" or (workers is None and in_memory is False):
+        workers = default_workers(runtime, False)
+    if workers is not None:
+        settings["num_workers"] = workers
+    settings.update(options)
+    # Stop signals belong to the rank (it finishes its step, then ends the workers), and a CUDA rank pins its batches.
+    settings["worker_init_fn"] = _ignoring_stop_signals(settings.get("worker_init_fn"))
+    settings.setdefault("generator", None)
+    if settings["generator"] is None:
+        settings["generator"] = torch.Generator()
+    if runtime.device.type == "cuda":
+        settings["pin_memory"] = True
+    if not settings["num_workers"]:
+        for name in ("prefetch_factor", "persistent_workers", "timeout"):
+            settings.pop(name, None)  # DataLoader refuses them without worker processes
+    return dataset, settings
+
+
+def _ignoring_stop_signals(init: Callable[[int], None] | None) -> Callable[[int], None]:
+    if init is None or init is signals.ignore_stop_signals:
+        return signals.ignore_stop_signals
+    return functools.partial(_then, init)
+
+
+def _then(init: Callable[[int], None], worker_id: int) -> None:
+    signals.ignore_stop_signals(worker_id)
+    init(worker_id)
+
+
 def train_loader(
-    dataset: Dataset,
+    data: Dataset | DataLoader,
+    batch_size: int | None = None,
     *,
-    batch_size: int,
     runtime: Runtime,
-    seed: int = 0,
-    shuffle: bool = True,
-    workers: int | None = None,
+    seed: int | None = None,
+    shuffle: bool | None = None,
+    workers: int | str | None = None,
     in_memory: bool | None = None,
-    drop_last: bool = True,
+    drop_last: bool | None = None,
     replica: tuple[int, int] | None = None,
     accumulate: int = 1,
+    **loader_options,
 ) -> DeviceLoader:
-    """Per-process batches of ``batch_size``; the global batch is ``batch_size`` x the ways the data is split
-    (``world_size``, or the count in ``replica``).
+    """This rank's share of ``data`` in per-process batches; the global batch is ``batch_size`` x the ways the data
+    is split (``world_size``, or the count in ``replica``).
 
-    ``drop_last=False`` keeps every sample, at a price: DistributedSampler pads the epoch with up to
-    world_size - 1 repeated samples, and the last batch is smaller, so the run no longer matches one
-    process with the global batch exactly.
-    ``replica=(index, count)``: split the data ``count`` ways and take part ``index`` instead of this
-    rank's part of world_size (the stages of one pipeline all take the same part).
-    ``accumulate``: micro-steps per optimizer step; each epoch ends at its last whole step.
+    ``data``: a data set, or the script's own DataLoader, whose settings (collate_fn, batch size, workers,
+    pin_memory, drop_last, worker_init_fn, generator, ...) are kept and whose sampler is replaced by one that
+    deals the same order for every world size (``shuffle`` from the loader's: a RandomSampler shuffles).
+    ``seed``: of the order (None: the DistributedSampler's, else 0). ``workers``: loader processes (None: the
+    loader's, or none; ``"auto"``: a share of the cores). ``drop_last`` (default True for a data set, the loader's
+    otherwise): True cuts the last incomplete *global* batch, so N processes x batch B take exactly the batches of
+    1 x N*B; False keeps every sample, at a price: the epoch is padded with up to world_size - 1 repeated samples.
+    ``replica=(index, count)``: split the data ``count`` ways and take part ``index`` instead of this rank's part of
+    world_size (the stages of one pipeline all take the same part). ``accumulate``: micro-steps per optimizer step;
+    each epoch ends at its last whole step. Other keywords go to the DataLoader.
     """
-    if batch_size < 1:
-        raise UsageError(f"`batch_size` must be at least 1, got {batch_size}")
+    if isinstance(data, DataLoader):
+        loader_shuffle, loader_seed = sampling_of(data)
+        shuffle = loader_shuffle if shuffle is None else shuffle
+        seed = loader_seed if seed is None else seed
+    dataset, settings = _settings(data, batch_size, workers, in_memory, runtime, loader_options)
+    shuffle = True if shuffle is None else shuffle
+    seed = 0 if seed is None else seed
+    if drop_last is None:  # the script's loader's choice, else ddpkit's: whole global batches only
+        drop_last = settings["drop_last"] if isinstance(data, DataLoader) else True
     index, count = replica or (runtime.rank, runtime.world_size)
-    global_batch = batch_size * count
+    global_batch = settings["batch_size"] * count
     if drop_last and len(dataset) < global_batch:
         raise UsageError(
             f"the training set has {len(dataset)} samples, fewer than one global batch of {global_batch} "
-            f"({batch_size} per process x {count} data-parallel processes); lower `batch_size`",
+            f"({settings['batch_size']} per process x {count} data-parallel processes); lower `batch_size`",
             said_elsewhere=not runtime.is_main,  # every rank finds it: rank 0 says it
         )
-    sampler = ResumableSampler(
-        dataset,
-        num_replicas=count,
-        rank=index,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=drop_last,
-    )
-    workers = default_workers(runtime, in_memory, dataset) if workers is None else workers
-    loader = DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        drop_last=drop_last,
-        num_workers=workers,
-        pin_memory=runtime.device.type == "cuda",
-        persistent_workers=workers > 0,
-        worker_init_fn=signals.ignore_stop_signals if workers > 0 else None,
-        generator=torch.Generator(),
-    )
+    sampler = ResumableSampler(dataset, num_replicas=count, rank=index, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    settings["drop_last"] = drop_last
+    loader = DataLoader(dataset, sampler=sampler, **settings)
     return DeviceLoader(loader, runtime.device, sampler, seed=seed, rank=index, accumulate=accumulate, phase="forward")
 
 
 def eval_loader(
-    dataset: Dataset,
+    data: Dataset | DataLoader,
+    batch_size: int | None = None,
     *,
-    batch_size: int,
     runtime: Runtime,
-    workers: int | None = None,
+    workers: int | str | None = None,
     in_memory: bool | None = None,
     replica: tuple[int, int] | None = None,
+    **loader_options,
 ) -> DeviceLoader:
-    """Each validation sample goes to exactly one rank (some ranks may get one sample fewer).
+    """Each sample of ``data`` (a data set, or the script's own DataLoader, whose settings are kept) goes to exactly
+    one rank, in order, with no padding: ranks may hold one sample fewer, and sums over them count every sample
+    once (``Job.sum``, ``Job.gather``, ``ddpkit.reduce_sums``). Batches arrive on this rank's device.
 
     ``replica=(index, count)``: as in ``train_loader``, a part of ``count`` rather than of world_size.
     """
-    shard = Subset(dataset, eval_indices(len(dataset), *(replica or (runtime.rank, runtime.world_size))))
-    workers = default_workers(runtime, in_memory, dataset) if workers is None else workers
-    loader = DataLoader(
-        shard, batch_size=batch_size, shuffle=False, num_workers=workers, pin_memory=runtime.device.type == "cuda",
-        worker_init_fn=signals.ignore_stop_signals if workers > 0 else None, generator=torch.Generator(),
-    )
-    return DeviceLoader(loader, runtime.device, rank=runtime.rank)
+    if isinstance(data, DataLoader):
+        sampling_of(data)  # a sampler of its own is refused here too
+    dataset, settings = _settings(data, batch_size, workers, in_memory, runtime, loader_options)
+    settings["drop_last"] = False  # evaluation counts every sample
+    index, count = replica or (runtime.rank, runtime.world_size)
+    shard = Subset(dataset, eval_indices(len(dataset), index, count))
+    return DeviceLoader(DataLoader(shard, shuffle=False, **settings), runtime.device, rank=runtime.rank,
+                        phase="evaluate")
 
 
 def check_equal_batches(loader, runtime: Runtime) -> int:

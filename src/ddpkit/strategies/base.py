@@ -79,6 +79,8 @@ class Strategy(Protocol):
     shards_optimizer: ClassVar[bool] = False
     # The registered strategy that is this one with ZeRO's sharded optimizer (ddp's is "zero"), or None.
     with_zero: ClassVar[str | None] = None
+    # Wrapping gives every rank rank 0's weights (DDP's constructor does): no broadcast needed before it.
+    syncs_weights: ClassVar[bool] = False
 
     def check(self, *, world_size: int, cuda_count: int, batch_size: int | None = None,
               build_model: Callable[[], nn.Module] | None = None) -> None:
@@ -105,6 +107,14 @@ class Strategy(Protocol):
     def make_optimizer(self, optimizer_class: type, model: nn.Module, **settings) -> torch.optim.Optimizer:
         """``optimizer_class(model.parameters(), **settings)``, as this strategy needs it (ZeRO shards it)."""
         return optimizer_class(model.parameters(), **settings)
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
+                        names: dict[int, str]) -> torch.optim.Optimizer:
+        """The script's own ``optimizer``, made before wrapping, driving the wrapped ``model``: itself when wrapping
+        kept the parameters (the same tensors: single, dp, ddp), else pointed at the new ones by name (FSDP's
+        sharded parameters). ``names``: the bare model's parameter names by ``id`` of each, before wrapping."""
+        rebind_parameters(optimizer, unwrap(model), names)
+        return optimizer
 
     def set_gradient_sync(self, model: nn.Module, enabled: bool, *, first_backward: bool) -> None:
         """Whether the next forward and backward reduce gradients (off on accumulation micro-steps).
@@ -171,6 +181,26 @@ class Strategy(Protocol):
     def train_state_bytes(self, model: nn.Module, optimizer) -> int:
         """Bytes of parameters, gradients and optimizer state this rank holds."""
         return held_bytes(model, optimizer)
+
+
+def rebind_parameters(optimizer: torch.optim.Optimizer, model: nn.Module, names: dict[int, str]) -> None:
+    """Point ``optimizer``'s parameter groups at ``model``'s parameters of the same names, in place (its settings,
+    a scheduler's ``initial_lr`` and the object itself stay), where wrapping replaced the tensors."""
+    from ddpkit.core.errors import UsageError
+
+    current = dict(model.named_parameters())
+    if all(id(current.get(names.get(id(p), ""))) == id(p) for group in optimizer.param_groups for p in group["params"]):
+        return  # wrapping kept every tensor
+    if optimizer.state:
+        raise UsageError("the optimizer has state already (it stepped, or a state was loaded): hand it to "
+                         "`prepare` before its first step, and load its saved state afterwards")
+    for group in optimizer.param_groups:
+        missing = [names.get(id(p), "(not a parameter of the model)") for p in group["params"]
+                   if names.get(id(p)) not in current]
+        if missing:
+            raise UsageError(f"the optimizer holds parameters the wrapped model does not ({', '.join(missing[:3])}); "
+                             "give `prepare` the model together with the optimizer made over its parameters")
+        group["params"] = [current[names[id(p)]] for p in group["params"]]
 
 
 def state_dicts():

@@ -30,6 +30,7 @@ class DDP(Strategy):
     name: ClassVar[str] = "ddp"
     replicated: ClassVar[bool] = True
     with_zero: ClassVar[str | None] = "zero"
+    syncs_weights: ClassVar[bool] = True  # DDP's constructor broadcasts rank 0's parameters and buffers
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:

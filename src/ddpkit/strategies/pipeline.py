@@ -151,6 +151,10 @@ class PipelineParallel(Strategy):
     shards_model: ClassVar[bool] = True
     can_shard_checkpoints: ClassVar[bool] = False  # its stages' state has no sharded layout yet: full checkpoints
 
+    def adopt_optimizer(self, optimizer, model: nn.Module, names: dict[int, str]):
+        raise UsageError("under `strategy` pipeline each rank holds one stage: make the optimizer with "
+                         "job.setup(model, OptimizerClass, example=batch, **settings) instead of `prepare`")
+
     def __post_init__(self) -> None:
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise UsageError(f"`pipeline_schedule` must be one of {', '.join(PIPELINE_SCHEDULES)}, "

@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 import torch.nn as nn
 
+from ddpkit.core.errors import UsageError
 from ddpkit.core.process_group import Runtime
 from ddpkit.strategies.base import dcp_state, held_bytes, load_dcp_state, unwrap
 from ddpkit.strategies.ddp import DDP
@@ -30,6 +31,15 @@ class ZeRO(DDP):
         from torch.distributed.optim import ZeroRedundancyOptimizer  # imported on use: it pulls in RPC
 
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, **settings)
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module,
+                        names: dict[int, str]) -> torch.optim.Optimizer:
+        # ZeRO's optimizer is another object: the same kind and settings, each rank stepping its share.
+        if optimizer.state:
+            raise UsageError("the optimizer has state already: hand it to `prepare` before its first step")
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=type(optimizer), **optimizer.defaults)
 
     def full_optimizer_state(self, model: nn.Module, optimizer, runtime: Runtime) -> dict | None:  # noqa: ARG002
         # Each rank holds the state of its own share of the parameters; rank 0 collects them all.

@@ -4,8 +4,12 @@ A rank that stops advancing (stopped with SIGSTOP, asleep in Python, stuck in a 
 every other rank wait in the next collective, and PyTorch says so only when the collective's timeout runs
 out (30 minutes by default), without naming the rank. Here each rank of a ``Job`` (so of ``ddpkit train``)
 runs a daemon thread that publishes, every ``INTERVAL_S`` seconds, its step, its phase and how long ago it
-last moved (as its training thread marked them in the job's ``ddpkit.core.progress.Pace``), to the job's own
-key-value store; ranks 0 and 1 read everyone's. When no rank has moved for
+last moved, to the job's own key-value store; ranks 0 and 1 read everyone's. A rank moves when its training
+thread marks progress (``ddpkit.core.progress``: a batch from a loader ddpkit made or prepared, a forward of a
+model it wrapped, a step of an optimizer it prepared) and whenever its process is seen at work without a mark (an
+evaluation, sampling or upload of the script's own: ``ddpkit.watch.activity``). A stall is every rank standing
+still at once: the ranks that wait for the one behind in a collective, and that one. A healthy loop, however
+long its work between marks, is never called one. When no rank has moved for
 ``stall_after`` seconds, the lowest watcher that is not itself the culprit names the rank that holds the
 others up, with its host, pid, last phase and step, how long it has been silent and its Python stack
 (``py-spy dump``, taken from outside, which works on a stopped process too), then ends it, so the launcher
@@ -38,8 +42,9 @@ import sys
 import threading
 import time
 
-from ddpkit.watch import status
 from ddpkit.core.progress import PHASES, WORKING_ALONE, Pace
+from ddpkit.watch import status
+from ddpkit.watch.activity import Activity
 
 INTERVAL_S = 5.0  # how often a rank publishes its beat, and a watcher reads everyone's
 DEFAULT_STALL_S = 60.0  # `stall_s`' default: named within STALL + INTERVAL seconds, well inside 2 minutes
@@ -52,6 +57,7 @@ CLOSE_WAIT_S = 2.0  # at a job's normal end, how long rank 0 waits for the other
 STORE_TIMEOUT_S = 30.0  # the heartbeat's store calls; the job's own store waits as long as --timeout
 EXIT_STALLED = 1  # a job ended for a stalled rank failed: not a usage error
 KEY = "ddpkit/heartbeat"
+RUNNER_FRAMES = ("ddpkit/app/watched.py", "<frozen runpy>")  # left out of a stack: below the script's own frames
 # Under a collective timeout this short, the timeout names the missing rank about as soon: no heartbeats.
 MIN_TIMEOUT_S = 2 * LOST_BEATS * INTERVAL_S
 
@@ -128,13 +134,14 @@ class Heartbeat:
 
     def __init__(self, store, *, rank: int, world_size: int, stall_s: float, timeout_s: float,
                  pace: Pace | None = None, interval_s: float = INTERVAL_S, status_path: str | None = None,
-                 store_address: tuple[str, int] | None = None):
+                 store_address: tuple[str, int] | None = None, activity: Activity | None = None):
         self.store, self.rank, self.world_size = store, rank, world_size
         self.store_address = store_address  # (host, port) of the job's store, probed when it stops answering
         # Rank 0 writes everyone's last beats there (``ddpkit status`` reads it); None: nowhere.
         self.status_path = status_path if rank == 0 else None
         self.stall_s, self.timeout_s, self.interval_s = stall_s, timeout_s, interval_s
         self.pace = pace if pace is not None else Pace()  # the training thread's marks: its phase and step
+        self.activity = activity  # signs of work between marks (CPU time, allocations): a rank at work is not idle
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.beats = 0
         self.verdict: str | None = None  # this watcher's error, once it called a stall
@@ -248,8 +255,10 @@ class Heartbeat:
     def _publish(self) -> None:
         self.beats += 1
         pace = self.pace
+        if self.activity is not None and self.activity.working():
+            pace.active = time.monotonic()
         record = {"host": self.host, "pid": self.pid, "step": pace.step, "phase": pace.phase,
-                  "idle_s": round(time.monotonic() - pace.moved, 3), "beats": self.beats, "step_s": pace.step_s,
+                  "idle_s": round(pace.idle_s, 3), "beats": self.beats, "step_s": pace.step_s,
                   "memory_mb": status.memory_mb()}
         self.store.set(f"{KEY}/{self.rank}", json.dumps(record))
 
@@ -339,7 +348,10 @@ def stack_of(beat: Seen) -> str:
         return f"(no stack: py-spy failed: {error})"
     if done.returncode != 0:
         return f"(no stack: py-spy said: {(done.stderr or done.stdout).strip().splitlines()[-1:]})"
-    return f"its stack (py-spy dump --pid {beat.pid}):\n{done.stdout.rstrip()}"
+    # The frames below a script's own, of the runner that started it (``ddpkit run``: ddpkit.app.watched, runpy),
+    # say nothing about where it is.
+    lines = [line for line in done.stdout.rstrip().splitlines() if not any(frame in line for frame in RUNNER_FRAMES)]
+    return f"its stack (py-spy dump --pid {beat.pid}):\n" + "\n".join(lines)
 
 
 @contextlib.contextmanager
@@ -358,7 +370,8 @@ def watch(runtime, *, pace: Pace, stall_s: float | None, timeout_s: float, statu
     store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
     address = (runtime.env.master_addr, runtime.env.master_port) if runtime.env.master_port else None
     beat = Heartbeat(store, rank=runtime.rank, world_size=runtime.world_size, stall_s=stall_s,
-                     timeout_s=timeout_s, pace=pace, status_path=status_path, store_address=address).start()
+                     timeout_s=timeout_s, pace=pace, status_path=status_path, store_address=address,
+                     activity=Activity(threading.get_ident(), runtime.device)).start()
     ended = "stopped"  # by a signal, or SystemExit: what the block raised that is not an Exception
     try:
         yield beat

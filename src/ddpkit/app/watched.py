@@ -1,0 +1,140 @@
+"""What ``ddpkit run`` starts in each worker: the script, unedited, as ``python SCRIPT ARGS`` would run it, with
+ddpkit's watch over it.
+
+    python -m ddpkit.app.watched train.py --its-own-flags        # what torchrun starts, per rank
+    python -m ddpkit.app.watched -m package.module --flags
+
+A script that starts its own process group (``torch.distributed.init_process_group``, the tutorials' way) gets:
+
+- ``--timeout``: the default timeout of the groups it starts without one of its own;
+- the stall watch (``--stall-timeout``, default 60 s): once its group is up, heartbeats through the group's
+  store, and a rank that holds the others up named with its Python stack and ended (``ddpkit.watch.heartbeat``;
+  with no marks in such a script, its process's signs of work say whether it moves: ``ddpkit.watch.activity``);
+- a collective that times out explained in one line naming the ranks that never reached it, with the stack of
+  each one on this machine.
+
+A script on ``ddpkit.Job`` or ``ddpkit.distributed()`` starts its group through ddpkit, which does all of this
+itself; this module then stands aside.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import os
+import runpy
+import socket
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.core import logs, process_group, progress
+from ddpkit.core.errors import UsageError
+from ddpkit.core.logs import logger
+from ddpkit.watch import heartbeat
+from ddpkit.watch.activity import Activity
+
+POLL_S = 0.2  # how often the watch looks for the script's process group, until it is up
+WHO_KEY = "ddpkit/who"  # each rank's host and pid in the job's store, for a timed-out collective's explanation
+
+
+def main(argv: list[str]) -> None:
+    """Run the script ``argv`` names (``SCRIPT ARGS`` or ``-m MODULE ARGS``) as ``python`` would, watched."""
+    # torchrun's legacy --local-rank=N (ddpkit run --local-rank-arg) comes before the script: it belongs after it.
+    local_rank = [argv.pop(0)] if argv and argv[0].startswith("--local-rank=") else []
+    logs.configure(rank=int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None)
+    module = argv[:1] == ["-m"]
+    target, args = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
+    apply_timeout()
+    threading.Thread(target=watch_when_up, name="ddpkit-watch", daemon=True).start()
+    try:
+        if module:
+            sys.argv = [target, *local_rank, *args]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *local_rank, *args]
+            sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python SCRIPT` puts the script's folder
+            runpy.run_path(target, run_name="__main__")
+    except RuntimeError as error:
+        explain(error)
+        raise
+
+
+def apply_timeout() -> None:
+    """``ddpkit run --timeout``: the default of every group the script starts without a timeout of its own."""
+    value = os.environ.get(process_group.TIMEOUT_ENV)
+    if value is None:
+        return
+    timeout = datetime.timedelta(seconds=float(value))
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout  # what init_process_group and new_group read when given none
+    distributed_c10d.default_pg_nccl_timeout = timeout
+
+
+def watch_when_up() -> None:
+    """Wait for the script's process group; then say who this rank is, and watch it unless ddpkit's own setup
+    started the group (a Job watches itself)."""
+    while not (dist.is_available() and dist.is_initialized()):
+        time.sleep(POLL_S)
+    if process_group.set_up_by_ddpkit():
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store().clone()  # noqa: SLF001 - the group's own store
+        store.set_timeout(datetime.timedelta(seconds=heartbeat.STORE_TIMEOUT_S))
+        store.set(f"{WHO_KEY}/{dist.get_rank()}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        start_heartbeat(store)
+    except (RuntimeError, ValueError, UsageError) as error:  # a group torn down already, a store gone, a bad setting
+        logger.debug(f"no watch over this script: {error}")
+
+
+def start_heartbeat(store) -> None:
+    stall_s = heartbeat.stall_setting(None)
+    timeout_s = float(os.environ.get(process_group.TIMEOUT_ENV) or dist.constants.default_pg_timeout.total_seconds())
+    world_size = dist.get_world_size()
+    if not stall_s or world_size < 2 or timeout_s < heartbeat.MIN_TIMEOUT_S:
+        return
+    pace = progress.Pace()
+    pace.mark("running")  # the script's own code: no phases to tell apart, its signs of work say whether it moves
+    beat = heartbeat.Heartbeat(store, rank=dist.get_rank(), world_size=world_size, stall_s=stall_s,
+                               timeout_s=timeout_s, pace=pace,
+                               activity=Activity(threading.main_thread().ident))
+    beat.start()
+    atexit.register(beat.close)  # before the interpreter ends: no store call left running into its teardown
+
+
+def explain(error: RuntimeError) -> None:
+    """A collective's timeout in one line naming the ranks that never reached it, with their stacks (those on this
+    machine); nothing for other errors, or where ddpkit's own setup explains it."""
+    if process_group.set_up_by_ddpkit() or not (dist.is_available() and dist.is_initialized()):
+        return
+    if not process_group.is_timeout(error):
+        return
+    runtime = process_group.Runtime(env=process_group.read_environment(), backend=dist.get_backend(),
+                                    device=torch.device("cpu"))
+    missing = process_group.ranks_missing_at_store(runtime)
+    explanation = process_group.explain_hang(error, missing)
+    if not explanation or (missing and runtime.rank != min(set(range(runtime.world_size)) - set(missing))):
+        return  # the first rank that checked in speaks for the job
+    stacks = [stack_of_rank(rank) for rank in missing or []]
+    logger.error("%s", "\n".join([explanation, *filter(None, stacks)]))
+
+
+def stack_of_rank(rank: int) -> str | None:
+    """Rank ``rank``'s Python stack, where its host and pid are in the store and it runs on this machine."""
+    try:
+        store = dist.distributed_c10d._get_default_store()  # noqa: SLF001
+        who = json.loads(store.get(f"{WHO_KEY}/{rank}"))
+    except (RuntimeError, ValueError):
+        return None
+    seen = heartbeat.Seen(rank=rank, host=who["host"], pid=who["pid"], step=0, phase="running", idle_s=0.0,
+                          silent_s=0.0, step_s=None)
+    return f"rank {rank} (host {who['host']}, pid {who['pid']}): {heartbeat.stack_of(seen)}"
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
