@@ -53,9 +53,10 @@ def full_optimizer_state(model, optimizer, runtime: Runtime, strategy: Strategy 
 
 
 def print0(runtime: Runtime, *args, **kwargs) -> None:
-    """``print`` on global rank 0 only."""
+    """``print`` on global rank 0 only (flushed, unless ``flush=False``)."""
     if runtime.is_main:
-        print(*args, flush=True, **kwargs)
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
 
 
 __all__ = [

@@ -88,8 +88,7 @@ def main():
 def main_worker(args):
     global best_acc1, accelerator
 
-    # cpu=True is what makes several CPU processes form one group; the StepLR is stepped per epoch
-    accelerator = Accelerator(cpu=not torch.accelerator.is_available(), step_scheduler_with_optimizer=False)
+    accelerator = Accelerator(cpu=not torch.accelerator.is_available(), step_scheduler_with_optimizer=False)  # StepLR steps per epoch
     device = accelerator.device
     accelerator.print("Use device: {} for training".format(device))
 

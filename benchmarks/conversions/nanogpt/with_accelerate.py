@@ -229,8 +229,7 @@ globals().update(config)  # the config keys become module globals, as in nanoGPT
 accelerator = Accelerator(cpu=(device == 'cpu'),
                           mixed_precision={'float32': 'no', 'bfloat16': 'bf16', 'float16': 'fp16'}[dtype])
 device = str(accelerator.device)
-# as nanoGPT's DDP mode: keep the tokens per iteration, split the micro-steps over the processes
-assert gradient_accumulation_steps % accelerator.num_processes == 0
+assert gradient_accumulation_steps % accelerator.num_processes == 0  # as nanoGPT's DDP: same tokens per iteration
 gradient_accumulation_steps //= accelerator.num_processes
 accelerator.gradient_accumulation_steps = gradient_accumulation_steps
 tokens_per_iter = gradient_accumulation_steps * accelerator.num_processes * batch_size * block_size

@@ -231,8 +231,7 @@ fabric = Fabric(accelerator='cpu' if device == 'cpu' else 'auto', devices=device
                 precision={'float32': '32-true', 'bfloat16': 'bf16-mixed', 'float16': '16-mixed'}[dtype])
 fabric.launch()
 device = str(fabric.device)
-# as nanoGPT's DDP mode: keep the tokens per iteration, split the micro-steps over the processes
-assert gradient_accumulation_steps % fabric.world_size == 0
+assert gradient_accumulation_steps % fabric.world_size == 0  # as nanoGPT's DDP: same tokens per iteration
 gradient_accumulation_steps //= fabric.world_size
 tokens_per_iter = gradient_accumulation_steps * fabric.world_size * batch_size * block_size
 fabric.print(f"tokens per iteration will be: {tokens_per_iter:,}")
@@ -380,8 +379,7 @@ while True:
 
     # forward/backward with gradient accumulation over micro-steps
     for micro_step in range(gradient_accumulation_steps):
-        # gradients are all-reduced on the last micro-step only
-        with fabric.no_backward_sync(model, enabled=(micro_step < gradient_accumulation_steps - 1)):
+        with fabric.no_backward_sync(model, enabled=(micro_step < gradient_accumulation_steps - 1)):  # sync on the last
             with ctx:
                 logits, loss = model(X, Y)
                 loss = loss / gradient_accumulation_steps  # the gradients add up over the micro-steps

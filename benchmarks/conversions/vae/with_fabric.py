@@ -114,7 +114,7 @@ def train(epoch):
                 100. * batch_idx / len(train_loader),
                 loss.item() / len(data)))
 
-    train_loss = fabric.all_reduce(torch.tensor(train_loss, device=device), reduce_op='sum').item()
+    train_loss = fabric.all_reduce(torch.tensor(train_loss), reduce_op='sum').item()
     fabric.print('====> Epoch: {} Average loss: {:.4f}'.format(
           epoch, train_loss / len(train_loader.dataset)))
 
@@ -134,7 +134,7 @@ def test(epoch):
                 save_image(comparison.cpu(),
                            'results/reconstruction_' + str(epoch) + '.png', nrow=n)
 
-    test_loss = fabric.all_reduce(torch.tensor(test_loss, device=device), reduce_op='sum').item()
+    test_loss = fabric.all_reduce(torch.tensor(test_loss), reduce_op='sum').item()
     test_loss /= len(test_loader.dataset)
     fabric.print('====> Test set loss: {:.4f}'.format(test_loss))
 

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-CPU_SHARE = 0.25  # of one core over the interval: a process using this much is at work
+CPU_SHARE = 0.1  # of one core over the interval: a process using this much is at work (a waiting one ~0)
 IO_BYTES = 256 * 1024  # read or written through system calls over the interval: a process moving this much works
 
 
