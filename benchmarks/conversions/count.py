@@ -53,6 +53,19 @@ def diff_counts(original, converted, count_blank=False):
     return added, removed
 
 
+def counts(count_blank=False):
+    """{script: {library: (added, removed)}} for every conversion that exists."""
+    found = {}
+    for script in SCRIPTS:
+        original = read_lines(os.path.join(HERE, script, "original.py"))
+        found[script] = {}
+        for lib in list(LIBRARIES) + ["ddpkit"]:
+            path = os.path.join(REPO, DDPKIT[script]) if lib == "ddpkit" else os.path.join(HERE, script, LIBRARIES[lib])
+            if os.path.exists(path):
+                found[script][lib] = diff_counts(original, read_lines(path), count_blank)
+    return found
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")

@@ -11,7 +11,7 @@ TR="$REPO/.venv/bin/torchrun --nproc-per-node 2"
 W="${1:-/tmp/ddpkit-conversions}"
 D="$W/data"
 rm -rf "$W" && mkdir -p "$W"
-run() { echo "\$ $*" | sed "s#$HERE/##g; s#$REPO/.venv/bin/##g"; timeout 300 nice -n 19 "$@" 2>&1; }
+run() { echo "\$ $*" | sed "s#$HERE/##g; s#$REPO/.venv/bin/##g" >&2; timeout 300 nice -n 19 "$@" 2>&1; }
 
 echo "## data"
 run $PY "$HERE/make_data.py" --out "$D"

@@ -227,6 +227,7 @@ class Job:
         return optimizer
 
     def _stepped(self) -> None:
+        self._backward_done = True  # a step follows a backward
         self.global_step += 1
         if self._weights_compared and self.check_replicas and self.global_step % self.check_replicas == 0:
             replicas.check(self._weights_compared, self.runtime, step=self.global_step)
@@ -260,6 +261,16 @@ class Job:
         progress.mark("backward")
         self.scaler.scale(loss / self.accumulate).backward()
         self._backward_done = True
+
+    def sync_gradients(self, model: nn.Module, enabled: bool = True) -> None:
+        """Whether the next forward and backward of ``model`` reduce its gradients over the ranks: pass False on the
+        micro-steps of an accumulation but the last, in a loop of the script's own (DDP's ``no_sync``, FSDP's
+        ``set_requires_gradient_sync``: the strategy knows which). ``Job(accumulate=K)`` with ``job.backward`` and
+        ``job.step`` does it by itself.
+
+            job.sync_gradients(model, micro_step == accumulation_steps - 1)
+        """
+        self.strategy.set_gradient_sync(model, enabled, first_backward=not self._backward_done)
 
     def forward_backward(self, model: nn.Module, inputs, targets, loss_fn=F.cross_entropy) -> torch.Tensor | None:
         """``autocast``, ``loss_fn(model(inputs), targets)`` and ``backward`` in one call: the form that also

@@ -14,7 +14,9 @@ import argparse
 import dataclasses
 import math
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from ddpkit.core import env as env_mod
@@ -289,8 +291,14 @@ def cmd_run(ns: argparse.Namespace) -> int:
         local_rank = [f"--local-rank={environment.local_rank}"] if ns.local_rank_arg else []
         sys.stdout.flush()
         os.execv(sys.executable, [sys.executable, "-u", *watched, *local_rank, *script, *ns.script_args])
-    return _workers_done(elastic(_launch_options(ns), [*watched, *script, *ns.script_args],
-                                 local_rank_arg=ns.local_rank_arg))
+    # Each rank's output in a file of its own; the console shows rank 0's, and the others' warnings and errors (the
+    # user's own prints appear once, not once per rank).
+    folder = ns.log_dir or tempfile.mkdtemp(prefix="ddpkit-run-")
+    options = dataclasses.replace(_launch_options(ns), rank_logs=folder)
+    status = elastic(options, [*watched, *script, *ns.script_args], local_rank_arg=ns.local_rank_arg)
+    if status == 0 and ns.log_dir is None:
+        shutil.rmtree(folder, ignore_errors=True)  # nothing failed: nothing to look at
+    return _workers_done(status)
 
 
 WATCHED = "ddpkit.app.watched"  # the module each worker of `ddpkit run` runs the script under

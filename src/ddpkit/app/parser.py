@@ -108,6 +108,10 @@ def add_run_command(commands) -> None:
     run.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
                      help="end the job, naming the rank that holds it up and its stack, once no rank has moved for "
                           "this long (0: off) (default: 60)")
+    run.add_argument("--log-dir", default=None, metavar="DIR",
+                     help="keep each rank's whole output in DIR/rank<N>.log; the console shows rank 0's output and "
+                          "the other ranks' warnings, errors and tracebacks (--log-level debug: every rank's lines) "
+                          "(default: a temporary folder, kept and named only when a rank fails)")
     run.add_argument("--local-rank-arg", action="store_true",
                      help="also pass --local-rank=N, like the old `python -m torch.distributed.launch`")
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as in `python -m`")

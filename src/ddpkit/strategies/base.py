@@ -13,6 +13,7 @@ overrides what differs from the defaults here, and one line in ``STRATEGIES`` in
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
@@ -24,13 +25,29 @@ from ddpkit.core.process_group import Runtime
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside a DataParallel / DistributedDataParallel wrapper (or the model itself).
+    """The user's model inside a DataParallel / DistributedDataParallel wrapper or ``torch.compile``'s (or the model
+    itself).
 
     Under FSDP the model is its own (sharded) self; under pipeline parallel, this rank's stage.
     """
-    while isinstance(model, (nn.DataParallel, DistributedDataParallel)) or getattr(model, "is_pipeline", False):
-        model = model.module
-    return model
+    while True:
+        if isinstance(model, (nn.DataParallel, DistributedDataParallel)) or getattr(model, "is_pipeline", False):
+            model = model.module
+        elif is_compiled(model):
+            model = model._orig_mod  # noqa: SLF001 - torch.compile's one way to the module it compiled
+        else:
+            return model
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` is ``torch.compile``'s wrapper (an OptimizedModule) around another module."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing can be compiled yet
+    return dynamo is not None and isinstance(model, dynamo.OptimizedModule)
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped (a DDP or FSDP module, say), or ``model`` itself."""
+    return model._orig_mod if is_compiled(model) else model  # noqa: SLF001
 
 
 def is_shard(tensor: torch.Tensor) -> bool:

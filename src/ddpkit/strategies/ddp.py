@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpkit.core import progress
 from ddpkit.core.errors import UsageError
 from ddpkit.core.process_group import Runtime, broadcast_buffers
-from ddpkit.strategies.base import Strategy, unwrap
+from ddpkit.strategies.base import Strategy, uncompiled, unwrap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +64,7 @@ class DDP(Strategy):
     def set_gradient_sync(self, model: nn.Module, enabled: bool, *, first_backward: bool) -> None:
         # What DDP's no_sync() sets; read by DDP's forward, so it must be set before the forward. With
         # static_graph DDP records the graph on its first backward in this process, which must be synchronised.
-        model.require_backward_grad_sync = enabled or (first_backward and self.static_graph)
+        uncompiled(model).require_backward_grad_sync = enabled or (first_backward and self.static_graph)
 
     def sync_buffers(self, model: nn.Module, runtime: Runtime) -> None:
         # DDP copies rank 0's buffers (BatchNorm running statistics) to the others at the *start* of each

@@ -21,7 +21,7 @@ import torch.nn as nn
 from ddpkit.core.errors import UsageError
 from ddpkit.core.process_group import Runtime, broadcast_buffers
 from ddpkit.strategies import split
-from ddpkit.strategies.base import Strategy, state_dicts
+from ddpkit.strategies.base import Strategy, state_dicts, uncompiled
 from ddpkit.strategies import state as state_layouts
 
 
@@ -59,7 +59,7 @@ class FSDP(Strategy):
         return model
 
     def set_gradient_sync(self, model: nn.Module, enabled: bool, *, first_backward: bool) -> None:  # noqa: ARG002
-        model.set_requires_gradient_sync(enabled)  # FSDP's no_sync: reduce-scatter on the last micro-step only
+        uncompiled(model).set_requires_gradient_sync(enabled)  # FSDP's no_sync: reduce-scatter on the last micro-step
 
     def sync_buffers(self, model: nn.Module, runtime: Runtime) -> None:
         broadcast_buffers(model, runtime)  # FSDP never synchronises buffers: rank 0's, as model.pt holds
