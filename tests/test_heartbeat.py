@@ -152,7 +152,9 @@ def test_a_rank_asleep_in_a_library_script_is_named_with_its_stack(tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
     started = time.monotonic()
-    result = run_ddpkit("run", "--stall-timeout", "15", "--nproc-per-node", "2", str(script), timeout=120)
+    # A beat a second and a stall after 5 s: the watch as at its defaults, a dozen times sooner.
+    result = run_ddpkit("run", "--stall-timeout", "5", "--nproc-per-node", "2", str(script), timeout=120,
+                        DDPKIT_HEARTBEAT_S="1")
     took = time.monotonic() - started
     assert result.returncode == 1, result.stderr
     err = result.stderr
