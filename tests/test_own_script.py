@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, WeightedRandomSampler
 
 import ddpkit
@@ -330,3 +331,31 @@ def test_an_unedited_script_keeps_its_argv_file_and_exit_status(tmp_path):
     done = run_ddpkit("run", "--nproc-per-node", "1", str(script), "--flag", "x", timeout=60, cwd=tmp_path)
     assert done.returncode != 0
     assert f"['{script}', '--flag', 'x'] argv.py __main__" in done.stdout
+
+
+def test_under_fsdp_the_scripts_optimizer_and_scheduler_drive_the_sharded_parameters():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    with ddpkit.Job("fsdp", device="cpu") as job:
+        model, same, scheduler = job.prepare(model, optimizer, scheduler)
+        assert same is optimizer and scheduler.optimizer is optimizer  # the script's own objects, kept
+        sharded = [p for group in optimizer.param_groups for p in group["params"]]
+        assert [id(p) for p in sharded] == [id(p) for p in model.parameters()] and hasattr(sharded[0], "to_local")
+        before = [p.full_tensor().clone() for p in sharded]
+        for _ in range(2):
+            model(torch.randn(5, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+        assert all(not torch.equal(p.full_tensor(), b) for p, b in zip(sharded, before)) and job.global_step == 2
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
+
+
+def test_an_optimizer_that_stepped_is_refused_where_its_parameters_must_change():
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    with ddpkit.Job("fsdp", device="cpu") as job, pytest.raises(ddpkit.UsageError, match="before its first step"):
+        job.prepare(model, optimizer)

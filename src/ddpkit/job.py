@@ -209,15 +209,17 @@ class Job:
 
     def _adopt(self, optimizer: torch.optim.Optimizer, models: dict[int, nn.Module], names: dict[int, str]):
         owners = {id(models[id(p)]) for group in optimizer.param_groups for p in group["params"] if id(p) in models}
-        if not owners:
-            raise UsageError("an optimizer given to `prepare` needs its model given too (in the same call), made "
-                             "over that model's parameters")
+        if not owners:  # made over a model prepared before (its wrapped parameters): only its steps to count
+            return self._counted(optimizer)
         model = next(model for model in models.values() if id(model) in owners)
         return self._counted(self.strategy.adopt_optimizer(optimizer, model, names))
 
     def _loader_for(self, loader) -> data.DeviceLoader:
-        inner = loader.loader if isinstance(loader, data.DeviceLoader) else loader
-        shuffles, _ = data.loaders.sampling_of(inner) if isinstance(inner, DataLoader) else (True, None)
+        if isinstance(loader, data.DeviceLoader):  # made by ddpkit already: this rank's share
+            if loader not in self.loaders:
+                self.loaders.append(loader)
+            return loader
+        shuffles, _ = data.loaders.sampling_of(loader)
         return self.train_loader(loader) if shuffles else self.eval_loader(loader)
 
     def _counted(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -78,8 +78,8 @@ def apply_timeout() -> None:
 
 def watch_when_up() -> None:
     """Wait for the script's process group; then say who this rank is, and watch it unless ddpkit's own setup
-    started the group (a Job watches itself)."""
-    while not (dist.is_available() and dist.is_initialized()):
+    started the group (a Job watches itself), until the script tears its group down or ends."""
+    while not up():
         time.sleep(POLL_S)
     if process_group.set_up_by_ddpkit():
         return
@@ -87,24 +87,44 @@ def watch_when_up() -> None:
         store = dist.distributed_c10d._get_default_store().clone()  # noqa: SLF001 - the group's own store
         store.set_timeout(datetime.timedelta(seconds=heartbeat.STORE_TIMEOUT_S))
         store.set(f"{WHO_KEY}/{dist.get_rank()}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
-        start_heartbeat(store)
+        # A stall takes longer than this to call: a script whose group lives less needs no watch, and its ranks
+        # then end with no heartbeat thread waiting in the store for a rank that has gone already.
+        deadline = time.monotonic() + 2 * heartbeat.INTERVAL_S
+        while up() and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        beat = start_heartbeat(store) if up() else None
     except (RuntimeError, ValueError, UsageError) as error:  # a group torn down already, a store gone, a bad setting
         logger.debug(f"no watch over this script: {error}")
+        return
+    if beat is None:
+        return
+    while up():  # the script's destroy_process_group ends the watch (its ranks may part from here on)
+        time.sleep(POLL_S)
+    beat.close()
 
 
-def start_heartbeat(store) -> None:
+def up() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def start_heartbeat(store) -> heartbeat.Heartbeat | None:
+    """This rank's heartbeat through ``store``, started, when the stall watch is on; None otherwise."""
     stall_s = heartbeat.stall_setting(None)
     timeout_s = float(os.environ.get(process_group.TIMEOUT_ENV) or dist.constants.default_pg_timeout.total_seconds())
     world_size = dist.get_world_size()
     if not stall_s or world_size < 2 or timeout_s < heartbeat.MIN_TIMEOUT_S:
-        return
+        return None
     pace = progress.Pace()
     pace.mark("running")  # the script's own code: no phases to tell apart, its signs of work say whether it moves
     beat = heartbeat.Heartbeat(store, rank=dist.get_rank(), world_size=world_size, stall_s=stall_s,
                                timeout_s=timeout_s, pace=pace,
                                activity=Activity(threading.main_thread().ident))
-    beat.start()
     atexit.register(beat.close)  # before the interpreter ends: no store call left running into its teardown
+    # The start waits for every rank's first beat: not longer than a beat (a rank may be ending already).
+    store.set_timeout(datetime.timedelta(seconds=heartbeat.INTERVAL_S))
+    beat.start()
+    store.set_timeout(datetime.timedelta(seconds=heartbeat.STORE_TIMEOUT_S))
+    return beat
 
 
 def explain(error: RuntimeError) -> None:
