@@ -130,18 +130,13 @@ def start_heartbeat(store) -> heartbeat.Heartbeat | None:
 def explain(error: RuntimeError) -> None:
     """A collective's timeout in one line naming the ranks that never reached it, with their stacks (those on this
     machine); nothing for other errors, or where ddpkit's own setup explains it."""
-    if process_group.set_up_by_ddpkit() or not (dist.is_available() and dist.is_initialized()):
-        return
-    if not process_group.is_timeout(error):
+    if process_group.set_up_by_ddpkit() or not up():
         return
     runtime = process_group.Runtime(env=process_group.read_environment(), backend=dist.get_backend(),
                                     device=torch.device("cpu"))
-    missing = process_group.ranks_missing_at_store(runtime)
-    explanation = process_group.explain_hang(error, missing)
-    if not explanation or (missing and runtime.rank != min(set(range(runtime.world_size)) - set(missing))):
-        return  # the first rank that checked in speaks for the job
-    stacks = [stack_of_rank(rank) for rank in missing or []]
-    logger.error("%s", "\n".join([explanation, *filter(None, stacks)]))
+    explanation, missing = process_group.explain_timeout(error, runtime)
+    if explanation:
+        logger.error("%s", "\n".join([explanation, *filter(None, map(stack_of_rank, missing or []))]))
 
 
 def stack_of_rank(rank: int) -> str | None:
@@ -151,9 +146,7 @@ def stack_of_rank(rank: int) -> str | None:
         who = json.loads(store.get(f"{WHO_KEY}/{rank}"))
     except (RuntimeError, ValueError):
         return None
-    seen = heartbeat.Seen(rank=rank, host=who["host"], pid=who["pid"], step=0, phase="running", idle_s=0.0,
-                          silent_s=0.0, step_s=None)
-    return f"rank {rank} (host {who['host']}, pid {who['pid']}): {heartbeat.stack_of(seen)}"
+    return f"rank {rank} (host {who['host']}, pid {who['pid']}): {heartbeat.stack_of(who['host'], who['pid'])}"
 
 
 if __name__ == "__main__":

@@ -421,6 +421,20 @@ def ranks_missing_at_store(runtime: Runtime, wait_s: float = CHECK_IN_WAIT_S) ->
         return None
 
 
+def explain_timeout(error: BaseException, runtime: Runtime) -> tuple[str | None, list[int] | None]:
+    """After ``error`` ended a collective on this rank: the line this rank should say (None when it is not a
+    collective's timeout, or when another rank says it) and the ranks that never reached the collective (None
+    when unknown). Every rank whose collective timed out calls it: they check in at the job's store."""
+    missing = None
+    if is_timeout(error) and not _MISSING_RANKS.search(str(error)) and runtime.backend is not None:
+        missing = ranks_missing_at_store(runtime)
+    explanation = explain_hang(error, missing)
+    # With the missing ranks known, one line for the job: from the first rank that checked in (each would say
+    # the same). Without (the store is gone too), each rank says what it saw.
+    first = min(set(range(runtime.world_size)) - set(missing or []), default=runtime.rank)
+    return (explanation if not missing or runtime.rank == first else None), missing
+
+
 @contextlib.contextmanager
 def distributed(**kwargs) -> Iterator[Runtime]:
     """``setup(**kwargs)``, then ``teardown()`` however the block ends (error, Ctrl-C, SIGTERM)."""
@@ -433,14 +447,8 @@ def distributed(**kwargs) -> Iterator[Runtime]:
         if lost is not None:  # one line, no traceback: nothing in this rank's own code went wrong
             logger.error("%s", lost)
             raise SystemExit(1) from None
-        missing = None
-        if is_timeout(error) and not _MISSING_RANKS.search(str(error)) and runtime.backend is not None:
-            missing = ranks_missing_at_store(runtime)
-        explanation = explain_hang(error, missing)
-        # With the missing ranks known, one line for the job: from the first rank that checked in (each would
-        # say the same). Without (the store is gone too), each rank says what it saw.
-        first = min(set(range(runtime.world_size)) - set(missing or []), default=runtime.rank)
-        if explanation and (not missing or runtime.rank == first):
+        explanation, _ = explain_timeout(error, runtime)
+        if explanation:
             logger.error("%s", explanation)
         raise
     except UsageError as error:

@@ -26,13 +26,8 @@ from ddpkit.core.process_group import Runtime
 
 
 def reduce_sums(values: list[float], runtime: Runtime) -> list[float]:
-    """Add each value over all ranks (one all-reduce, float64 so counts stay exact)."""
-    tensor = torch.tensor(values, dtype=torch.float64)
-    if runtime.backend is not None:
-        if runtime.backend == "nccl":
-            tensor = tensor.to(runtime.device)
-        dist.all_reduce(tensor)
-    return tensor.cpu().tolist()
+    """Add each value over all ranks (one all-reduce, float64 so counts stay exact): ``sums`` as floats."""
+    return [float(value) for value in sums([float(value) for value in values], runtime)]
 
 
 RELEASE_WAIT_S = 2.0
@@ -61,7 +56,7 @@ def sums(values: Sequence[Number | torch.Tensor], runtime: Runtime) -> list[Numb
     """Each value (a number, or a tensor of any shape) added over all ranks in one all-reduce. Numbers come back
     as numbers (ints as ints: counts stay exact, in float64 on the way), tensors as tensors of their own dtype
     and device."""
-    progress.mark("wait")
+    progress.touch()  # this rank is at work; its phase (and so its step time) stays as it was
     flat = [(value.detach().reshape(-1).to("cpu", torch.float64) if isinstance(value, torch.Tensor)
              else torch.tensor([float(value)], dtype=torch.float64)) for value in values]
     total = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
@@ -85,7 +80,7 @@ def gather(tensors: Sequence[torch.Tensor], runtime: Runtime) -> list[torch.Tens
     """Every rank's rows of each tensor (all ranks' first dimensions may differ), concatenated in rank order, on
     every rank. For metrics that need all the predictions (AUC, F1): gather once, after the loop, what each
     rank's share of an ``eval_loader`` produced; nothing is padded, so nothing needs dropping."""
-    progress.mark("wait")
+    progress.touch()  # this rank is at work; its phase (and so its step time) stays as it was
     if runtime.backend is None or runtime.world_size == 1:
         return list(tensors)
     device = runtime.device if runtime.backend == "nccl" else torch.device("cpu")

@@ -329,7 +329,7 @@ class Heartbeat:
         if not store:  # for the ranks that are not watchers, whose errors then stay unsaid
             with contextlib.suppress(RuntimeError, OSError):
                 self.store.set(f"{KEY}/verdict", self.verdict)
-        logger.error("%s\n%s", self.verdict, stack_of(culprit))
+        logger.error("%s\n%s", self.verdict, stack_of(culprit.host, culprit.pid))
         sys.stderr.flush()
         self._write_status("stalled")
         if culprit.host == self.host:
@@ -347,15 +347,16 @@ class Heartbeat:
         return self.verdict
 
 
-def stack_of(beat: Seen) -> str:
-    """The stalled process's Python stack, read from outside by py-spy (a stopped process too), or why not."""
-    if beat.host != socket.gethostname():
-        return f"(its stack: run `py-spy dump --pid {beat.pid}` on {beat.host})"
+def stack_of(host: str, pid: int) -> str:
+    """The Python stack of process ``pid`` on ``host``, read from outside by py-spy (a stopped process too), or
+    why not."""
+    if host != socket.gethostname():
+        return f"(its stack: run `py-spy dump --pid {pid}` on {host})"
     spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
     if spy is None:
-        return f"(no stack: py-spy is not installed; `pip install py-spy`, then `py-spy dump --pid {beat.pid}`)"
+        return f"(no stack: py-spy is not installed; `pip install py-spy`, then `py-spy dump --pid {pid}`)"
     try:
-        done = subprocess.run([spy, "dump", "--nonblocking", "--pid", str(beat.pid)], capture_output=True, text=True,
+        done = subprocess.run([spy, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True,
                               timeout=STACK_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"(no stack: py-spy failed: {error})"
@@ -364,7 +365,7 @@ def stack_of(beat: Seen) -> str:
     # The frames below a script's own, of the runner that started it (``ddpkit run``: ddpkit.app.watched, runpy),
     # say nothing about where it is.
     lines = [line for line in done.stdout.rstrip().splitlines() if not any(frame in line for frame in RUNNER_FRAMES)]
-    return f"its stack (py-spy dump --pid {beat.pid}):\n" + "\n".join(lines)
+    return f"its stack (py-spy dump --pid {pid}):\n" + "\n".join(lines)
 
 
 @contextlib.contextmanager
