@@ -5,8 +5,9 @@
 #
 # Writes into RESULTS_DIR, one file per step: env.txt (GPU, driver, torch, CUDA, NCCL), doctor.txt and
 # doctor.json, pytest-gpu.txt (`pytest -m gpu`), bench-*.json and bench-*.txt (`ddpkit bench`, ResNet-50 on
-# synthetic data at fp32, tf32, bf16, bf16 + channels_last, the same with torch.compile, and from a folder
-# of JPEGs decoded by the loader's CPU processes), train-*/ (`ddpkit train` resnet18 with --amp bf16/fp16
+# synthetic data at fp32, tf32, bf16, bf16 + channels_last, the same with torch.compile, DDP with
+# gradient_as_bucket_view and static_graph, and from a folder of JPEGs and its pack, decoded by the loader's CPU
+# processes and by nvJPEG), image-decode-cpu.txt (benchmarks/image_decode.py), train-*/ (`ddpkit train` resnet18 with --amp bf16/fp16
 # under ddp, zero and fsdp: metrics.jsonl holds each rank's peak memory) and steps.txt (each step's exit
 # status and seconds). `python benchmarks/gpu_tables.py RESULTS_DIR` turns them into docs/benchmarks.md's tables.
 #
@@ -71,42 +72,17 @@ bench() {
         --json "$OUT_DIR/bench-$name.json" "$@"
 }
 
-jpeg_folder() {  # a few thousand JPEGs of ImageNet's typical size, ten classes
-    "$PYTHON" - "$1" <<'EOF'
-import os, sys
-from concurrent.futures import ProcessPoolExecutor
-import numpy as np
-from PIL import Image
-
-root = sys.argv[1]
-
-def write(i):
-    rng = np.random.default_rng(i)
-    # smooth colour fields with noise: about the size and entropy of a photograph's JPEG
-    y, x = np.mgrid[0:375, 0:500] / 60.0
-    base = np.stack([np.sin(x * rng.uniform(0.2, 2) + c) * np.cos(y * rng.uniform(0.2, 2)) for c in range(3)], -1)
-    pixels = np.clip((base * 0.4 + 0.5) * 255 + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
-    folder = os.path.join(root, f"class{i % 10}")
-    os.makedirs(folder, exist_ok=True)
-    Image.fromarray(pixels).save(os.path.join(folder, f"{i:05d}.jpg"), quality=90)
-
-with ProcessPoolExecutor() as pool:
-    list(pool.map(write, range(3000), chunksize=50))
-print("wrote 3000 JPEGs under", root)
-EOF
-}
-
 train() {  # train NAME ARGS...: resnet18 on synthetic data, one GPU, into train-NAME/
     ddpkit train --model resnet18 --data synthetic:8192 --epochs 1 --batch-size 256 --nproc-per-node 1 \
         --no-progress --output-dir "$OUT_DIR/train-$1" "${@:2}"
 }
 
 export PYTHON BATCH OUT_DIR
-export -f ddpkit environment bench jpeg_folder train
+export -f ddpkit environment bench train
 step env 60 5 environment
 step doctor 60 10 ddpkit doctor
 step doctor-json 60 10 ddpkit doctor --json "$OUT_DIR/doctor.json"
-step pytest-gpu 240 120 "$PYTHON" -m pytest -m gpu -n 0 -p no:cacheprovider tests/test_gpu.py
+step pytest-gpu 240 120 "$PYTHON" -m pytest -m gpu -n 0 -p no:cacheprovider tests/test_gpu.py tests/test_images.py
 # The headline first: bf16 + channels_last, no DDP vs DDP vs DataParallel on one GPU.
 step bench-bf16-cl 150 50 bench bf16-cl --precision bf16 --channels-last --strategies single,ddp,dp
 # torch.compile against the eager DDP row above (compiling takes a minute or two).
@@ -114,10 +90,23 @@ step bench-bf16-cl-compile 240 100 bench bf16-cl-compile --precision bf16 --chan
 step bench-fp32 150 40 bench fp32 --precision fp32 --strategies single,ddp
 step bench-tf32 120 30 bench tf32 --precision tf32 --strategies ddp
 step bench-bf16 120 30 bench bf16 --precision bf16 --strategies ddp
-step jpegs 120 15 jpeg_folder "$OUT_DIR/../gpu-pass-jpegs"
-step bench-folder-cpu-decode 150 40 bench folder-cpu-decode --precision bf16 --channels-last --strategies ddp \
-    --data "folder:$OUT_DIR/../gpu-pass-jpegs"
-rm -rf "$OUT_DIR/../gpu-pass-jpegs"
+# DDP at world size 1 against no DDP, with the settings that remove its copies (issue 29's goal: >= 99%).
+step bench-bf16-cl-ddp-views 150 40 bench bf16-cl-ddp-views --precision bf16 --channels-last --strategies single,ddp \
+    --gradient-as-bucket-view --static-graph
+# From JPEGs (ddpkit data make-images: 500x375, quality 90), beside synthetic data in the same processes: decoded by
+# the loader processes (cpu), by nvJPEG (gpu), and from a pack of the same folder (gpu).
+JPEGS="$OUT_DIR/../gpu-pass-jpegs"
+step jpegs 180 20 ddpkit data make-images "$JPEGS/folder" --images 6000 --val 0 --classes 100
+step pack 120 10 ddpkit data pack "$JPEGS/folder" "$JPEGS/packed"
+step bench-folder-cpu-decode 200 60 bench folder-cpu-decode --precision bf16 --channels-last --strategies ddp \
+    --data "folder:$JPEGS/folder" --decode cpu --steps 20
+step bench-folder-gpu-decode 200 60 bench folder-gpu-decode --precision bf16 --channels-last --strategies ddp \
+    --data "folder:$JPEGS/folder" --decode gpu --steps 20
+step bench-shards-gpu-decode 200 60 bench shards-gpu-decode --precision bf16 --channels-last --strategies ddp \
+    --data "shards:$JPEGS/packed" --decode gpu --steps 20
+# One core's decoding, ddpkit's CPU path against torchvision's ImageFolder pipeline (as on the CPU machine).
+step image-decode-cpu 120 30 "$PYTHON" benchmarks/image_decode.py --images 400 --repeats 5
+rm -rf "$JPEGS"
 for amp in bf16 fp16; do
     step "train-ddp-$amp" 120 25 train "ddp-$amp" --strategy ddp --amp "$amp"
     step "train-fsdp-$amp" 120 25 train "fsdp-$amp" --strategy fsdp --amp "$amp"

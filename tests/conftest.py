@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -263,3 +264,48 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+
+
+# A folder through the script's own DataLoader (job.prepare), a pack through job.train_loader.
+RANKS_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import ddpkit
+    from torch.utils.data import DataLoader
+
+    out, parts = sys.argv[1], sys.argv[2:]
+    with ddpkit.Job() as job:
+        for part in parts:
+            kind, _, path = part.partition(":")
+            if kind == "folder":
+                loader = job.prepare(DataLoader(ddpkit.image_folder(path, size=8), batch_size=4, shuffle=True))
+            else:
+                loader = job.train_loader(ddpkit.image_shards(path, size=8), batch_size=4, workers=0)
+            seen = [[], []]
+            for epoch in range(2):
+                for images, labels in loader:
+                    assert images.shape == (4, 3, 8, 8) and images.dtype.is_floating_point
+                    seen[epoch] += labels.tolist()
+            with open(f"{out}.{kind}.{job.rank}", "w") as handle:
+                json.dump(seen, handle)
+""")
+
+
+@pytest.fixture(scope="module")
+def one_image_per_class(tmp_path_factory) -> Path:
+    """16 classes of one image each: a sample's label is the sample. Packed too; and a script that writes the labels
+    each rank is dealt in two epochs (tests/test_images.py on one node, tests/test_multinode.py on two)."""
+    from ddpkit.data import sample_images, shards
+
+    root = tmp_path_factory.mktemp("unique")
+    sample_images.write_folder(str(root / "jpegs"), images=16, classes=16, size=(32, 24))
+    shards.pack(str(root / "jpegs"), str(root / "packed"), shard_mb=0.01)
+    (root / "ranks.py").write_text(RANKS_SCRIPT)
+    return root
+
+
+def every_sample_once(out: Path, ranks: int = 2) -> None:
+    seen = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(ranks)]
+    for epoch in range(2):
+        labels = [label for rank in seen for label in rank[epoch]]
+        assert sorted(labels) == list(range(16)), (epoch, seen)
+    assert seen[0][0] != seen[0][1]  # a new order in the second epoch

@@ -80,13 +80,18 @@ def test_torchvision_classifiers_are_benched_at_imagenet_size_and_built_in_model
 # -------------------------------------------------------- CLI (bad options: in test_cli.py with the others)
 
 
-def test_a_tiny_cpu_bench_writes_json_csv_and_png_from_its_own_rows_and_sweeps_ddps_knobs(tmp_path):
+def test_a_tiny_cpu_bench_from_jpegs_writes_json_csv_and_png_from_its_own_rows_and_sweeps_ddps_knobs(tmp_path):
+    from ddpkit.data.sample_images import write_folder
+
+    write_folder(str(tmp_path / "images"), images=24, classes=3, size=(40, 30))
     out = tmp_path / "bench"
-    result = run_ddpkit("bench", "--model", "convnet", "--nproc", "1,2", "--batch-size", "8", "--steps", "3",
+    result = run_ddpkit("bench", "--model", "convnet", "--nproc", "1,2", "--batch-size", "4", "--steps", "3",
                         "--warmup", "1", "--repeats", "2", "--json", f"{out}.json", "--csv", f"{out}.csv",
+                        "--data", f"folder:{tmp_path / 'images'}", "--decode", "cpu",
                         "--plot", f"{out}.png", "--nccl", "NCCL_ALGO=Ring", "--sweep", timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "single img/s (eff)" in result.stdout and "PROJECTION (not measured)" in result.stdout
+    assert f"folder:{tmp_path / 'images'} data (cpu decoding)" in result.stdout
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["environment"]["torch"] == str(torch.__version__)
     assert report["environment"]["variables"]["NCCL_ALGO"] == "Ring"  # --nccl, recorded
@@ -98,6 +103,13 @@ def test_a_tiny_cpu_bench_writes_json_csv_and_png_from_its_own_rows_and_sweeps_d
         assert row["efficiency"] == pytest.approx(row["images_per_sec"] / (devices * base))
         assert len(row["peak_memory_bytes"]) == devices and min(row["peak_memory_bytes"]) > 0
     assert 0 <= rows["ddp", 2]["comm_share"] < 1 and rows["ddp", 2]["allreduce_bytes_per_s"] > 0
+    # From files, timed beside synthetic data in the same processes: both rates, and the files' fraction.
+    for (strategy, devices), row in rows.items():
+        assert row["synthetic_images_per_sec"] > 0
+        assert row["fraction_of_synthetic"] == pytest.approx(row["images_per_sec"] / row["synthetic_images_per_sec"])
+        label = "single" if strategy == "single" else "DDP"
+        assert (f"{label} x{devices}: {row['images_per_sec']:.0f} of {row['synthetic_images_per_sec']:.0f} img/s"
+                in result.stdout)
     assert report["projection"]["check"][0]["devices"] == 2
     # The sweep (on the largest process count): every bucket size and every hook, each timed or said why not.
     sweep = report["sweep"]
@@ -122,18 +134,12 @@ def test_bench_through_a_data_loader(tmp_path):
     assert report["results"][0]["images_per_sec"] > 0 and "sweep" not in report  # no --sweep, no sweep
 
 
-def test_bench_on_an_image_folder_decoded_by_loader_processes(tmp_path):
-    from PIL import Image
+def test_bench_data_mistakes_are_one_line(tmp_path, capsys):
+    from ddpkit.app.cli import main
 
-    for k, name in enumerate(("cat", "dog")):
-        (tmp_path / "images" / name).mkdir(parents=True)
-        for i in range(12):
-            Image.new("RGB", (40 + i, 36), (90 * k, 10 * i, 100)).save(tmp_path / "images" / name / f"{i}.jpg")
-    result = run_ddpkit("bench", "--model", "convnet", "--nproc", "1", "--strategies", "single",
-                        "--data", f"folder:{tmp_path / 'images'}", "--batch-size", "4", "--steps", "3",
-                        "--warmup", "1", "--repeats", "1", "--json", str(tmp_path / "b.json"), timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"folder:{tmp_path / 'images'} data" in result.stdout
-    assert json.loads((tmp_path / "b.json").read_text())["results"][0]["images_per_sec"] > 0
-    missing = run_ddpkit("bench", "--data", "folder:/no/such/images", timeout=60)
-    assert missing.returncode == 2 and "folder '/no/such/images' does not exist" in missing.stderr
+    for argv, message in ((["--data", "folder:/no/such/images"], "folder '/no/such/images' does not exist"),
+                          (["--data", "folders:/x"], "--data must be synthetic, loader, folder:PATH or shards:PATH"),
+                          (["--data", f"shards:{tmp_path}"], "is not a finished pack")):
+        assert main(["bench", "--device", "cpu", *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err

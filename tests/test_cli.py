@@ -292,18 +292,23 @@ def test_spawn_reports_a_worker_usage_error_as_status_2(tmp_path):
 
 
 def test_spawn_shows_a_worker_exception_and_fails(tmp_path):
-    # A model that cannot run is caught before training (exit 2); a crash needs a data folder that vanishes.
-    from PIL import Image
+    # A bug in the user's own data set (not a mistake ddpkit can name in one line): its traceback is shown.
+    (tmp_path / "crashing_data.py").write_text(textwrap.dedent("""
+        from torch.utils.data import Dataset
 
-    for name in ("a", "b"):
-        (tmp_path / "imgs" / name).mkdir(parents=True)
-        for i in range(10):
-            Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / name / f"{i}.png")
-    # Truncated image files make PIL raise inside the workers' data loading.
-    for path in (tmp_path / "imgs").rglob("*.png"):
-        path.write_bytes(b"\x89PNG\r\n\x1a\n")
-    result = run_ddpkit("train", "--launcher", "spawn", "--model", "convnet", "--data", f"folder:{tmp_path / 'imgs'}",
-                        "--batch-size", "2", "--workers", "0", "--output-dir", str(tmp_path / "o"), timeout=120)
+        class Crashing(Dataset):
+            def __len__(self):
+                return 64
+
+            def __getitem__(self, index):
+                raise ZeroDivisionError("a bug in the data set")
+
+        def make():
+            return Crashing(), Crashing(), 10
+    """))
+    result = run_ddpkit("train", "--launcher", "spawn", "--model", "convnet", "--data", "crashing_data:make",
+                        "--batch-size", "2", "--workers", "0", "--output-dir", str(tmp_path / "o"), timeout=120,
+                        PYTHONPATH=str(tmp_path))
     assert result.returncode == 1, result.stderr
     assert "Traceback" in result.stderr and "raised the exception above" in result.stderr
 

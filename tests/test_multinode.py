@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DIGITS_CONVNET, _pids_with, child_env, max_relative_difference
+from conftest import DIGITS_CONVNET, _pids_with, child_env, every_sample_once, max_relative_difference
 from listening import listening
 
 SUBNET = "10.231.0"
@@ -347,3 +347,14 @@ def _pids_running(argument: str) -> list[int]:
                 if argument.encode() in (entry / "cmdline").read_bytes().split(b"\0"):
                     pids.append(int(entry.name))
     return pids
+
+
+def test_two_nodes_read_every_sample_of_a_pack_once_per_epoch(tmp_path, two_nodes, one_image_per_class):
+    (a, host_a), (b, host_b) = two_nodes
+    root = one_image_per_class
+    common = [sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint",
+              f"{host_a}:29613", "--rdzv-id", "pack", str(root / "ranks.py"), str(tmp_path / "seen"),
+              f"shards:{root / 'packed'}"]
+    results = _run_on_nodes([(a, host_a, common), (b, host_b, common)], timeout=120)
+    assert all(result.returncode == 0 for result in results), [result.stderr for result in results]
+    every_sample_once(tmp_path / "seen.shards")

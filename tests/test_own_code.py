@@ -107,8 +107,8 @@ def test_keyword_values_are_read_as_json_where_they_can_be():
     (["--model-arg", "width=3"], "--model-arg is for a --model package.module:function of your own, not net"),
     (["--data-arg", "n=3"], "--data-arg is for a --data package.module:function of your own, not digits"),
     (["--data", "{own}:data", "--image-size", "32"], "--image-size resizes the built-in data sets"),
-    (["--data", "dig:its:x"], "unknown data set 'dig:its:x'; use digits, synthetic[:N], mnist[:DIR], folder:PATH, or "
-                              "your own as package.module:function"),
+    (["--data", "dig:its:x"], "unknown data set 'dig:its:x'; use digits, synthetic[:N], mnist[:DIR], folder:PATH, "
+                              "shards:PATH, or your own as package.module:function"),
     # Found by the process that trains (here the only one): the functions' results.
     (["--model", "{own}:a_list", "--data", "{own}:data"], "--model {own}:a_list returned a list, not a torch.nn.Module"),
     (["--data", "{own}:one_set"], "--data {own}:one_set returned a TensorDataset; return (train, validation) data "

@@ -285,10 +285,10 @@ job.print("evaluated", round(time.monotonic() - started))
 def test_an_evaluation_three_times_the_stall_timeout_ends_well_and_a_stopped_rank_is_still_named(tmp_path):
     script = tmp_path / "own_evaluation.py"
     script.write_text(OWN_EVALUATION)
-    quick = {"DDPKIT_HEARTBEAT_S": "0.5", "STALL": "3"}  # a stall after 3 s: the evaluation runs 9
-    done = run_ddpkit("run", "--nproc-per-node", "2", str(script), "9", "go", timeout=120, cwd=tmp_path, **quick)
+    quick = {"DDPKIT_HEARTBEAT_S": "0.5", "STALL": "2"}  # a stall after 2 s: the evaluation runs 6
+    done = run_ddpkit("run", "--nproc-per-node", "2", str(script), "6", "go", timeout=120, cwd=tmp_path, **quick)
     assert done.returncode == 0, done.stderr
-    assert "evaluated 9" in done.stdout and "stalled" not in done.stderr
+    assert "evaluated 6" in done.stdout and "stalled" not in done.stderr
     started = time.monotonic()
     stopped = run_ddpkit("run", "--nproc-per-node", "2", str(script), "1", "stop", timeout=120, cwd=tmp_path, **quick)
     assert stopped.returncode != 0 and time.monotonic() - started < 60

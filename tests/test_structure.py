@@ -73,7 +73,7 @@ ALLOWED = {
     "core": set(),
     "strategies": {"core"},
     "data": {"core"},
-    "zoo": {"core"},
+    "zoo": {"core", "data"},
     "watch": {"core"},
     "launch": {"core"},
     "checkpoint": {"core", "strategies"},

@@ -19,7 +19,7 @@ below (``distributed``, ``prepare_model``, ``train_loader``, ...) are the same p
 
 from ddpkit.checkpoint import CheckpointError, Checkpointer, Resumed, atomic_save, load_model_state, model_state_dict, read_contents
 from ddpkit.core.preempt import StopSignal, stop_on_signal
-from ddpkit.data import check_equal_batches, eval_loader, reduce_sums, to_device, train_loader
+from ddpkit.data import check_equal_batches, eval_loader, image_folder, image_shards, reduce_sums, to_device, train_loader
 from ddpkit.core.env import DistEnv, detect, from_spawn
 from ddpkit.core.errors import UsageError
 from ddpkit import zoo
@@ -63,7 +63,8 @@ __all__ = [
     "CheckpointError", "Checkpointer", "DistEnv", "Job", "Strategy", "create", "evaluate", "strategy_of", "Resumed", "StopSignal", "check_equal_batches",
     "load_model_state", "read_contents",
     "stop_on_signal", "Runtime", "STRATEGIES", "UsageError", "atomic_save", "barrier", "broadcast_buffers", "convert_sync_batchnorm",
-    "detect", "distributed", "from_spawn", "eval_loader", "free_port", "full_model_state", "full_optimizer_state", "main_process_first",
+    "detect", "distributed", "from_spawn", "eval_loader", "free_port", "full_model_state", "full_optimizer_state", "image_folder", "image_shards",
+    "main_process_first",
     "model_parallel", "model_state_dict", "prepare_model", "print0",
     "reduce_sums", "setup", "teardown", "to_device", "train_loader", "unwrap", "zoo",
 ]

@@ -60,8 +60,11 @@ class BenchOptions:
     precision: str = "fp32"
     channels_last: bool = False
     compile: bool = False
-    data: str = "synthetic"  # synthetic (on the device) | loader (pinned host memory -> device, via DataLoader)
+    data: str = "synthetic"  # synthetic (on the device) | loader (pinned host memory -> device) | folder:P | shards:P
+    decode: str = "auto"  # image files: cpu (loader processes) | gpu (nvJPEG) | auto (gpu on CUDA)
     image_size: int | None = None
+    static_graph: bool = False  # DDP's static_graph (the ddp rows only)
+    gradient_as_bucket_view: bool = False  # DDP's gradient_as_bucket_view (the ddp rows only)
     warmup: int = 5
     steps: int = 20
     repeats: int = 3
@@ -94,12 +97,21 @@ class BenchOptions:
             raise UsageError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.precision in ("tf32", "fp16") and device != "cuda":
             raise UsageError(f"--precision {self.precision} is a GPU mode; on CPU use fp32 or bf16")
-        if self.data.startswith("folder:"):
+        decode = self.decode
+        if self.data.partition(":")[0] in ("folder", "shards"):
             from ddpkit import zoo
+            from ddpkit.data import images
 
             zoo.parse_data_spec(self.data)  # the folder must exist
+            if self.data.startswith("shards:"):
+                from ddpkit.data import shards
+
+                shards.read_pack(shards.splits_of(self.data[len("shards:"):])[0])  # and be a whole pack
+            if decode == "gpu" and device != "cuda":
+                raise UsageError("--decode gpu needs --device cuda (nvJPEG); use --decode cpu or auto")
+            decode = images.check_decode(decode, device)
         elif self.data not in DATA_SOURCES:
-            raise UsageError(f"--data must be synthetic, loader or folder:PATH, got {self.data!r}")
+            raise UsageError(f"--data must be synthetic, loader, folder:PATH or shards:PATH, got {self.data!r}")
         for name, value, least in (("--batch-size", self.batch_size, 1), ("--steps", self.steps, 1),
                                    ("--repeats", self.repeats, 1), ("--warmup", self.warmup, 0)):
             if value < least:
@@ -121,7 +133,7 @@ class BenchOptions:
         # ddpkit train's small default, ResNet-50's step is launch-bound and ten times shorter).
         _, image_size = zoo.model_input(model, "folder", self.image_size)
         return dataclasses.replace(self, model=model, device=device, strategies=strategies, image_size=image_size,
-                                   nproc=tuple(sorted(set(nproc))))
+                                   nproc=tuple(sorted(set(nproc))), decode=decode)
 
 
 def runnable(names: tuple[str, ...], cuda_count: int, *, asked: bool) -> tuple[str, ...]:
@@ -212,11 +224,11 @@ def measure(options: BenchOptions, job: Job) -> dict:
     if options.precision == "tf32":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    from_folder = options.data.startswith("folder:")
+    kind, _, path = options.data.partition(":")
+    from_files = kind in zoo.IMAGE_KINDS
     channels, image_size = zoo.model_input(options.model, "folder", options.image_size)
-    folder = zoo.load_folder(options.data.partition(":")[2], channels, image_size) if from_folder else None
-    folder_set = folder.train if folder is not None else None
-    num_classes = folder.num_classes if folder is not None else 10
+    files = zoo.load_images(kind, path, channels, image_size, decode=options.decode) if from_files else None
+    num_classes = files.num_classes if files is not None else 10
     torch.manual_seed(0)
     model = zoo.build_model(options.model, in_channels=channels, num_classes=num_classes, image_size=image_size)
     memory_format = torch.channels_last if options.channels_last else torch.contiguous_format
@@ -226,25 +238,25 @@ def measure(options: BenchOptions, job: Job) -> dict:
         wrapped = torch.compile(wrapped)
     per_step = options.batch_size * devices_here
     images = torch.randn(per_step, channels, image_size, image_size).to(device, memory_format=memory_format)
-    labels = torch.randint(0, 10, (per_step,)).to(device)
+    labels = torch.randint(0, num_classes, (per_step,)).to(device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # ddpkit train steps one each step
-    if from_folder or options.data == "loader":
+    synthetic = _Batches(itertools.repeat((images, labels)), options.steps)
+    batches, workers = synthetic, 0
+    if from_files or options.data == "loader":
         from torch.utils.data import TensorDataset
 
         from ddpkit.data import default_workers, train_loader
 
-        # ddpkit train's own loader: image files decoded and augmented by CPU loader processes, or tensors
-        # in (pinned) host memory; either way every step copies its batch to the device.
-        dataset = folder_set if from_folder else TensorDataset(images.cpu().repeat(4, 1, 1, 1), labels.cpu().repeat(4))
-        loader = train_loader(dataset, batch_size=per_step, runtime=runtime, seed=0,
-                              workers=default_workers(runtime, None, dataset))
+        # ddpkit train's own loader: image files read, decoded and augmented as it does them, or tensors in
+        # (pinned) host memory; either way every step copies its batch to the device.
+        dataset = files.train if from_files else TensorDataset(images.cpu().repeat(4, 1, 1, 1), labels.cpu().repeat(4))
+        workers = default_workers(runtime, None, dataset)
+        loader = train_loader(dataset, batch_size=per_step, runtime=runtime, seed=0, workers=workers)
         batches = _device_batches(loader, memory_format, options.steps)
-    else:
-        batches = _Batches(itertools.repeat((images, labels)), options.steps)
 
-    def ddpkit_round() -> None:
+    def ddpkit_round(source: _Batches = batches) -> None:
         wrapped.train()
-        for images, labels in batches:
+        for images, labels in source:
             job.forward_backward(wrapped, images, labels)
             job.step(optimizer, scheduler)
 
@@ -254,7 +266,14 @@ def measure(options: BenchOptions, job: Job) -> dict:
     rounds = {"ddpkit": ddpkit_round, "hand": hand_round}
     if job.strategy.replicated and runtime.world_size > 1:  # gradients all-reduced in backward: time it without
         rounds["no_sync"] = lambda: hand_round(no_sync=True)
-    times = _timed_rounds(rounds, options, runtime)
+    times = {}
+    if from_files:
+        # Synthetic data first, in rounds of their own; then the loader's prefetched batches (queued while they ran)
+        # are drained before the file rounds are timed, back to back, at the pace the loader keeps up.
+        times = _timed_rounds({"synthetic": functools.partial(ddpkit_round, synthetic)}, options, runtime)
+        for _ in range(-(-workers * 2 // options.steps)):
+            ddpkit_round()
+    times.update(_timed_rounds(rounds, options, runtime))
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return {
         "times": times,
@@ -384,7 +403,10 @@ def worker_main(argv: Sequence[str]) -> int:
 
 def _worker(options: BenchOptions, strategy: str, out_path: str) -> int:
     # The sweep wraps its own DDP models, one per bucket size and hook.
-    with Job("ddp" if strategy == "sweep" else strategy, amp=_amp(options.precision), device=options.device) as job:
+    # DDP's settings, for the strategies that have them (the others ignore them: strict=False).
+    chosen = create_strategy("ddp" if strategy == "sweep" else strategy, strict=False, static_graph=options.static_graph,
+                             gradient_as_bucket_view=options.gradient_as_bucket_view)
+    with Job(chosen, amp=_amp(options.precision), device=options.device) as job:
         runtime = job.runtime
         if strategy == "sweep":
             result = {"sweep": sweep(options, runtime)}
@@ -446,6 +468,8 @@ def summarize(strategy: str, devices: int, raw: dict) -> dict:
     row["images_per_sec_per_device"] = row["images_per_sec"] / devices
     row["spread"] = row["ddpkit_spread"]
     row["ddpkit_over_hand"] = row["ddpkit_images_per_sec"] / row["hand_images_per_sec"]
+    if "synthetic_images_per_sec" in row:  # image files: how close their pace comes to data already on the device
+        row["fraction_of_synthetic"] = row["ddpkit_images_per_sec"] / row["synthetic_images_per_sec"]
     if "no_sync_images_per_sec" in row:
         # The share of a synchronised step spent waiting for the all-reduce (what no_sync removes).
         row["comm_share"] = max(0.0, 1.0 - row["hand_images_per_sec"] / row["no_sync_images_per_sec"])
@@ -550,7 +574,9 @@ def format_table(options: BenchOptions, rows: list[dict]) -> str:
     header += ["DDP comm wait", "ddpkit/hand (DDP)"]
     lines = [f"ddpkit bench: {options.model}, {options.precision}"
              + (", channels_last" if options.channels_last else "") + (", compile" if options.compile else "")
-             + f", {options.data} data {options.image_size}x{options.image_size}, batch {options.batch_size} per device, "
+             + (", DDP static_graph" if options.static_graph else "")
+             + (", DDP gradient_as_bucket_view" if options.gradient_as_bucket_view else "")
+             + f", {options.data} data{' (' + options.decode + ' decoding)' if ':' in options.data else ''} {options.image_size}x{options.image_size}, batch {options.batch_size} per device, "
              f"{options.device}; "
              f"median of {options.repeats} x {options.steps} steps", "  ".join(f"{h:>18}" for h in header)]
     for devices in sorted({r["devices"] for r in rows}):
@@ -566,6 +592,11 @@ def format_table(options: BenchOptions, rows: list[dict]) -> str:
         shown = ddp or next(r for r in rows if r["devices"] == devices)
         cells.append(f"{shown['ddpkit_over_hand']:>18.3f}")
         lines.append("  ".join(cells))
+    from_files = [r for r in rows if "fraction_of_synthetic" in r]
+    if from_files:
+        lines.append(f"{options.data} ({options.decode} decoding) against synthetic data on the device, same step:")
+        lines += [f"  {LABELS.get(r['strategy'], r['strategy'])} x{r['devices']}: {r['images_per_sec']:.0f} of "
+                  f"{r['synthetic_images_per_sec']:.0f} img/s = {r['fraction_of_synthetic']:.1%}" for r in from_files]
     return "\n".join(lines)
 
 

@@ -93,8 +93,9 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     options = bench.BenchOptions(
         model=ns.model, strategies=bench.parse_list(ns.strategies, str, "--strategies"),
         nproc=bench.parse_list(ns.nproc, int, "--nproc") if ns.nproc else None, batch_size=ns.batch_size,
-        device=ns.device, precision=ns.precision, channels_last=ns.channels_last, compile=ns.compile, data=ns.data,
-        image_size=ns.image_size, warmup=ns.warmup, steps=ns.steps, repeats=ns.repeats,
+        device=ns.device, precision=ns.precision, channels_last=ns.channels_last, compile=ns.compile, static_graph=ns.static_graph,
+        gradient_as_bucket_view=ns.gradient_as_bucket_view, data=ns.data,
+        decode=ns.decode, image_size=ns.image_size, warmup=ns.warmup, steps=ns.steps, repeats=ns.repeats,
         link_gbps=bench.parse_list(ns.link_gbps, float, "--link-gbps"), sweep=ns.sweep, json_path=ns.json, csv_path=ns.csv,
         plot_path=ns.plot,
     )
@@ -397,6 +398,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_plot(ns)
         if ns.command == "checkpoint":
             return cmd_checkpoint(ns)
+        if ns.command == "data":
+            from ddpkit.app import data_tools
+
+            return data_tools.main(ns)
         return cmd_run(ns)
     except UsageError as error:
         return report_usage_error(_in_flag_terms(error))

@@ -72,7 +72,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                              "OUTPUT_DIR/config.toml, which --config takes back to repeat it")
 
 def build_parser() -> argparse.ArgumentParser:
-    """The whole command line: one sub-command each for train, run, doctor, bench, status, checkpoint and plot."""
+    """The whole command line: one sub-command each for train, run, doctor, bench, status, checkpoint, data and plot."""
     parser = Parser(prog="ddpkit", description="Data-parallel PyTorch training, launched and checked.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     add_train_command(commands)
@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_command(commands)
     add_status_command(commands)
     add_checkpoint_command(commands)
+    add_data_command(commands)
     add_plot_command(commands)
     return parser
 
@@ -153,10 +154,18 @@ def add_bench_command(commands) -> None:
                             "PyTorch's default, whose cuDNN convolutions already use TF32 (default: fp32)")
     bench.add_argument("--channels-last", action="store_true", help="model and images in channels_last")
     bench.add_argument("--compile", action="store_true", help="torch.compile the model")
-    bench.add_argument("--data", default="synthetic", metavar="synthetic|loader|folder:PATH",
+    bench.add_argument("--static-graph", action="store_true", help="DDP rows: DDP(static_graph=True)")
+    bench.add_argument("--gradient-as-bucket-view", action="store_true",
+                       help="DDP rows: DDP(gradient_as_bucket_view=True): gradients are views into the all-reduce "
+                            "buckets (one copy less per step)")
+    bench.add_argument("--data", default="synthetic", metavar="synthetic|loader|folder:PATH|shards:PATH",
                        help="synthetic: one batch already on the device; loader: a DataLoader over pinned host "
-                            "memory, copied each step; folder:PATH: an ImageFolder decoded by CPU loader "
-                            "processes (default: synthetic)")
+                            "memory, copied each step; folder:PATH or shards:PATH: image files read, decoded and "
+                            "augmented as ddpkit train does, timed beside synthetic data (their fraction of it is "
+                            "reported) (default: synthetic)")
+    bench.add_argument("--decode", default="auto", choices=["auto", "cpu", "gpu"],
+                       help="with folder: or shards: data: decode JPEGs in the loader processes (cpu) or with nvJPEG "
+                            "(gpu); auto = gpu on CUDA (default: auto)")
     bench.add_argument("--image-size", type=int, default=None, metavar="PIXELS",
                        help="side of the square input (default: 224 for torchvision's classifiers, as ImageNet "
                             "numbers are quoted; a built-in model's own size)")
@@ -188,12 +197,17 @@ def add_status_command(commands) -> None:
     status.add_argument("--every", type=float, default=5.0, metavar="SECONDS", help="with --watch (default: 5)")
 
 
+def command_group(commands, name: str, *, help: str, description: str):  # noqa: A002 - argparse's name
+    """A command whose own sub-commands (``ddpkit NAME ACTION``) are added to what this returns."""
+    group = commands.add_parser(name, help=help, description=description)
+    return group.add_subparsers(dest="action", required=True, parser_class=Parser)
+
+
 def add_checkpoint_command(commands) -> None:
     """``ddpkit checkpoint export SOURCE DEST``."""
-    checkpoint = commands.add_parser(
-        "checkpoint", help="work with checkpoints: export one's model weights as a plain state_dict",
-        description="Work with the checkpoints of `ddpkit train` (and the tutorials' layouts).")
-    actions = checkpoint.add_subparsers(dest="action", required=True, parser_class=Parser)
+    actions = command_group(commands, "checkpoint",
+                            help="work with checkpoints: export one's model weights as a plain state_dict",
+                            description="Work with the checkpoints of `ddpkit train` (and the tutorials' layouts).")
     export = actions.add_parser(
         "export", help="the model weights of a checkpoint as a plain state_dict, like model.pt",
         description="Write the model weights of SOURCE as the plain state_dict that model.pt is (no `module.` "
@@ -201,6 +215,39 @@ def add_checkpoint_command(commands) -> None:
     export.add_argument("source", metavar="SOURCE",
                         help="a checkpoint file, a checkpoint folder (its newest complete one) or a run's --output-dir")
     export.add_argument("destination", metavar="DEST", help="the file to write (replaced in one piece)")
+
+
+def add_data_command(commands) -> None:
+    """``ddpkit data pack|check|make-images``."""
+    actions = command_group(commands, "data", help="image folders: pack into shards, check every file, make a test "
+                                                   "folder",
+                            description="Work with image data for `--data folder:PATH` and `--data shards:PATH` "
+                                        "(docs/data.md).")
+    pack = actions.add_parser(
+        "pack", help="pack an image folder into tar shards and an index, for --data shards:OUT",
+        description="Pack a class-per-folder tree of images (its train/ and val/ when it has them) into "
+                    "WebDataset-layout tar shards with an index: --data shards:OUT then trains on exactly the "
+                    "samples, order and crops of --data folder:FOLDER, from a few large files.")
+    pack.add_argument("folder", metavar="FOLDER", help="the image folder (FOLDER/CLASS/IMAGE, or FOLDER/train and val)")
+    pack.add_argument("out", metavar="OUT", help="a new (or empty) folder for the pack")
+    pack.add_argument("--shard-mb", type=float, default=256, metavar="MB", help="size of each shard (default: 256)")
+    check = actions.add_parser(
+        "check", help="decode every image of a folder or pack, and list the ones that cannot be read",
+        description="Decode every image of an image folder or a pack, on every core, as training would; list each "
+                    "file that cannot be read (exit 1 if any), so it can be removed before a long run.")
+    check.add_argument("source", metavar="folder:PATH|shards:PATH|PATH", help="what to check (a bare PATH: a folder)")
+    check.add_argument("--workers", type=int, default=None, metavar="W", help="decoding processes (default: all cores)")
+    make = actions.add_parser(
+        "make-images", help="write a folder of photograph-like JPEGs for benchmarks and tests",
+        description="Write JPEGs of ImageNet's sizes (500x375, 375x500) and quality (90) that decode like "
+                    "photographs, in OUT/train/CLASS and OUT/val/CLASS (OUT/CLASS with --val 0).")
+    make.add_argument("out", metavar="OUT", help="the folder to write (made if missing)")
+    make.add_argument("--images", type=int, default=1000, help="training images (default: 1000)")
+    make.add_argument("--val", type=int, default=None, metavar="N", help="validation images (default: a tenth)")
+    make.add_argument("--classes", type=int, default=10, help="default: 10")
+    make.add_argument("--size", default=None, metavar="WxH", help="every image this size (default: ImageNet's)")
+    make.add_argument("--quality", type=int, default=90, help="JPEG quality, 1-95 (default: 90)")
+    make.add_argument("--seed", type=int, default=0, help="default: 0")
 
 
 def add_plot_command(commands) -> None:

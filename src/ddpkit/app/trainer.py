@@ -34,6 +34,7 @@ from ddpkit.app import trackers
 from ddpkit.zoo import user_code
 from ddpkit.core.env import DistEnv
 from ddpkit.app.config import flag_terms, option
+from ddpkit.data import images
 from ddpkit.core.errors import UsageError, disk_full, said_once
 from ddpkit.core.precision import AMP_DTYPES
 from ddpkit.job import Job
@@ -64,7 +65,8 @@ class TrainConfig:
     model: str = option("net", "net (MNIST CNN with BatchNorm), convnet (conv+linear, no BatchNorm), a torchvision "
                                "classifier such as resnet18, or your own: package.module:function, returning an "
                                "nn.Module (default: net)")
-    data: str = option("digits", "digits (built in), synthetic[:N], mnist[:DIR], folder:PATH, or your own: "
+    data: str = option("digits", "digits (built in), synthetic[:N], mnist[:DIR], folder:PATH (class-per-folder images), "
+                                 "shards:PATH (a folder packed by `ddpkit data pack`), or your own: "
                                  "package.module:function, returning (train, validation[, classes]) data sets of "
                                  "(input, class) pairs (default: digits)", metavar="SPEC")
     model_arg: tuple = option((), "a keyword argument for --model's function; VALUE is read as JSON where it can "
@@ -92,7 +94,10 @@ class TrainConfig:
     accumulate: int = option(1, "micro-steps per optimizer step; the all-reduce runs on the last one only", metavar="K")
     workers: int | None = option(None, "data loader processes per rank (default: 0 for in-memory data, else a share "
                                        "of cores)", metavar="W", kind=int)
-    seed: int = option(0, "weights and sample order depend only on this (default: 0)")
+    decode: str = option("auto", "image folders and packs: where JPEGs are decoded and cropped: cpu (the loader "
+                                 "processes) or gpu (nvJPEG, in the training process); auto = gpu on a CUDA device, "
+                                 "else cpu (default: auto)", choices=images.DECODES)
+    seed: int = option(0, "weights, sample order and image crops depend only on this (default: 0)")
     output_dir: str = option("runs/ddpkit", "metrics.jsonl, model.pt and checkpoints/ go here (default: runs/ddpkit)",
                              metavar="DIR")
     timeout: float = option(process_group.DEFAULT_TIMEOUT_S, "how long a collective waits for the other ranks before "
@@ -216,6 +221,10 @@ class TrainConfig:
             raise UsageError(f"--workers must be 0 or more, got {self.workers}")
         if self.image_size is not None and self.image_size < 1:
             raise UsageError(f"--image-size must be at least 1, got {self.image_size}")
+        if self.decode not in images.DECODES:
+            raise UsageError(f"--decode must be one of {', '.join(images.DECODES)}, got {self.decode!r}")
+        if self.decode == "gpu" and (self.device == "cpu" or not torch.cuda.is_available()):
+            raise UsageError("--decode gpu needs a CUDA GPU, and none is in use here; use --decode cpu (or auto)")
         with in_train_flags():
             process_group.check_timeout(self.timeout)
             heartbeat.stall_setting(self.stall_timeout)
@@ -418,7 +427,9 @@ def start(cfg: TrainConfig, job: Job) -> RunState:
     torch.manual_seed(cfg.seed)  # a data function of the user's own that draws random numbers draws the same on every rank
     # Rank 0 first: a download (MNIST) happens once, the other ranks then read the files.
     with process_group.main_process_first(job.runtime), said_once(job.is_main):
-        sets, channels, image_size = zoo.load_for_model(cfg.model, spec, cfg.image_size, cfg.data_arguments())
+        sets, channels, image_size = zoo.load_for_model(cfg.model, spec, cfg.image_size, cfg.data_arguments(),
+                                                        decode=images.check_decode(cfg.decode, job.device),
+                                                        seed=cfg.seed)
     # The same seed on every rank and for every world size: identical initial weights.
     torch.manual_seed(cfg.seed)
     with said_once(job.is_main):
@@ -550,7 +561,7 @@ def has_batchnorm(model: nn.Module) -> bool:
 
 
 # Fields that may change between an interrupted run and its resumption without comment.
-RESUME_FREE = {"resume", "epochs", "debug", "log_level", "progress", "workers", "output_dir", "timeout", "stall_timeout",
+RESUME_FREE = {"resume", "epochs", "decode", "debug", "log_level", "progress", "workers", "output_dir", "timeout", "stall_timeout",
                "check_replicas", "checkpoint_every", "keep_checkpoints"}
 
 
@@ -580,6 +591,13 @@ def keep_metrics_before(path: str, epoch: int) -> None:
     checkpoint.atomic_write(path, lambda handle: handle.write("".join(kept).encode()))
 
 
+def skipped_samples(run: RunState) -> int | None:
+    """Unreadable image files this rank's loaders have left out so far; None when the data are not image files."""
+    counts = [dataset.skipped for dataset in (run.loader.dataset, run.val_loader.dataset)
+              if isinstance(dataset, images.ImageData)]
+    return sum(counts) if counts else None
+
+
 class EpochLoop:
     """The optimizer steps of each epoch, with mid-epoch checkpoints and the stop-signal check, then the
     epoch's evaluation and metrics record; ``ddpkit train``'s loop, written on ``Job``."""
@@ -588,6 +606,7 @@ class EpochLoop:
         self.run = run_state
         self.stop: preempt.StopSignal | None = None
         self.last_samples, self.last_partial = 0, [0.0, 0.0]  # where the last steps() ended, for a stop there
+        self.skipped_before = skipped_samples(run_state)  # unreadable images left out so far, on this rank
 
     def save(self, epoch: int, samples: int, partial: list[float], *, if_idle: bool) -> None:
         run = self.run
@@ -629,6 +648,10 @@ class EpochLoop:
         }
         if start:
             record["resumed_at_step"] = run.steps_per_epoch - steps_run
+        skipped = skipped_samples(run)
+        if skipped is not None:  # image files: how many this epoch's passes left out, all ranks together
+            record["skipped_samples"] = int(job.reduce_sums([float(skipped - self.skipped_before)])[0])
+            self.skipped_before = skipped
         return record
 
     def steps(self, epoch: int, start: int, partial: list[float]) -> tuple[float, int]:

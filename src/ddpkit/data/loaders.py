@@ -26,13 +26,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset, default_collate
 
 from ddpkit.core import progress, signals
 from ddpkit.core.errors import UsageError
 from ddpkit.core.process_group import Runtime, usable_cores
 from ddpkit.data.evaluation import wait_until_only_python_holds
+from ddpkit.data.images import loader_hooks, settle_decode, takes_epoch
 from ddpkit.data.sampler import ResumableSampler, eval_indices
+
+
+MAX_WORKERS = 32  # past this, loader processes cost memory and start-up time more than they add
 
 
 def default_workers(runtime: Runtime, in_memory: bool | None = False, dataset: Dataset | None = None) -> int:
@@ -42,7 +46,9 @@ def default_workers(runtime: Runtime, in_memory: bool | None = False, dataset: D
         in_memory = isinstance(dataset, TensorDataset)
     if in_memory:
         return 0
-    return max(1, min(8, usable_cores() // max(1, runtime.env.local_world_size) - 1))
+    # One core of each rank's share is the rank's own; the rest decode. No lower cap: a 16-core GPU machine's one
+    # rank needs its 15 to decode JPEGs at a GPU's pace (the old cap of 8 starved it).
+    return max(1, min(MAX_WORKERS, usable_cores() // max(1, runtime.env.local_world_size) - 1))
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -80,7 +86,8 @@ class DeviceLoader:
     """
 
     def __init__(self, loader: DataLoader, device: torch.device, sampler: DistributedSampler | None = None,
-                 seed: int = 0, rank: int = 0, accumulate: int = 1, phase: str | None = None):
+                 seed: int = 0, rank: int = 0, accumulate: int = 1, phase: str | None = None,
+                 finish: Callable[..., Any] | None = None):
         if accumulate < 1:
             raise UsageError(f"accumulate must be at least 1, got {accumulate}")
         self.loader = loader
@@ -95,6 +102,8 @@ class DeviceLoader:
         self._yielded = 0
         self._non_blocking = device.type == "cuda" and loader.pin_memory
         self.phase = phase  # the heartbeat's phase once a batch is handed over ("forward" for training)
+        # A data set that finishes its own batches (ddpkit.data.images: decoding on the GPU, normalising) moves them.
+        self.finish = finish
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter()`` runs, from its start (or from a loaded position in it)."""
@@ -179,7 +188,10 @@ class DeviceLoader:
             self._yielded += 1  # counted as handed over: a checkpoint taken now is past this batch
             if self.phase:
                 progress.mark(self.phase)
-            yield to_device(batch, self.device, self._non_blocking)
+            if self.finish is not None:
+                yield self.finish(batch, self.device, self._non_blocking)
+            else:
+                yield to_device(batch, self.device, self._non_blocking)
         self._running = None
         self.epoch, self._start = epoch + 1, 0
 
@@ -263,6 +275,10 @@ def _settings(data: Dataset | DataLoader, batch_size: int | None, workers: int |
     settings.setdefault("generator", None)
     if settings["generator"] is None:
         settings["generator"] = torch.Generator()
+    settle_decode(dataset, runtime.device)
+    collate, _ = loader_hooks(dataset)
+    if collate is not None and settings.get("collate_fn") in (None, default_collate):
+        settings["collate_fn"] = collate  # its items are uint8 crops or encoded bytes, batched its own way
     if runtime.device.type == "cuda":
         settings["pin_memory"] = True
     if not settings["num_workers"]:
@@ -327,10 +343,12 @@ def train_loader(
             f"({settings['batch_size']} per process x {count} data-parallel processes); lower `batch_size`",
             said_elsewhere=not runtime.is_main,  # every rank finds it: rank 0 says it
         )
-    sampler = ResumableSampler(dataset, num_replicas=count, rank=index, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    sampler = ResumableSampler(dataset, num_replicas=count, rank=index, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                               keyed=takes_epoch(dataset))
     settings["drop_last"] = drop_last
     loader = DataLoader(dataset, sampler=sampler, **settings)
-    return DeviceLoader(loader, runtime.device, sampler, seed=seed, rank=index, accumulate=accumulate, phase="forward")
+    return DeviceLoader(loader, runtime.device, sampler, seed=seed, rank=index, accumulate=accumulate, phase="forward",
+                        finish=loader_hooks(dataset)[1])
 
 
 def eval_loader(
@@ -356,7 +374,7 @@ def eval_loader(
     index, count = replica or (runtime.rank, runtime.world_size)
     shard = Subset(dataset, eval_indices(len(dataset), index, count))
     return DeviceLoader(DataLoader(shard, shuffle=False, **settings), runtime.device, rank=runtime.rank,
-                        phase="evaluate")
+                        phase="evaluate", finish=loader_hooks(dataset)[1])
 
 
 def check_equal_batches(loader, runtime: Runtime) -> int:

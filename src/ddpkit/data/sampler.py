@@ -26,9 +26,10 @@ class ResumableSampler(DistributedSampler):
     resume: the remaining samples are simply dealt to the new number of ranks.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, keyed: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.start = 0
+        self.keyed = keyed  # yield (epoch, index): for data sets whose augmentation is the sample's own per epoch
 
     def _remaining(self) -> list[int]:
         if self.shuffle:
@@ -50,10 +51,12 @@ class ResumableSampler(DistributedSampler):
         padding = self.num_replicas - (len(rest) - usable)
         return rest + (rest * math.ceil(padding / len(rest)))[:padding]
 
-    def __iter__(self) -> Iterator[int]:
-        if self.start == 0:
-            return super().__iter__()
-        return iter(self._remaining()[self.rank::self.num_replicas])
+    def __iter__(self) -> Iterator[int] | Iterator[tuple[int, int]]:
+        indices = super().__iter__() if self.start == 0 else iter(self._remaining()[self.rank::self.num_replicas])
+        if self.keyed:
+            epoch = self.epoch
+            return ((epoch, index) for index in indices)
+        return indices
 
     def __len__(self) -> int:
         if self.start == 0:

@@ -7,13 +7,13 @@ of the user's own, ``package.module:function`` (``user_code``).
     359
 """
 
-from ddpkit.zoo.datasets import (DATA_KINDS, IMAGENET_MEAN, IMAGENET_STD, USER_DATA, Datasets, DataSpec, digits_arrays,
-                                 example_batch, folder_transform, load_data, load_digits, load_folder, load_for_model,
+from ddpkit.zoo.datasets import (DATA_KINDS, IMAGE_KINDS, USER_DATA, Datasets, DataSpec, digits_arrays,
+                                 example_batch, load_data, load_digits, load_for_model, load_images,
                                  load_mnist, load_synthetic, parse_data_spec)
 from ddpkit.zoo.models import (BUILTIN_MODELS, ConvNet, Net, build_model, check_input_size, check_model_name,
                                model_input, torchvision_classifiers)
 
-__all__ = ["BUILTIN_MODELS", "DATA_KINDS", "IMAGENET_MEAN", "IMAGENET_STD", "USER_DATA", "ConvNet", "DataSpec",
+__all__ = ["BUILTIN_MODELS", "DATA_KINDS", "IMAGE_KINDS", "USER_DATA", "ConvNet", "DataSpec",
            "Datasets", "Net", "build_model", "check_input_size", "check_model_name", "digits_arrays", "example_batch",
-           "folder_transform", "load_data", "load_digits", "load_folder", "load_for_model", "load_mnist",
+           "load_data", "load_digits", "load_for_model", "load_images", "load_mnist",
            "load_synthetic", "model_input", "parse_data_spec", "torchvision_classifiers"]

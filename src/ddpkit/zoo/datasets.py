@@ -1,8 +1,10 @@
 """The data sets ``--data`` names: ``digits`` (scikit-learn's 1,797 handwritten 8x8 digits, resized: a real data
 set that is installed with ddpkit, no download), ``synthetic[:N]`` (learnable random images, like the tutorials'
 RandomDataset but with a signal in them), ``mnist[:DIR]`` (torchvision's MNIST, downloaded into DIR where the
-network allows), ``folder:PATH`` (ImageFolder; ``PATH/train`` and ``PATH/val`` if present), and a data set of the
-user's own as ``package.module:function`` (``ddpkit.zoo.user_code``).
+network allows), ``folder:PATH`` (a class-per-folder tree of images; ``PATH/train`` and ``PATH/val`` if present),
+``shards:PATH`` (such a tree packed by ``ddpkit data pack``), and a data set of the user's own as
+``package.module:function`` (``ddpkit.zoo.user_code``). Image folders and packs are read by ``ddpkit.data.images``:
+random crops and flips for training, centre crops for validation, decoded on the CPU or the GPU.
 
     >>> from ddpkit.zoo import parse_data_spec
     >>> parse_data_spec("synthetic:512")
@@ -16,21 +18,20 @@ import os
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset, Subset, TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from ddpkit.core.errors import UsageError, first_line
 from ddpkit.zoo import user_code
 from ddpkit.zoo.models import model_input
 
-DATA_KINDS = ("digits", "synthetic", "mnist", "folder")
+DATA_KINDS = ("digits", "synthetic", "mnist", "folder", "shards")
+IMAGE_KINDS = ("folder", "shards")  # image files, decoded by ddpkit.data.images
 USER_DATA = "function"  # DataSpec.kind of --data package.module:function
 DEFAULT_SYNTHETIC_SIZE = 1024
 DEFAULT_MNIST_DIR = "./data"
 # The split of data sets that ship no validation part is fixed, whatever --seed says, so that
 # val_acc of two runs with different seeds is measured on the same samples.
 SPLIT_SEED = 20240601
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 
@@ -47,15 +48,18 @@ def parse_data_spec(spec: str) -> DataSpec:
     if kind not in DATA_KINDS and user_code.is_spec(spec):
         return DataSpec(USER_DATA, spec)
     if kind not in DATA_KINDS:
-        raise UsageError(f"unknown data set {spec!r}; use digits, synthetic[:N], mnist[:DIR], folder:PATH, or your "
-                         "own as package.module:function")
+        raise UsageError(f"unknown data set {spec!r}; use digits, synthetic[:N], mnist[:DIR], folder:PATH, "
+                         "shards:PATH, or your own as package.module:function")
     if kind == "digits" and arg is not None:
         raise UsageError(f"--data digits takes no argument, got {spec!r}")
     if kind == "synthetic" and arg is not None and not (arg.isdigit() and int(arg) >= 1):
         raise UsageError(f"--data synthetic:N needs a positive whole number of samples, got {arg!r}")
-    if kind == "folder":
+    if kind in IMAGE_KINDS:
         if arg is None:
-            raise UsageError("--data folder:PATH needs a path, e.g. --data folder:/data/imagenet")
+            raise UsageError(f"--data {kind}:PATH needs a path, e.g. --data {kind}:/data/imagenet")
+        if "://" in arg:
+            raise UsageError(f"--data {spec}: ddpkit reads local or mounted folders; copy the data there or mount the "
+                             "bucket (s3fs, gcsfuse, blobfuse)")
         if not os.path.isdir(arg):
             raise UsageError(f"--data {spec}: folder {arg!r} does not exist")
     return DataSpec(kind, arg)
@@ -163,55 +167,35 @@ def load_mnist(root: str, channels: int, image_size: int) -> Datasets:
     return Datasets(train, val, num_classes=10)
 
 
-def folder_transform(channels: int, image_size: int):
-    """The tutorials' ImageFolder pipeline (Resize 256, CenterCrop 224, normalise), scaled to image_size."""
-    from torchvision import transforms
+def load_images(kind: str, path: str, channels: int, image_size: int, *, decode: str = "cpu",
+                seed: int = 0) -> Datasets:
+    """An image folder (``kind`` folder) or a pack of one (``shards``): ``path/train`` + ``path/val`` (or valid,
+    validation, test) when present, else the training part split 90/10.
 
-    steps = [transforms.Resize(round(image_size * 256 / 224)), transforms.CenterCrop(image_size)]
-    if channels == 1:
-        steps.append(transforms.Grayscale(num_output_channels=1))
-    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.5,) * channels, (0.5,) * channels)
-    steps += [transforms.ToTensor(), transforms.Normalize(mean, std)]
-    return transforms.Compose(steps)
-
-
-VAL_FOLDERS = ("val", "valid", "validation", "test")
-
-
-def load_folder(path: str, channels: int, image_size: int) -> Datasets:
-    """ImageFolder: ``path/train`` + ``path/val`` (or valid, validation, test) when present, else split 90/10.
-
-    ``path/train`` alone is split 90/10; a folder without ``train/`` is itself the class-per-folder root.
+    A folder without ``train/`` is itself the class-per-folder root. Training samples get random crops and flips
+    (seeded by ``seed``, the epoch and the sample), validation samples centre crops (``ddpkit.data.images``).
     """
-    from torchvision.datasets import ImageFolder
+    from ddpkit.data import images, shards
 
-    transform = folder_transform(channels, image_size)
-    train_dir = os.path.join(path, "train")
-    val_dirs = [os.path.join(path, name) for name in VAL_FOLDERS if os.path.isdir(os.path.join(path, name))]
-    try:
-        if os.path.isdir(train_dir) and val_dirs:
-            train = ImageFolder(train_dir, transform=transform)
-            val = ImageFolder(val_dirs[0], transform=transform)
-            if train.classes != val.classes:
-                raise UsageError(
-                    f"{train_dir} and {val_dirs[0]} hold different class folders "
-                    f"({len(train.classes)} vs {len(val.classes)})"
-                )
-            classes = train.classes
-        else:
-            full = ImageFolder(train_dir if os.path.isdir(train_dir) else path, transform=transform)
-            train_idx, val_idx = _split(len(full), 0.1)
-            train, val = Subset(full, train_idx), Subset(full, val_idx)
-            classes = full.classes
-    except FileNotFoundError as error:
-        raise UsageError(
-            f"--data folder:{path}: {error}; expected one sub-folder of images per class"
-        ) from None
-    return Datasets(train, val, num_classes=len(classes))
+    read = images.scan_folder if kind == "folder" else shards.read_pack
+    what = f"--data {kind}:"
+    train_part, val_part = shards.splits_of(path)
+    train = read(train_part, what=what)
+    if val_part is not None:
+        val = read(val_part, train.classes, what=what)
+    else:
+        if len(train) < 2:
+            raise UsageError(f"{what}{path} holds {len(train)} image; a split into training and validation needs "
+                             "at least 2 (or give train/ and val/ folders)")
+        train_idx, val_idx = _split(len(train), 0.1)
+        train, val = train.subset(train_idx), train.subset(val_idx)
+    made = [images.ImageData(source, images.Crops(image_size, part == "train"), decode=decode, seed=seed,
+                             channels=channels) for part, source in (("train", train), ("val", val))]
+    return Datasets(*made, num_classes=len(train.classes))
 
 
 def load_for_model(model: str, spec: DataSpec, image_size: int | None,
-                   arguments: dict | None = None) -> tuple[Datasets, int, int]:
+                   arguments: dict | None = None, *, decode: str = "cpu", seed: int = 0) -> tuple[Datasets, int, int]:
     """The data sets ``spec`` says, made for ``model``, and (channels, image size) of the model's input.
 
     The built-in data are made in the channels and size the model takes; a data set of the user's own
@@ -219,7 +203,7 @@ def load_for_model(model: str, spec: DataSpec, image_size: int | None,
     """
     if spec.kind != USER_DATA:
         channels, image_size = model_input(model, spec.kind, image_size)
-        return load_data(spec, channels=channels, image_size=image_size), channels, image_size
+        return load_data(spec, channels=channels, image_size=image_size, decode=decode, seed=seed), channels, image_size
     sets = Datasets(*user_code.load_data(spec.arg, arguments or {}))
     inputs = sets.train[0][0]
     if user_code.is_spec(model):
@@ -239,11 +223,12 @@ def example_batch(sets: Datasets, batch_size: int, channels: int, image_size: in
     return inputs.unsqueeze(0).expand(batch_size, *inputs.shape) if isinstance(inputs, torch.Tensor) else None
 
 
-def load_data(spec: DataSpec, *, channels: int, image_size: int) -> Datasets:
+def load_data(spec: DataSpec, *, channels: int, image_size: int, decode: str = "cpu", seed: int = 0) -> Datasets:
+    """The data sets ``spec`` names; ``decode`` and ``seed``: of image folders and packs (``load_images``)."""
     if spec.kind == "digits":
         return load_digits(channels, image_size)
     if spec.kind == "synthetic":
         return load_synthetic(int(spec.arg or DEFAULT_SYNTHETIC_SIZE), channels, image_size)
     if spec.kind == "mnist":
         return load_mnist(spec.arg or DEFAULT_MNIST_DIR, channels, image_size)
-    return load_folder(spec.arg, channels, image_size)
+    return load_images(spec.kind, spec.arg, channels, image_size, decode=decode, seed=seed)

@@ -1,0 +1,225 @@
+"""Image folders and packs (ddpkit.data.images, ddpkit.data.shards): crops that depend on nothing but the sample,
+the GPU path's arithmetic (run on the CPU), packs read exactly as their folders, bad data, and `ddpkit train` on
+files: 2 processes x B = 1 x 2B, an exact mid-epoch resume, every sample once per epoch on 2 ranks and 2 nodes."""
+
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import every_sample_once, max_relative_difference, run_ddpkit, train, train_here
+
+from ddpkit.app.cli import main
+from ddpkit.core.errors import UsageError
+from ddpkit.data import images, sample_images, shards
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """48 training and 8 validation JPEGs of 4 classes (small: 64x48), and its pack (several shards per split)."""
+    root = tmp_path_factory.mktemp("images")
+    sample_images.write_folder(str(root / "jpegs"), images=48, classes=4, val_images=8, size=(64, 48))
+    shards.pack(str(root / "jpegs"), str(root / "packed"), shard_mb=0.05)
+    return root
+
+
+def batch(data: images.ImageData, keys) -> tuple[torch.Tensor, torch.Tensor]:
+    return data.to_device(data.collate([data[key] for key in keys]), CPU)
+
+
+def test_a_samples_crop_depends_only_on_seed_epoch_and_index(folder):
+    data = images.image_folder(str(folder / "jpegs" / "train"), size=24)
+    first, _ = batch(data, [(0, 5), (0, 6)])
+    again, _ = batch(data, [(0, 6), (1, 5), (0, 5)])  # another batch, order and neighbour
+    assert torch.equal(first[0], again[2]) and torch.equal(first[1], again[0])
+    assert not torch.equal(first[0], again[1])  # the next epoch crops it anew
+    reseeded = images.image_folder(str(folder / "jpegs" / "train"), size=24, seed=1)
+    assert not torch.equal(first[0], batch(reseeded, [(0, 5)])[0][0])
+    # Normalised like torchvision's ToTensor + Normalize(ImageNet): mean about 0 over a batch, float32.
+    assert first.dtype == torch.float32 and first.shape == (2, 3, 24, 24) and first.abs().max() < 3
+
+
+def test_crops_are_random_resized_crops_and_centre_crops():
+    crops = images.Crops(224, train=True)
+    import random
+
+    boxes = [crops.box(375, 500, random.Random(seed)) for seed in range(400)]
+    areas = [h * w / (375 * 500) for _, _, h, w, _ in boxes]
+    assert 0.08 <= min(areas) < 0.15 and max(areas) > 0.9 and 0.4 < sum(areas) / len(areas) < 0.65
+    assert all(0 <= top and top + h <= 375 and 0 <= left and left + w <= 500 for top, left, h, w, _ in boxes)
+    assert 150 < sum(flip for *_, flip in boxes) < 250
+    # Validation: Resize(256) + CenterCrop(224)'s square, in source pixels: 375 * 224/256 = 328.
+    assert images.Crops(224, train=False).box(375, 500, None) == (23, 86, 328, 328, False)
+
+
+def test_the_gpu_path_crops_as_the_cpu_path_does(folder):
+    # decode="gpu" on a CPU device: torchvision's batched decode_jpeg there, the same crop and resample code.
+    for is_train, tolerance in ((False, 0.0), (True, 0.1)):
+        cpu = images.image_folder(str(folder / "jpegs" / "train"), size=24, train=is_train)
+        gpu = images.image_folder(str(folder / "jpegs" / "train"), size=24, train=is_train, decode="gpu")
+        keys = [(1, i) for i in range(12)]
+        (a, labels_a), (b, labels_b) = batch(cpu, keys), batch(gpu, keys)
+        assert torch.equal(labels_a, labels_b)
+        # Validation decodes exactly on both; training's CPU decoder uses libjpeg's fast DCT (a level or two).
+        assert (a - b).abs().mean() <= tolerance, (is_train, (a - b).abs().mean())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="nvJPEG needs a CUDA GPU (run on the lent GPU machine)")
+@pytest.mark.gpu
+def test_nvjpeg_decodes_what_the_cpu_decodes(folder):
+    cpu = images.image_folder(str(folder / "jpegs" / "train"), size=24, train=False)
+    gpu = images.image_folder(str(folder / "jpegs" / "train"), size=24, train=False, decode="gpu")
+    keys = [(0, i) for i in range(16)]
+    a, _ = batch(cpu, keys)
+    b, labels = gpu.to_device(gpu.collate([gpu[key] for key in keys]), torch.device("cuda"))
+    assert b.is_cuda and labels.is_cuda and (a - b.cpu()).abs().mean() < 0.05
+
+
+def test_a_pack_holds_the_folder_sample_for_sample(folder):
+    for part in ("train", "val"):
+        packed = shards.read_pack(str(folder / "packed" / part))
+        source = images.scan_folder(str(folder / "jpegs" / part))
+        assert packed.labels == source.labels and packed.classes == source.classes == [f"class{k:03d}" for k in range(4)]
+        assert all(packed.read(i) == source.read(i) for i in range(len(source)))
+    # Each shard is a plain tar in WebDataset's layout: KEY.jpg and KEY.cls (the class) side by side.
+    with tarfile.open(folder / "packed" / "train" / "shard-00000.tar") as tar:
+        names = tar.getnames()
+        assert names[:2] == ["00000000.jpg", "00000000.cls"] and tar.extractfile(names[1]).read() == b"0"
+    assert len(list((folder / "packed" / "train").glob("shard-*.tar"))) > 1
+
+
+def test_bad_folders_and_packs_are_one_line_each(folder, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "no_images" / "cat").mkdir(parents=True)
+    (tmp_path / "no_images" / "dog").mkdir()
+    (tmp_path / "no_images" / "dog" / "a.jpg").write_bytes((folder / "jpegs" / "val" / "class000" /
+                                                             "val000000.jpg").read_bytes())
+    cases = [
+        (lambda: images.scan_folder(str(tmp_path / "missing")), "no such folder"),
+        (lambda: images.scan_folder(str(tmp_path / "empty")), "no class folders in it; expected one sub-folder of "
+                                                              "images per class"),
+        (lambda: images.scan_folder(str(tmp_path / "no_images")), "Found no valid file for the classes cat"),
+        (lambda: images.scan_folder(str(tmp_path / "no_images"), classes=["cat", "cow", "dog"]),
+         "its class folders differ from the training set's (missing: cow; extra: none)"),
+        (lambda: shards.read_pack(str(folder / "jpegs")), "no index.pt in it, so it is not a finished pack"),
+        (lambda: shards.read_pack("s3://bucket/pack"), "ddpkit reads packs from local or mounted folders"),
+        (lambda: shards.pack(str(folder / "jpegs"), str(folder / "packed")), "exists and is not empty"),
+        (lambda: images.check_decode("gpu", "cpu"), "GPU decoding (decode='gpu') needs a CUDA device"),
+    ]
+    for make, message in cases:
+        with pytest.raises(UsageError) as caught:
+            make()
+        assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_command_line_says_bad_data_in_one_line(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    for argv, message in [
+        (["train", "--data", f"folder:{tmp_path / 'empty'}"], "expected one sub-folder of images per class"),
+        (["train", "--data", f"shards:{tmp_path / 'empty'}"], "is not a finished pack; make one with ddpkit data pack"),
+        (["train", "--data", "shards:s3://bucket/pack"], "ddpkit reads local or mounted folders"),
+        (["train", "--decode", "gpu"], "--decode gpu needs a CUDA GPU"),
+        (["bench", "--data", f"folder:{tmp_path}", "--decode", "gpu", "--device", "cpu"], "--decode gpu needs"),
+        (["data", "make-images", str(tmp_path / "x"), "--size", "500by375"], "--size takes WIDTHxHEIGHT"),
+    ]:
+        status = main([*argv, "--nproc-per-node", "1", "--output-dir", str(tmp_path / "out")] if argv[0] == "train"
+                      else argv)
+        err = capsys.readouterr().err
+        assert status == 2 and message in err and err.count("\n") == 1, (argv, err)
+
+
+def test_unreadable_files_are_skipped_named_and_counted(folder, tmp_path, capsys):
+    import shutil
+
+    shutil.copytree(folder / "jpegs" / "val", tmp_path / "val")
+    files = sorted((tmp_path / "val").rglob("*.jpg"))
+    files[0].write_bytes(files[0].read_bytes()[:1500])  # cut short in its pixel data
+    files[1].write_bytes(b"not an image at all")
+    files[2].write_bytes(b"")
+    for decode in ("cpu", "gpu"):  # the GPU path's fall-back to one-by-one decoding, run on the CPU
+        data = images.image_folder(str(tmp_path / "val"), size=16, train=False, decode=decode)
+        warnings = []
+        data_warn = images._warn
+        images._warn = warnings.append
+        try:
+            out, labels = batch(data, range(len(data)))
+        finally:
+            images._warn = data_warn
+        assert out.shape[0] == labels.shape[0] == len(data) - 3 and data.skipped == 3
+        assert len(warnings) == 3 and all("skipped an unreadable image" in line for line in warnings)
+        said = "\n".join(warnings)
+        assert f"{files[0]}: Premature end of JPEG file" in said and f"{files[2]}" in said, said
+    # A batch with nothing readable stops the run with its files named.
+    with pytest.raises(UsageError, match="a batch held no readable image"):
+        batch(data, [1, 2])
+    # `ddpkit data check` lists all three (exit 1).
+    capsys.readouterr()
+    assert main(["data", "check", f"folder:{tmp_path / 'val'}", "--workers", "0"]) == 1
+    said = capsys.readouterr().out
+    assert said.count("unreadable: ") == 3 and "5 of 8 images decode; 3 cannot be read" in said
+
+
+def test_other_formats_and_grey_images_decode(tmp_path):
+    from PIL import Image
+
+    picture = Image.new("RGB", (30, 20), (200, 30, 60))
+    for suffix in ("png", "bmp", "tiff"):
+        picture.save(tmp_path / f"a.{suffix}")
+        decoded = images.decode_on_cpu((tmp_path / f"a.{suffix}").read_bytes(), channels=3)
+        assert decoded.shape == (3, 20, 30) and decoded[:, 0, 0].tolist() == [200, 30, 60]
+    picture.save(tmp_path / "a.jpg", quality=95)
+    grey = images.decode_on_cpu((tmp_path / "a.jpg").read_bytes(), channels=1)
+    assert grey.shape == (1, 20, 30)
+
+
+@pytest.fixture(scope="module")
+def trained(folder, tmp_path_factory):
+    """`ddpkit train` on the folder: 2 processes x 4 with a checkpoint every 2 steps (in a new process, as users run
+    it), and in this process 1 x 8 from the folder and from the pack, with the same checkpoints."""
+    out = tmp_path_factory.mktemp("trained")
+    # Crops belong to samples, not to loader processes: no workers on 2 processes, one on 1 process.
+    two = train(out / "two", *TRAIN, "--data", f"folder:{folder / 'jpegs'}", "--nproc-per-node", "2",
+                "--batch-size", "4", "--workers", "0")
+    one = train_here(out / "one", *TRAIN, "--data", f"folder:{folder / 'jpegs'}", "--batch-size", "8", "--workers", "1")
+    packed = train_here(out / "packed", *TRAIN, "--data", f"shards:{folder / 'packed'}", "--batch-size", "8",
+                        "--workers", "0")
+    return out, two, one, packed
+
+
+TRAIN = ["--model", "convnet", "--image-size", "20", "--optimizer", "sgd", "--lr", "0.002", "--epochs", "2",
+         "--checkpoint-every", "2", "--keep-checkpoints", "100"]
+
+
+def test_two_processes_on_files_equal_one_with_twice_the_batch(trained):
+    _, (two, rows_two), (one, rows_one), _ = trained
+    assert rows_two[-1]["world_size"] == 2 and rows_one[-1]["world_size"] == 1 and rows_two[-1]["steps"] == 6
+    assert max_relative_difference(two, one) <= 1e-5
+    assert rows_two[-1]["val_count"] == rows_one[-1]["val_count"] == 8
+    assert rows_two[-1]["skipped_samples"] == 0
+
+
+def test_a_pack_trains_exactly_as_its_folder(trained):
+    _, _, (one, _), (packed, _) = trained
+    assert all(torch.equal(one[key], packed[key]) for key in one)
+
+
+def test_a_resume_mid_epoch_on_files_is_bit_identical(trained, folder):
+    out, _, (one, _), _ = trained
+    # After step 2 of 6 in the first epoch: the order and every crop continue where they were.
+    resumed, rows = train_here(out / "resumed", *TRAIN, "--data", f"folder:{folder / 'jpegs'}", "--batch-size", "8",
+                               "--workers", "1", "--resume", str(out / "one" / "checkpoints" / "step-00000002.pt"))
+    assert rows[0]["resumed_at_step"] == 2
+    assert all(torch.equal(one[key], resumed[key]) for key in one)
+
+
+def test_every_sample_once_per_epoch_across_two_ranks(one_image_per_class, tmp_path):
+    root = one_image_per_class
+    result = run_ddpkit("run", "--nproc-per-node", "2", str(root / "ranks.py"), str(tmp_path / "seen"),
+                        f"folder:{root / 'jpegs'}", f"shards:{root / 'packed'}", timeout=120)
+    assert result.returncode == 0, result.stderr
+    every_sample_once(tmp_path / "seen.folder")
+    every_sample_once(tmp_path / "seen.shards")
