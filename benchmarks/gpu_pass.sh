@@ -7,7 +7,8 @@
 # doctor.json, pytest-gpu.txt (`pytest -m gpu`), bench-*.json and bench-*.txt (`ddpkit bench`, ResNet-50 on
 # synthetic data at fp32, tf32, bf16, bf16 + channels_last, the same with torch.compile, DDP with
 # gradient_as_bucket_view and static_graph, and from a folder of JPEGs and its pack, decoded by the loader's CPU
-# processes and by nvJPEG), image-decode-cpu.txt (benchmarks/image_decode.py), train-*/ (`ddpkit train` resnet18 with --amp bf16/fp16
+# processes and by nvJPEG), loader-throughput.txt (benchmarks/loader_throughput.py), image-decode-cpu.txt
+# (benchmarks/image_decode.py), train-*/ (`ddpkit train` resnet18 with --amp bf16/fp16
 # under ddp, zero and fsdp: metrics.jsonl holds each rank's peak memory) and steps.txt (each step's exit
 # status and seconds). `python benchmarks/gpu_tables.py RESULTS_DIR` turns them into docs/benchmarks.md's tables.
 #
@@ -104,6 +105,9 @@ step bench-folder-gpu-decode 200 60 bench folder-gpu-decode --precision bf16 --c
     --data "folder:$JPEGS/folder" --decode gpu --steps 20
 step bench-shards-gpu-decode 200 60 bench shards-gpu-decode --precision bf16 --channels-last --strategies ddp \
     --data "shards:$JPEGS/packed" --decode gpu --steps 20
+# What the loader alone delivers to the GPU per decoding mode (no model): the ceiling of the runs above.
+step loader-throughput 240 60 "$PYTHON" benchmarks/loader_throughput.py --folder "$JPEGS/folder" --batch "$BATCH" \
+    --batches 10 --repeats 3
 # One core's decoding, ddpkit's CPU path against torchvision's ImageFolder pipeline (as on the CPU machine).
 step image-decode-cpu 120 30 "$PYTHON" benchmarks/image_decode.py --images 400 --repeats 5
 rm -rf "$JPEGS"

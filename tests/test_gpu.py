@@ -77,3 +77,28 @@ def test_fsdp_saves_sharded_checkpoints_asynchronously_from_the_gpu(tmp_path):
     assert main(["checkpoint", "export", str(tmp_path), str(tmp_path / "exported.pt")]) == 0
     exported = torch.load(tmp_path / "exported.pt", weights_only=True)
     assert exported.keys() == state.keys() and all(torch.equal(exported[k], state[k]) for k in state)
+
+
+def test_batches_reach_the_gpu_one_ahead_on_a_side_stream_in_order():
+    import ddpkit
+    from torch.utils.data import TensorDataset
+
+    x, y = torch.arange(64 * 3, dtype=torch.float32).view(64, 3), torch.arange(64)
+    with ddpkit.Job("single", device="cuda") as job:
+        loader = job.train_loader(TensorDataset(x, y), batch_size=8, shuffle=False)
+        for _ in range(2):
+            seen = []
+            for inputs, labels in loader:
+                assert inputs.is_cuda and torch.equal(inputs.cpu(), x[labels.cpu()])
+                torch.cuda._sleep(2_000_000)  # a long kernel on the training stream; the next copy runs beside it
+                seen.append(labels.cpu())
+            assert torch.equal(torch.cat(seen), y)
+
+
+def test_train_from_jpegs_decoded_on_the_gpu(tmp_path):
+    from ddpkit.data.sample_images import write_folder
+
+    write_folder(str(tmp_path / "jpegs"), images=64, classes=4, val_images=16, size=(64, 48))
+    _, rows = train(tmp_path / "out", "--model", "convnet", "--image-size", "32", "--data", f"folder:{tmp_path / 'jpegs'}",
+                    "--decode", "gpu", "--epochs", "1", "--batch-size", "16", "--nproc-per-node", "1")
+    assert rows[0]["skipped_samples"] == 0 and rows[0]["val_count"] == 16

@@ -4,6 +4,7 @@ files: 2 processes x B = 1 x 2B, an exact mid-epoch resume, every sample once pe
 
 from __future__ import annotations
 
+import logging
 import tarfile
 from pathlib import Path
 
@@ -77,6 +78,13 @@ def test_nvjpeg_decodes_what_the_cpu_decodes(folder):
     a, _ = batch(cpu, keys)
     b, labels = gpu.to_device(gpu.collate([gpu[key] for key in keys]), torch.device("cuda"))
     assert b.is_cuda and labels.is_cuda and (a - b.cpu()).abs().mean() < 0.05
+    # Through a loader: decoded on a side stream one batch ahead, in order.
+    import ddpkit
+
+    with ddpkit.Job("single", device="cuda") as job:
+        loader = job.train_loader(gpu, batch_size=8, shuffle=False, workers=2)
+        decoded = torch.cat([images.cpu() for images, _ in loader])
+    assert (decoded - batch(cpu, range(len(decoded)))[0]).abs().mean() < 0.05
 
 
 def test_a_pack_holds_the_folder_sample_for_sample(folder):
@@ -132,7 +140,7 @@ def test_the_command_line_says_bad_data_in_one_line(tmp_path, capsys):
         assert status == 2 and message in err and err.count("\n") == 1, (argv, err)
 
 
-def test_unreadable_files_are_skipped_named_and_counted(folder, tmp_path, capsys):
+def test_unreadable_files_are_skipped_named_and_counted(folder, tmp_path, capsys, caplog):
     import shutil
 
     shutil.copytree(folder / "jpegs" / "val", tmp_path / "val")
@@ -142,17 +150,22 @@ def test_unreadable_files_are_skipped_named_and_counted(folder, tmp_path, capsys
     files[2].write_bytes(b"")
     for decode in ("cpu", "gpu"):  # the GPU path's fall-back to one-by-one decoding, run on the CPU
         data = images.image_folder(str(tmp_path / "val"), size=16, train=False, decode=decode)
-        warnings = []
-        data_warn = images._warn
-        images._warn = warnings.append
-        try:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ddpkit"):
             out, labels = batch(data, range(len(data)))
-        finally:
-            images._warn = data_warn
         assert out.shape[0] == labels.shape[0] == len(data) - 3 and data.skipped == 3
+        warnings = [record.getMessage() for record in caplog.records]
         assert len(warnings) == 3 and all("skipped an unreadable image" in line for line in warnings)
         said = "\n".join(warnings)
         assert f"{files[0]}: Premature end of JPEG file" in said and f"{files[2]}" in said, said
+    # Past the first 20, unreadable files are counted, not named.
+    data.skipped = images.NAMED_SKIPS - 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ddpkit"):
+        batch(data, range(len(data)))
+    warnings = [record.getMessage() for record in caplog.records]
+    assert data.skipped == images.NAMED_SKIPS + 2 and len(warnings) == 2, warnings
+    assert "20 unreadable images skipped: more are counted, not named" in warnings[1]
     # A batch with nothing readable stops the run with its files named.
     with pytest.raises(UsageError, match="a batch held no readable image"):
         batch(data, [1, 2])
@@ -161,6 +174,20 @@ def test_unreadable_files_are_skipped_named_and_counted(folder, tmp_path, capsys
     assert main(["data", "check", f"folder:{tmp_path / 'val'}", "--workers", "0"]) == 1
     said = capsys.readouterr().out
     assert said.count("unreadable: ") == 3 and "5 of 8 images decode; 3 cannot be read" in said
+
+
+def test_ddpkit_train_counts_the_skipped_files_in_its_metrics(folder, tmp_path, capsys):
+    import shutil
+
+    shutil.copytree(folder / "jpegs", tmp_path / "jpegs")
+    damaged = sorted((tmp_path / "jpegs" / "train").rglob("*.jpg"))[5]
+    damaged.write_bytes(damaged.read_bytes()[:1500])
+    _, rows = train_here(tmp_path / "out", "--model", "convnet", "--image-size", "16", "--epochs", "2", "--workers", "0",
+                         "--data", f"folder:{tmp_path / 'jpegs'}", "--batch-size", "16")
+    # Every pass over the training part meets it once; the validation part has none.
+    assert [row["skipped_samples"] for row in rows] == [1, 1]
+    err = capsys.readouterr().err
+    assert err.count(f"ddpkit: warning: skipped an unreadable image: {damaged}: Premature end of JPEG file") == 2
 
 
 def test_other_formats_and_grey_images_decode(tmp_path):

@@ -479,6 +479,14 @@ def open_checkpoints(cfg: TrainConfig, job: Job, model: nn.Module) -> tuple[chec
     return ckpt, resumed
 
 
+def image_loading(data: images.ImageData, workers: int) -> str:
+    """Where image files are decoded, and by how many loader processes (``announce``'s words)."""
+    who = f"{workers} loader process{'es' if workers != 1 else ''}" if workers else "the training process"
+    if data.decode == "gpu":
+        return f" (JPEGs decoded on the GPU; files read by {who})"
+    return f" (JPEGs decoded by {who})"
+
+
 def announce(run_state: RunState, sets, n_params: int) -> None:
     cfg, job = run_state.cfg, run_state.job
     replicas = job.data_replicas
@@ -489,7 +497,10 @@ def announce(run_state: RunState, sets, n_params: int) -> None:
     logger.info(
         f"{job.world_size} process(es) via {job.env.launcher}, backend {job.backend or 'none'}, device "
         f"{job.device.type}, strategy {cfg.strategy}; model {cfg.model} ({n_params:,} parameters); data {cfg.data}: "
-        f"{len(sets.train)} train / {len(sets.val)} val; batch {cfg.batch_size} per {split}"
+        f"{len(sets.train)} train / {len(sets.val)} val"
+        + (image_loading(sets.train, run_state.loader.loader.num_workers)
+           if isinstance(sets.train, images.ImageData) else "")
+        + f"; batch {cfg.batch_size} per {split}"
         + (f" x {cfg.accumulate} micro-steps" if cfg.accumulate > 1 else "")
         + f" = global batch {run_state.global_batch}; {run_state.steps_per_epoch} steps per epoch"
     )

@@ -184,16 +184,38 @@ class DeviceLoader:
 
     def _batches(self, epoch: int) -> Iterator[Any]:
         whole = len(self.loader) - len(self.loader) % self.accumulate
-        for batch in itertools.islice(self.loader, whole):
+        batches = itertools.islice(self.loader, whole)
+        moved = self._ahead_on_a_side_stream(batches) if self.device.type == "cuda" else map(self._move, batches)
+        for batch in moved:
             self._yielded += 1  # counted as handed over: a checkpoint taken now is past this batch
             if self.phase:
                 progress.mark(self.phase)
-            if self.finish is not None:
-                yield self.finish(batch, self.device, self._non_blocking)
-            else:
-                yield to_device(batch, self.device, self._non_blocking)
+            yield batch
         self._running = None
         self.epoch, self._start = epoch + 1, 0
+
+    def _move(self, batch: Any) -> Any:
+        if self.finish is not None:  # a data set that finishes its own batches: decodes, normalises, moves
+            return self.finish(batch, self.device, self._non_blocking)
+        return to_device(batch, self.device, self._non_blocking)
+
+    def _ahead_on_a_side_stream(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """The batches on the GPU, each one's copy (and decoding) queued on a stream of its own one batch ahead: it
+        runs while the GPU computes the step before, not after it on the training stream. The training stream
+        waits for that batch alone (an event), and the batch's memory is marked as in use there, so the caching
+        allocator does not hand it out again while the step still reads it."""
+        side = torch.cuda.Stream(self.device)
+        pending = None
+        for batch in batches:
+            with torch.cuda.stream(side):
+                moved = self._move(batch)
+                ready = torch.cuda.Event()
+                ready.record(side)
+            if pending is not None:
+                yield _on_current_stream(*pending, self.device)
+            pending = (moved, ready)
+        if pending is not None:
+            yield _on_current_stream(*pending, self.device)
 
     def _warn_unfinished(self) -> None:
         if self._yielded > 1:  # a peek takes one batch; a loop that broke off took more
@@ -203,6 +225,27 @@ class DeviceLoader:
             logger.warning(f"a pass over this loader stopped after {self._yielded} of {len(self.loader)} batches, so "
                            f"epoch {epoch} did not end: this pass deals epoch {epoch}'s order again. Call "
                            "loader.set_epoch(epoch) before each pass when your loop leaves its passes early")
+
+
+def _on_current_stream(batch: Any, ready: torch.cuda.Event, device: torch.device) -> Any:
+    current = torch.cuda.current_stream(device)
+    current.wait_event(ready)
+    for tensor in tensors_in(batch):
+        if tensor.is_cuda:
+            tensor.record_stream(current)
+    return batch
+
+
+def tensors_in(batch: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of a (nested) batch: tensors, lists, tuples and mappings."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, (list, tuple)):
+        for item in batch:
+            yield from tensors_in(item)
+    elif isinstance(batch, Mapping):
+        for item in batch.values():
+            yield from tensors_in(item)
 
 
 def _epoch_seed(seed: int, rank: int, epoch: int) -> int:
