@@ -293,7 +293,8 @@ RANKS_SCRIPT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def one_image_per_class(tmp_path_factory) -> Path:
     """16 classes of one image each: a sample's label is the sample. Packed too; and a script that writes the labels
-    each rank is dealt in two epochs (tests/test_images.py on one node, tests/test_multinode.py on two)."""
+    each rank is dealt in two epochs (tests/test_images.py deals in one process, tests/test_multinode.py runs the
+    script on two nodes)."""
     from ddpkit.data import sample_images, shards
 
     root = tmp_path_factory.mktemp("unique")

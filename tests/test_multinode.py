@@ -349,12 +349,14 @@ def _pids_running(argument: str) -> list[int]:
     return pids
 
 
-def test_two_nodes_read_every_sample_of_a_pack_once_per_epoch(tmp_path, two_nodes, one_image_per_class):
+def test_two_nodes_read_every_sample_of_a_folder_and_a_pack_once_per_epoch(tmp_path, two_nodes, one_image_per_class):
+    # The folder through the script's own DataLoader (job.prepare), the pack through job.train_loader.
     (a, host_a), (b, host_b) = two_nodes
     root = one_image_per_class
     common = [sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint",
               f"{host_a}:29613", "--rdzv-id", "pack", str(root / "ranks.py"), str(tmp_path / "seen"),
-              f"shards:{root / 'packed'}"]
+              f"folder:{root / 'jpegs'}", f"shards:{root / 'packed'}"]
     results = _run_on_nodes([(a, host_a, common), (b, host_b, common)], timeout=120)
     assert all(result.returncode == 0 for result in results), [result.stderr for result in results]
+    every_sample_once(tmp_path / "seen.folder")
     every_sample_once(tmp_path / "seen.shards")

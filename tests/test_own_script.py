@@ -316,7 +316,7 @@ def test_a_plain_script_whose_rank_1_never_arrives_is_named_within_its_timeout(t
     script = tmp_path / "plain.py"
     script.write_text(PLAIN)
     started = time.monotonic()
-    done = run_ddpkit("run", "--timeout", "20", "--nproc-per-node", "2", str(script), timeout=120, cwd=tmp_path)
+    done = run_ddpkit("run", "--timeout", "10", "--nproc-per-node", "2", str(script), timeout=120, cwd=tmp_path)
     took = time.monotonic() - started
     assert done.returncode != 0 and took < 80, f"took {took:.0f} s"
     named = [line for line in done.stderr.splitlines() if "rank(s) 1 never reached it" in line]
