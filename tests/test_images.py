@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import max_relative_difference, run_ddpkit, train, train_here
+from conftest import max_relative_difference, train, train_here
 
 from ddpkit.app.cli import main
 from ddpkit.core.errors import UsageError
@@ -116,6 +116,7 @@ def test_bad_folders_and_packs_are_one_line_each(folder, tmp_path):
         (lambda: shards.read_pack(str(folder / "jpegs")), "no index.pt in it, so it is not a finished pack"),
         (lambda: shards.read_pack("s3://bucket/pack"), "ddpkit reads packs from local or mounted folders"),
         (lambda: shards.pack(str(folder / "jpegs"), str(folder / "packed")), "exists and is not empty"),
+        (lambda: shards.pack(str(folder / "jpegs"), str(folder / "jpegs" / "packed")), "where it would become a class"),
         (lambda: images.check_decode("gpu", "cpu"), "GPU decoding (decode='gpu') needs a CUDA device"),
     ]
     for make, message in cases:
@@ -138,6 +139,21 @@ def test_the_command_line_says_bad_data_in_one_line(tmp_path, capsys):
                       else argv)
         err = capsys.readouterr().err
         assert status == 2 and message in err and err.count("\n") == 1, (argv, err)
+
+
+def test_the_data_commands_make_pack_and_check_a_folder(tmp_path, capsys):
+    assert main(["data", "make-images", str(tmp_path / "jpegs"), "--images", "6", "--classes", "2", "--size",
+                 "32x24"]) == 0
+    assert "wrote 8 JPEGs to" in capsys.readouterr().out  # 6 in train/, and a tenth, at least one per class, in val/
+    from PIL import Image
+
+    with Image.open(next((tmp_path / "jpegs" / "val").rglob("*.jpg"))) as image:
+        assert image.size == (32, 24) and image.format == "JPEG"
+    assert main(["data", "pack", str(tmp_path / "jpegs"), str(tmp_path / "packed")]) == 0
+    said = capsys.readouterr().out
+    assert "train: 6 images in 1 shard," in said and f"train with --data shards:{tmp_path / 'packed'}" in said
+    assert main(["data", "check", f"shards:{tmp_path / 'packed'}", "--workers", "0"]) == 0
+    assert "8 of 8 images decode; 0 cannot be read" in capsys.readouterr().out
 
 
 def test_unreadable_files_are_skipped_named_and_counted(folder, tmp_path, capsys, caplog):

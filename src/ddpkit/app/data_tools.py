@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from ddpkit.core.errors import UsageError
 from ddpkit.core.process_group import usable_cores
@@ -26,7 +27,20 @@ def main(ns: argparse.Namespace) -> int:
 def pack(ns: argparse.Namespace) -> int:
     if not os.path.isdir(ns.folder):
         raise UsageError(f"ddpkit data pack: {ns.folder} is not a folder; give an image folder (FOLDER/CLASS/IMAGE)")
-    counts = shards.pack(ns.folder, ns.out, shard_mb=ns.shard_mb, report=print)
+    bars = []
+
+    def progress(split: str, files: int):
+        from tqdm import tqdm
+
+        bars.append(tqdm(total=files, unit="img", desc=f"packing {split}", disable=not sys.stderr.isatty(),
+                         leave=False))
+        return lambda: bars[-1].update()
+
+    try:
+        counts = shards.pack(ns.folder, ns.out, shard_mb=ns.shard_mb, report=print, progress=progress)
+    finally:
+        for bar in bars:
+            bar.close()
     print(f"packed {sum(counts.values())} images into {ns.out}; train with --data shards:{ns.out}")
     return 0
 

@@ -46,8 +46,8 @@ def default_workers(runtime: Runtime, in_memory: bool | None = False, dataset: D
         in_memory = isinstance(dataset, TensorDataset)
     if in_memory:
         return 0
-    # One core of each rank's share is the rank's own; the rest decode. No lower cap: a 16-core GPU machine's one
-    # rank needs its 15 to decode JPEGs at a GPU's pace (the old cap of 8 starved it).
+    # One core of each rank's share is the rank's own; the rest decode. A 16-core GPU machine's one rank needs its
+    # 15 to decode JPEGs at a GPU's pace: the cap is 32, not the 8 that starved it.
     return max(1, min(MAX_WORKERS, usable_cores() // max(1, runtime.env.local_world_size) - 1))
 
 

@@ -125,13 +125,18 @@ def splits_of(folder: str) -> tuple[str, str | None]:
     return folder, None
 
 
-def pack(folder: str, out: str, *, shard_mb: float = DEFAULT_SHARD_MB,
-         report: Callable[[str], None] | None = None) -> dict[str, int]:
-    """Pack an image folder (``train/`` and ``val/`` when it has them) into ``out``; the samples of each split."""
+def pack(folder: str, out: str, *, shard_mb: float = DEFAULT_SHARD_MB, report: Callable[[str], None] | None = None,
+         progress: Callable[[str, int], Callable[[], None]] | None = None) -> dict[str, int]:
+    """Pack an image folder (``train/`` and ``val/`` when it has them) into ``out``; the samples of each split.
+
+    ``report``: called with a line per split packed. ``progress(split, files)``: returns a function called after
+    each file (a progress bar's update)."""
     if shard_mb <= 0:
         raise UsageError(f"--shard-mb must be positive, got {shard_mb}")
     if os.path.exists(out) and os.listdir(out):
         raise UsageError(f"{out} exists and is not empty; pack into a new folder")
+    if Path(os.path.abspath(out)).is_relative_to(os.path.abspath(folder)):
+        raise UsageError(f"{out} is inside {folder}, where it would become a class folder; pack outside it")
     train, val = splits_of(folder)
     train_source = scan_folder(train, what="")
     parts = {"train" if train != folder else ".": train_source}
@@ -140,14 +145,16 @@ def pack(folder: str, out: str, *, shard_mb: float = DEFAULT_SHARD_MB,
     counts = {}
     for name, source in parts.items():
         target = Path(out) / name
-        counts[name] = pack_split(source, target, int(shard_mb * 2**20))
+        counts[name] = pack_split(source, target, int(shard_mb * 2**20),
+                                  progress(name, len(source)) if progress else None)
         if report:
-            report(f"{name if name != '.' else os.path.basename(folder)}: {counts[name]} images in "
-                   f"{len(list(target.glob('shard-*.tar')))} shards, {target}")
+            written = len(list(target.glob("shard-*.tar")))
+            report(f"{name if name != '.' else os.path.basename(folder)}: {counts[name]} images in {written} "
+                   f"shard{'s' if written != 1 else ''}, {target}")
     return counts
 
 
-def pack_split(source: FolderSource, target: Path, shard_bytes: int) -> int:
+def pack_split(source: FolderSource, target: Path, shard_bytes: int, done: Callable[[], None] | None = None) -> int:
     """Write ``source``'s files into tar shards of about ``shard_bytes`` and the index, last (a pack without its
     index is unfinished, and refused)."""
     target.mkdir(parents=True, exist_ok=True)
@@ -168,6 +175,8 @@ def pack_split(source: FolderSource, target: Path, shard_bytes: int) -> int:
         offsets.append(offset)
         sizes.append(len(data))
         written += len(data) + 1536
+        if done is not None:
+            done()
     if writer is not None:
         _close_shard(writer, target / shards[-1])
     index = {"format": FORMAT, "classes": source.classes, "shards": shards,
