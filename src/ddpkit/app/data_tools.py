@@ -52,12 +52,8 @@ def sources_of(spec: str) -> list:
         kind, path = "folder", spec
     if not os.path.isdir(path):
         raise UsageError(f"ddpkit data check: {path} is not a folder")
-    read = images.scan_folder if kind == "folder" else shards.read_pack
-    train, val = shards.splits_of(path)
-    parts = [read(train, what=f"{kind}:")]
-    if val is not None:
-        parts.append(read(val, parts[0].classes, what=f"{kind}:"))
-    return parts
+    train, val = shards.read_parts(kind, path, what=f"{kind}:")
+    return [train] if val is None else [train, val]
 
 
 def check(spec: str, workers: int | None) -> int:

@@ -35,6 +35,7 @@ a batch with nothing readable in it stops the run with a line that names its fil
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import math
 import os
@@ -266,8 +267,7 @@ class ImageData(Dataset):
         if bad:
             self._leave_out(bad, len(labels))
         images = images.to(device, non_blocking=non_blocking)
-        mean = torch.tensor(self.mean, device=device).view(1, -1, 1, 1) * 255
-        std = torch.tensor(self.std, device=device).view(1, -1, 1, 1) * 255
+        mean, std = _scaled_mean_std(self.mean, self.std, torch.device(device))
         return images.float().sub_(mean).div_(std), labels.to(device, non_blocking=non_blocking)
 
     def _leave_out(self, bad: list[str], readable: int) -> None:
@@ -293,6 +293,15 @@ class ImageData(Dataset):
         crops = [resample(decoded[i], boxes[i][:4].tolist(), size, bool(boxes[i][4])) for i in kept]
         empty = torch.empty(0, self.channels, size, size, dtype=torch.uint8, device=device)
         return (torch.stack(crops) if crops else empty), kept, unreadable
+
+
+@functools.lru_cache(maxsize=8)
+def _scaled_mean_std(mean: tuple[float, ...], std: tuple[float, ...],
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and standard deviation in uint8 units, shaped for a batch, made once per device (not once per batch:
+    each would be a small host-to-device copy on the loader's hot path)."""
+    return (torch.tensor(mean, device=device).view(1, -1, 1, 1) * 255,
+            torch.tensor(std, device=device).view(1, -1, 1, 1) * 255)
 
 
 def _warn(message: str) -> None:
@@ -373,42 +382,42 @@ def scan_folder(root: str, classes: list[str] | None = None, what: str = "--data
     return FolderSource(root, found, [path for path, _ in samples], [label for _, label in samples])
 
 
-def image_folder(root: str, *, train: bool = True, size: int = 224, decode: str = "auto", seed: int = 0,
-                 channels: int = 3, classes: list[str] | None = None, **crops) -> ImageData:
+def image_data(source, *, train: bool = True, size: int = 224, decode: str = "auto", seed: int = 0, channels: int = 3,
+               **crops) -> ImageData:
+    """``source``'s images as training (random crops and flips) or validation (centre crops) data of ``size`` pixels;
+    further keywords are ``Crops``' (``scale``, ``ratio``, ``resize_ratio``)."""
+    return ImageData(source, Crops(size, train, **crops), decode=decode, seed=seed, channels=channels)
+
+
+def image_folder(root: str, *, classes: list[str] | None = None, **settings) -> ImageData:
     """A class-per-folder tree of images as training (random crops and flips) or validation (centre crops) data.
 
         train = ddpkit.image_folder("/data/imagenet/train")
         val = ddpkit.image_folder("/data/imagenet/val", train=False, classes=train.classes)
         loader = job.train_loader(train, batch_size=256)     # float32 batches, normalised, on job.device
 
-    ``decode``: ``cpu`` (loader processes), ``gpu`` (nvJPEG) or ``auto`` (gpu when the loader's device is CUDA).
-    ``seed``: of the crops (with the epoch and the sample's index). ``classes``: the training set's, which a
-    validation folder must match. Further keywords are ``Crops``' (``scale``, ``ratio``, ``resize_ratio``). Read it
-    through ddpkit's loaders (``train_loader``, ``eval_loader``, ``Job.prepare``), which batch and finish it.
+    Settings (``image_data``'s): ``train`` (default True), ``size`` (224), ``decode``: ``cpu`` (loader processes),
+    ``gpu`` (nvJPEG) or ``auto`` (the default: gpu when the loader's device is CUDA), ``seed`` of the crops (with the
+    epoch and the sample's index), ``channels`` (3 or 1), and ``Crops``' ``scale``, ``ratio``, ``resize_ratio``.
+    ``classes``: the training set's, which a validation folder must match. Read it through ddpkit's loaders
+    (``train_loader``, ``eval_loader``, ``Job.prepare``), which batch and finish it.
     """
-    return ImageData(scan_folder(root, classes, what=""), Crops(size, train, **crops), decode=decode, seed=seed,
-                     channels=channels)
+    return image_data(scan_folder(root, classes, what=""), **settings)
+
+
+def image_data_in(dataset: Any) -> ImageData | None:
+    """The ``ImageData`` that ``dataset`` is (maybe inside Subsets), else None."""
+    from torch.utils.data import Subset
+
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    return dataset if isinstance(dataset, ImageData) else None
 
 
 def loader_hooks(dataset: Any) -> tuple[Callable | None, Callable | None]:
     """(collate, to_device) of a data set that finishes its batches itself (``ImageData``, maybe in a Subset)."""
-    from torch.utils.data import Subset
-
-    while isinstance(dataset, Subset):
-        dataset = dataset.dataset
-    if isinstance(dataset, ImageData):
-        return dataset.collate, dataset.to_device
-    return None, None
-
-
-def settle_decode(dataset: Any, device: torch.device) -> None:
-    """``ImageData.for_device`` for a data set that is one (maybe in a Subset); nothing for any other."""
-    from torch.utils.data import Subset
-
-    while isinstance(dataset, Subset):
-        dataset = dataset.dataset
-    if isinstance(dataset, ImageData):
-        dataset.for_device(device)
+    found = image_data_in(dataset)
+    return (found.collate, found.to_device) if found is not None else (None, None)
 
 
 def takes_epoch(dataset: Any) -> bool:

@@ -32,7 +32,7 @@ from ddpkit.core import progress, signals
 from ddpkit.core.errors import UsageError
 from ddpkit.core.process_group import Runtime, usable_cores
 from ddpkit.data.evaluation import wait_until_only_python_holds
-from ddpkit.data.images import loader_hooks, settle_decode, takes_epoch
+from ddpkit.data.images import image_data_in, loader_hooks, takes_epoch
 from ddpkit.data.sampler import ResumableSampler, eval_indices
 
 
@@ -318,10 +318,11 @@ def _settings(data: Dataset | DataLoader, batch_size: int | None, workers: int |
     settings.setdefault("generator", None)
     if settings["generator"] is None:
         settings["generator"] = torch.Generator()
-    settle_decode(dataset, runtime.device)
-    collate, _ = loader_hooks(dataset)
-    if collate is not None and settings.get("collate_fn") in (None, default_collate):
-        settings["collate_fn"] = collate  # its items are uint8 crops or encoded bytes, batched its own way
+    image_data = image_data_in(dataset)
+    if image_data is not None:
+        image_data.for_device(runtime.device)  # decode="auto" becomes gpu or cpu for this loader's device
+        if settings.get("collate_fn") in (None, default_collate):
+            settings["collate_fn"] = image_data.collate  # its items are uint8 crops or encoded bytes
     if runtime.device.type == "cuda":
         settings["pin_memory"] = True
     if not settings["num_workers"]:

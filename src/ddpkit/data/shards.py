@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ddpkit.core.errors import UsageError
-from ddpkit.data.images import Crops, FolderSource, ImageData, scan_folder
+from ddpkit.data.images import FolderSource, ImageData, image_data, scan_folder
 
 INDEX = "index.pt"
 FORMAT = 1
@@ -206,13 +206,20 @@ def _close_shard(writer: tarfile.TarFile, path: Path) -> None:
     os.replace(str(path) + ".partial", path)
 
 
-def image_shards(root: str, *, train: bool = True, size: int = 224, decode: str = "auto", seed: int = 0,
-                 channels: int = 3, classes: list[str] | None = None, **crops) -> ImageData:
+def image_shards(root: str, *, classes: list[str] | None = None, **settings) -> ImageData:
     """One packed split (``ddpkit data pack``'s ``OUT/train`` or ``OUT/val``) as training or validation data: the
-    same samples, order and crops as ``image_folder`` of the folder it was packed from.
+    same samples, order and crops as ``image_folder`` of the folder it was packed from, with the same settings.
 
         train = ddpkit.image_shards("/data/imagenet-packed/train")
         val = ddpkit.image_shards("/data/imagenet-packed/val", train=False, classes=train.classes)
     """
-    return ImageData(read_pack(root, classes, what=""), Crops(size, train, **crops), decode=decode, seed=seed,
-                     channels=channels)
+    return image_data(read_pack(root, classes, what=""), **settings)
+
+
+def read_parts(kind: str, path: str, what: str) -> tuple[FolderSource | ShardSource, FolderSource | ShardSource | None]:
+    """(training part, validation part or None) of an image folder (``kind`` folder) or a pack (``shards``), the
+    validation part's classes checked against the training part's; ``what`` starts each error message."""
+    read = scan_folder if kind == "folder" else read_pack
+    train_part, val_part = splits_of(path)
+    train = read(train_part, what=what)
+    return train, (read(val_part, train.classes, what=what) if val_part is not None else None)

@@ -177,20 +177,16 @@ def load_images(kind: str, path: str, channels: int, image_size: int, *, decode:
     """
     from ddpkit.data import images, shards
 
-    read = images.scan_folder if kind == "folder" else shards.read_pack
     what = f"--data {kind}:"
-    train_part, val_part = shards.splits_of(path)
-    train = read(train_part, what=what)
-    if val_part is not None:
-        val = read(val_part, train.classes, what=what)
-    else:
+    train, val = shards.read_parts(kind, path, what)
+    if val is None:
         if len(train) < 2:
             raise UsageError(f"{what}{path} holds {len(train)} image; a split into training and validation needs "
                              "at least 2 (or give train/ and val/ folders)")
         train_idx, val_idx = _split(len(train), 0.1)
         train, val = train.subset(train_idx), train.subset(val_idx)
-    made = [images.ImageData(source, images.Crops(image_size, part == "train"), decode=decode, seed=seed,
-                             channels=channels) for part, source in (("train", train), ("val", val))]
+    made = [images.image_data(source, train=part == "train", size=image_size, decode=decode, seed=seed,
+                              channels=channels) for part, source in (("train", train), ("val", val))]
     return Datasets(*made, num_classes=len(train.classes))
 
 
