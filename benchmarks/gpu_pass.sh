@@ -7,7 +7,9 @@
 # doctor.json, pytest-gpu.txt (`pytest -m gpu`), bench-*.json and bench-*.txt (`ddpkit bench`, ResNet-50 on
 # synthetic data at fp32, tf32, bf16, bf16 + channels_last, the same with torch.compile, DDP with
 # gradient_as_bucket_view and static_graph, and from a folder of JPEGs and its pack, decoded by the loader's CPU
-# processes and by nvJPEG), loader-throughput.txt (benchmarks/loader_throughput.py), image-decode-cpu.txt
+# processes and by nvJPEG), profile-folder-*.txt and .json (benchmarks/profile_files.py: where a file-fed step's
+# time goes), checkpoint-blocking.txt and .json (benchmarks/checkpoint_blocking.py: full, sharded
+# and sharded async saves of FSDP state from the GPU), loader-throughput.txt (benchmarks/loader_throughput.py), image-decode-cpu.txt
 # (benchmarks/image_decode.py), train-*/ (`ddpkit train` resnet18 with --amp bf16/fp16
 # under ddp, zero and fsdp: metrics.jsonl holds each rank's peak memory) and steps.txt (each step's exit
 # status and seconds). `python benchmarks/gpu_tables.py RESULTS_DIR` turns them into docs/benchmarks.md's tables.
@@ -80,36 +82,54 @@ train() {  # train NAME ARGS...: resnet18 on synthetic data, one GPU, into train
 
 export PYTHON BATCH OUT_DIR
 export -f ddpkit environment bench train
+# In order of what is most wanted when the budget runs out (issue 30 first): the card; DDP at world size 1
+# against no DDP; from JPEGs against synthetic data; checkpoints; the GPU tests; then the rest.
 step env 60 5 environment
-step doctor 60 10 ddpkit doctor
-step doctor-json 60 10 ddpkit doctor --json "$OUT_DIR/doctor.json"
-step pytest-gpu 240 120 "$PYTHON" -m pytest -m gpu -n 0 -p no:cacheprovider tests/test_gpu.py tests/test_images.py
-# The headline first: bf16 + channels_last, no DDP vs DDP vs DataParallel on one GPU.
+# The headline: bf16 + channels_last, no DDP vs DDP vs DataParallel on one GPU.
 step bench-bf16-cl 150 50 bench bf16-cl --precision bf16 --channels-last --strategies single,ddp,dp
-# torch.compile against the eager DDP row above (compiling takes a minute or two).
-step bench-bf16-cl-compile 240 100 bench bf16-cl-compile --precision bf16 --channels-last --compile --strategies ddp
-step bench-fp32 150 40 bench fp32 --precision fp32 --strategies single,ddp
-step bench-tf32 120 30 bench tf32 --precision tf32 --strategies ddp
-step bench-bf16 120 30 bench bf16 --precision bf16 --strategies ddp
-# DDP at world size 1 against no DDP, with the settings that remove its copies (issue 29's goal: >= 99%).
+# DDP at world size 1 against no DDP, with the settings that remove its copies (goal: >= 99%).
 step bench-bf16-cl-ddp-views 150 40 bench bf16-cl-ddp-views --precision bf16 --channels-last --strategies single,ddp \
     --gradient-as-bucket-view --static-graph
 # From JPEGs (ddpkit data make-images: 500x375, quality 90), beside synthetic data in the same processes: decoded by
-# the loader processes (cpu), by nvJPEG (gpu), and from a pack of the same folder (gpu).
+# nvJPEG (gpu), by the loader processes (cpu), and from a pack of the same folder (gpu).
 JPEGS="$OUT_DIR/../gpu-pass-jpegs"
 step jpegs 180 20 ddpkit data make-images "$JPEGS/folder" --images 6000 --val 0 --classes 100
 step pack 120 10 ddpkit data pack "$JPEGS/folder" "$JPEGS/packed"
-step bench-folder-cpu-decode 200 60 bench folder-cpu-decode --precision bf16 --channels-last --strategies ddp \
-    --data "folder:$JPEGS/folder" --decode cpu --steps 20
 step bench-folder-gpu-decode 200 60 bench folder-gpu-decode --precision bf16 --channels-last --strategies ddp \
     --data "folder:$JPEGS/folder" --decode gpu --steps 20
+step bench-folder-cpu-decode 200 60 bench folder-cpu-decode --precision bf16 --channels-last --strategies ddp \
+    --data "folder:$JPEGS/folder" --decode cpu --steps 20
 step bench-shards-gpu-decode 200 60 bench shards-gpu-decode --precision bf16 --channels-last --strategies ddp \
     --data "shards:$JPEGS/packed" --decode gpu --steps 20
-# What the loader alone delivers to the GPU per decoding mode (no model): the ceiling of the runs above.
+# Where a file-fed step's time goes (torch.profiler over 10 steps): the wait for the workers, nvJPEG, the crops,
+# the GPU's busy time per step; and one host core's decoding (the ceiling of the CPU path is cores x this).
+step profile-folder-gpu-decode 180 50 "$PYTHON" benchmarks/profile_files.py --data "folder:$JPEGS/folder" --decode gpu \
+    --batch "$BATCH" --json "$OUT_DIR/profile-folder-gpu-decode.json" --trace "$OUT_DIR/profile-folder-gpu-decode.json.gz"
+step profile-folder-cpu-decode 180 50 "$PYTHON" benchmarks/profile_files.py --data "folder:$JPEGS/folder" --decode cpu \
+    --batch "$BATCH" --json "$OUT_DIR/profile-folder-cpu-decode.json"
+step image-decode-cpu 120 30 "$PYTHON" benchmarks/image_decode.py --images 400 --repeats 5
+# How long a save blocks training, and what a step costs while the write runs: full, sharded, sharded async.
+step checkpoint-blocking 150 40 ddpkit run --nproc-per-node 1 benchmarks/checkpoint_blocking.py --strategy fsdp \
+    --width 4096 --layers 8 --batch 2048 --rounds 3 --json "$OUT_DIR/checkpoint-blocking.json"
+step pytest-gpu 240 70 "$PYTHON" -m pytest -m gpu -n 3 --dist load -p no:cacheprovider tests/test_gpu.py \
+    tests/test_images.py
+# What the loader alone delivers to the GPU per decoding mode (no model): the ceiling of the runs from files.
 step loader-throughput 240 60 "$PYTHON" benchmarks/loader_throughput.py --folder "$JPEGS/folder" --batch "$BATCH" \
     --batches 10 --repeats 3
-# One core's decoding, ddpkit's CPU path against torchvision's ImageFolder pipeline (as on the CPU machine).
-step image-decode-cpu 120 30 "$PYTHON" benchmarks/image_decode.py --images 400 --repeats 5
+# Each of DDP's two settings alone.
+step bench-bf16-cl-ddp-bucket-view 150 40 bench bf16-cl-ddp-bucket-view --precision bf16 --channels-last \
+    --strategies single,ddp --gradient-as-bucket-view
+step bench-bf16-cl-ddp-static 150 40 bench bf16-cl-ddp-static --precision bf16 --channels-last \
+    --strategies single,ddp --static-graph
+# torch.compile (compiling takes a minute or two): from JPEGs with nvJPEG, then synthetic against the eager rows.
+step bench-folder-gpu-decode-compile 300 110 bench folder-gpu-decode-compile --precision bf16 --channels-last \
+    --compile --strategies ddp --data "folder:$JPEGS/folder" --decode gpu --steps 20
+step bench-bf16-cl-compile 240 100 bench bf16-cl-compile --precision bf16 --channels-last --compile --strategies ddp
+step doctor 60 10 ddpkit doctor
+step doctor-json 60 10 ddpkit doctor --json "$OUT_DIR/doctor.json"
+step bench-fp32 150 40 bench fp32 --precision fp32 --strategies single,ddp
+step bench-tf32 120 30 bench tf32 --precision tf32 --strategies ddp
+step bench-bf16 120 30 bench bf16 --precision bf16 --strategies ddp
 rm -rf "$JPEGS"
 for amp in bf16 fp16; do
     step "train-ddp-$amp" 120 25 train "ddp-$amp" --strategy ddp --amp "$amp"

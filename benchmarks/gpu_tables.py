@@ -19,10 +19,13 @@ CONFIGS = [
     ("bench-bf16", "bf16 autocast"),
     ("bench-bf16-cl", "bf16 + channels_last"),
     ("bench-bf16-cl-compile", "bf16 + channels_last + torch.compile"),
+    ("bench-bf16-cl-ddp-bucket-view", "bf16 + channels_last, DDP gradient_as_bucket_view"),
+    ("bench-bf16-cl-ddp-static", "bf16 + channels_last, DDP static_graph"),
     ("bench-bf16-cl-ddp-views", "bf16 + channels_last, DDP gradient_as_bucket_view + static_graph"),
     ("bench-folder-cpu-decode", "bf16 + channels_last, JPEG folder, CPU decoding"),
     ("bench-folder-gpu-decode", "bf16 + channels_last, JPEG folder, nvJPEG decoding"),
     ("bench-shards-gpu-decode", "bf16 + channels_last, the folder packed (shards), nvJPEG decoding"),
+    ("bench-folder-gpu-decode-compile", "bf16 + channels_last + torch.compile, JPEG folder, nvJPEG decoding"),
 ]
 
 
@@ -81,6 +84,8 @@ def goals(folder: Path) -> list[str]:
         ("JPEG folder, CPU decoding: fraction of synthetic", fraction(folder, "bench-folder-cpu-decode"), 0.90, "{:.1%}"),
         ("JPEG folder, nvJPEG: ≥ 90% of synthetic", fraction(folder, "bench-folder-gpu-decode"), 0.90, "{:.1%}"),
         ("packed folder, nvJPEG: ≥ 90% of synthetic", fraction(folder, "bench-shards-gpu-decode"), 0.90, "{:.1%}"),
+        ("JPEG folder, nvJPEG, compiled: ≥ 90% of synthetic (compiled)",
+         fraction(folder, "bench-folder-gpu-decode-compile"), 0.90, "{:.1%}"),
         ("torch.compile faster than eager (DDP, bf16 + channels_last)",
          _ratio(ddp_rate(folder, "bench-bf16-cl-compile"), ddp_rate(folder, "bench-bf16-cl")), 1.0, "{:.2f}×"),
     ]
@@ -104,12 +109,48 @@ def train_table(folder: Path) -> list[str]:
     return lines
 
 
+def files_table(folder: Path) -> list[str]:
+    """From files against synthetic data in the same process (the bench's rounds), and the loader alone."""
+    lines = ["| run | from files (images/s) | synthetic, same process | fraction |", "| --- | --- | --- | --- |"]
+    for stem, label in CONFIGS:
+        row = rows_of(folder, stem).get("ddp")
+        if row and "fraction_of_synthetic" in row:
+            lines.append(f"| {label} | {row['images_per_sec']:.0f} | {row['synthetic_images_per_sec']:.0f} "
+                         f"| {row['fraction_of_synthetic']:.1%} |")
+    throughput = folder / "loader-throughput.txt"
+    if throughput.exists():
+        text = throughput.read_text()
+        report = json.loads(text[text.index("{"):])
+        for row in report["results"]:
+            low, high = row["spread"]
+            lines.append(f"| the loader alone, {row['decode']} decoding ({row['workers']} workers, no model) "
+                         f"| {row['images_per_sec']:.0f} [{low:.0f}–{high:.0f}] | – | – |")
+    return lines
+
+
+def checkpoint_table(folder: Path) -> list[str]:
+    path = folder / "checkpoint-blocking.json"
+    if not path.exists():
+        return []
+    report = json.loads(path.read_text())
+    lines = [f"{report['strategy']}, {report['world_size']} process(es), {report['device']}, {report['parameters']:,} "
+             f"parameters; a step with no save running: {report.get('idle_step_s', float('nan')) * 1e3:.1f} ms", "",
+             "| way | blocked (ms) | then waited (ms) | step while writing (ms) | blocked / sharded |",
+             "| --- | --- | --- | --- | --- |"]
+    for row in report["rows"]:
+        lines.append(f"| {row['way']} | {row['blocked_s'] * 1e3:.1f} | {row['waited_s'] * 1e3:.1f} "
+                     f"| {row['step_s'] * 1e3:.1f} | {row['blocked_over_sharded']:.3f} |")
+    return lines
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or not Path(argv[0]).is_dir():
         print("usage: python benchmarks/gpu_tables.py RESULTS_DIR (a folder benchmarks/gpu_pass.sh wrote)", file=sys.stderr)
         return 2
     folder = Path(argv[0])
-    for block in (bench_table(folder), goals(folder), train_table(folder)):
+    for block in (bench_table(folder), goals(folder), files_table(folder), checkpoint_table(folder), train_table(folder)):
+        if len(block) <= 2:  # a header alone: nothing of that kind in this pass
+            continue
         print("\n".join(block), end="\n\n")
     return 0
 

@@ -102,3 +102,32 @@ def test_train_from_jpegs_decoded_on_the_gpu(tmp_path):
     _, rows = train(tmp_path / "out", "--model", "convnet", "--image-size", "32", "--data", f"folder:{tmp_path / 'jpegs'}",
                     "--decode", "gpu", "--epochs", "1", "--batch-size", "16", "--nproc-per-node", "1")
     assert rows[0]["skipped_samples"] == 0 and rows[0]["val_count"] == 16
+
+
+def test_asynchronous_saves_from_the_gpu_reuse_one_pinned_copy_and_keep_each_saved_state(tmp_path):
+    import torch.nn as nn
+
+    import ddpkit
+    from ddpkit.checkpoint import export_model
+    from ddpkit.checkpoint.folder import checkpoint_name
+
+    expected = []
+    with ddpkit.Job("single", device="cuda") as job:
+        model, optimizer = job.setup(nn.Linear(64, 64), torch.optim.Adam, lr=0.1)
+        saver = job.checkpointer(tmp_path, model=model, optimizer=optimizer, async_save=True, keep=3)
+        for step in range(1, 4):
+            job.backward(model(torch.randn(8, 64, device="cuda")).square().mean())
+            job.step(optimizer)
+            expected.append(model.weight.detach().cpu().clone())
+            saver.save(global_step=step)
+            if step == 1:
+                cache = saver._staging._stager.state_dict_cache  # allocated by the first save
+            with torch.no_grad():
+                model.weight.add_(1.0)  # training goes on while the copy is written: the file keeps the saved step
+        saver.wait()
+        assert saver._staging._stager.state_dict_cache is cache  # the same pinned copy, saves 2 and 3
+        tensors = [t for t in torch.utils._pytree.tree_leaves(cache) if isinstance(t, torch.Tensor)]
+        assert tensors and all(t.is_pinned() for t in tensors)
+    for step, weight in enumerate(expected, start=1):
+        export_model(tmp_path / checkpoint_name(step, sharded=True), tmp_path / f"{step}.pt")
+        assert torch.equal(torch.load(tmp_path / f"{step}.pt", weights_only=True)["weight"], weight)

@@ -148,3 +148,17 @@ def test_a_failed_dcp_save_is_one_line_naming_the_rank_or_the_full_disk(tmp_path
         f"writing {tmp_path / '__1_0.distcp'} failed: no space left on the device")
     assert isinstance(sharded.as_error(sharded.CheckpointException("failed", {1: failures[1]})), ddpkit.UsageError)
     assert str(sharded.as_error(sharded.CheckpointException("failed", failures))) == "rank 0: first line"
+
+
+def test_an_asynchronous_save_reuses_its_host_copy_only_while_the_state_keeps_its_layout():
+    # The pinned copy (GPU states only; tests/test_gpu.py saves from one) is reused for the same keys, shapes and
+    # dtypes whatever the values; a new tensor (Adam's moments after its first step) or a new shape needs another.
+    weights = {"model": {"w": torch.ones(2, 3)}, "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]}}
+    later = {"model": {"w": torch.zeros(2, 3)}, "optimizer": {"state": {}, "param_groups": [{"lr": 0.5}]}}
+    stepped = {"model": {"w": torch.zeros(2, 3)},
+               "optimizer": {"state": {0: {"exp_avg": torch.zeros(2, 3)}}, "param_groups": [{"lr": 0.5}]}}
+    assert sharded.layout(weights) == sharded.layout(later)
+    assert sharded.layout(weights) != sharded.layout(stepped)
+    assert sharded.layout(weights) != sharded.layout({**weights, "model": {"w": torch.ones(3, 2)}})
+    assert sharded.layout(weights) != sharded.layout({**weights, "model": {"w": torch.ones(2, 3, dtype=torch.half)}})
+    assert sharded.Staging().stager_for(weights) is None  # a CPU state: DCP's own copy

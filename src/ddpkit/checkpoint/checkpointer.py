@@ -76,6 +76,7 @@ class Checkpointer:
         self.warn = log or (logger.warning if runtime.is_main else logger.debug)  # every rank sees the same
         self.group = control_group(runtime)
         self._thread: threading.Thread | None = None
+        self._staging = None  # sharded.Staging: the pinned host copy that asynchronous saves reuse
         self._error: BaseException | None = None
         self.last_path: Path | None = None
         if runtime.is_main:
@@ -188,7 +189,9 @@ class Checkpointer:
             future = None
         else:
             # DCP's collectives then run in a background thread: on a group of their own.
-            future = sharded.save(state, temporary, background_group(self.runtime), asynchronous=True)
+            self._staging = self._staging or sharded.Staging()
+            future = sharded.save(state, temporary, background_group(self.runtime), asynchronous=True,
+                                  staging=self._staging)
         if future is not None or self.runtime.is_main:
             self._start(self._finish_sharded, future, rest, temporary, path)
 

@@ -30,6 +30,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.utils._pytree import tree_flatten, tree_leaves
 
 from ddpkit.core.errors import CheckpointError, disk_full, first_line
 
@@ -107,16 +109,50 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, io.BytesIO(data))
 
 
-def save(state: dict, folder: Path, group, *, asynchronous: bool) -> Future | None:
+def save(state: dict, folder: Path, group, *, asynchronous: bool, staging: Staging | None = None) -> Future | None:
     """Every rank writes its part of ``state`` into ``folder``; with ``asynchronous``, DCP copies it to host
-    memory and returns a future that completes once every rank's part and the metadata are on disk."""
+    memory (``staging``'s, where it has some) and returns a future that completes once every rank's part and the
+    metadata are on disk."""
     writer = FileSystemWriter(folder, sync_files=True, overwrite=True)
     planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)  # replicas' tensors: rank 0's, as model.pt
     if asynchronous:
+        stager = staging.stager_for(state) if staging is not None else None
         return dcp.async_save(state, storage_writer=writer, planner=planner, process_group=group,
-                              no_dist=_alone(group))
+                              no_dist=_alone(group), async_stager=stager)
     dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=_alone(group))
     return None
+
+
+class Staging:
+    """The host memory that asynchronous saves of a GPU state are copied into: pinned, allocated by the first save
+    and reused by the next ones for as long as the state keeps its layout (keys, shapes, dtypes).
+
+    Without it DCP allocates pageable memory at every save and copies into it: on an H100 that kept training
+    waiting 2.3 s for 1.5 GiB of FSDP state, longer than a synchronous sharded save (2.0 s;
+    benchmarks/checkpoint_blocking.py, 2026-11-26). The price is one pinned copy of this rank's state, held while
+    the Checkpointer lives. A save starts only once the previous one is written, so the copy is never overwritten
+    while it is being written out. A state on the CPU gets none: DCP copies it as before."""
+
+    def __init__(self) -> None:
+        self._stager: BlockingAsyncStager | None = None
+        self._layout: tuple | None = None
+
+    def stager_for(self, state: dict) -> BlockingAsyncStager | None:
+        leaves = tree_leaves(state)
+        if not any(isinstance(leaf, torch.Tensor) and leaf.is_cuda for leaf in leaves):
+            return None
+        shape = layout(state)
+        if shape != self._layout:  # a first save, or the state changed (an optimizer's first step adds moments)
+            self._stager, self._layout = BlockingAsyncStager(cache_staged_state_dict=True), shape
+        return self._stager
+
+
+def layout(state: dict) -> tuple:
+    """What a pinned copy of ``state`` must match to be reused: its nesting and keys, and each tensor's shape and
+    dtype (each other value's type: a learning rate or a step count changes from one save to the next)."""
+    leaves, spec = tree_flatten(state)
+    return spec, tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else type(leaf)
+                       for leaf in leaves)
 
 
 def _alone(group) -> bool:
