@@ -27,6 +27,7 @@ from ddpkit.core.process_group import Runtime, barrier, broadcast_buffers, distr
 from ddpkit.data.evaluation import evaluate
 from ddpkit.job import Job
 from ddpkit.strategies import STRATEGIES, Strategy, create, model_parallel, strategy_of, unwrap
+from ddpkit.strategies.replica_groups import ReplicaGroup
 from ddpkit.strategies.sync_bn import convert_sync_batchnorm
 
 __version__ = "0.1.0"
@@ -65,6 +66,6 @@ __all__ = [
     "stop_on_signal", "Runtime", "STRATEGIES", "UsageError", "atomic_save", "barrier", "broadcast_buffers", "convert_sync_batchnorm",
     "detect", "distributed", "from_spawn", "eval_loader", "free_port", "full_model_state", "full_optimizer_state", "image_folder", "image_shards",
     "main_process_first",
-    "model_parallel", "model_state_dict", "prepare_model", "print0",
+    "model_parallel", "model_state_dict", "prepare_model", "print0", "ReplicaGroup",
     "reduce_sums", "setup", "teardown", "to_device", "train_loader", "unwrap", "zoo",
 ]

@@ -280,6 +280,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
     elif not os.path.isfile(ns.script):
         raise UsageError(f"script {ns.script!r} does not exist")
     script = (["-m"] if ns.module else []) + [ns.script]
+    if ns.replica_groups is not None:
+        return _run_replica_groups(ns, script)
     # Each worker runs the script unedited, under ddpkit's watch (--timeout and the stall watch reach a script
     # that starts its own process group too): ddpkit.app.watched.
     watched = ["-m", WATCHED]
@@ -300,6 +302,23 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if status == 0 and ns.log_dir is None:
         shutil.rmtree(folder, ignore_errors=True)  # nothing failed: nothing to look at
     return _workers_done(status)
+
+
+def _run_replica_groups(ns: argparse.Namespace, script: list[str]) -> int:
+    """``ddpkit run --replica-groups R``: R launches of one process each, beside torchft's lighthouse."""
+    from ddpkit.launch import replica_groups
+
+    if ns.nnodes != "1" or ns.rdzv_endpoint or ns.master_addr or ns.master_port is not None:
+        raise UsageError("--replica-groups runs its groups on this machine for now: drop --nnodes, --rdzv-endpoint, "
+                         "--master-addr and --master-port (each group gets a port of its own)")
+    extra = [flag for name, flag in (("timeout", "--timeout"), ("stall_timeout", "--stall-timeout"),
+                                     ("log_level", "--log-level")) if getattr(ns, name) is not None
+             for flag in (flag, str(getattr(ns, name)))]
+    extra += ["--local-rank-arg"] if ns.local_rank_arg else []
+    command = replica_groups.group_command(nproc_per_node=ns.nproc_per_node, max_restarts=ns.max_restarts,
+                                           extra=extra, script=[*script, *ns.script_args])
+    return replica_groups.run_groups(ns.replica_groups, command, heartbeat_timeout_s=ns.replica_heartbeat_timeout,
+                                     log_dir=ns.log_dir)
 
 
 WATCHED = "ddpkit.app.watched"  # the module each worker of `ddpkit run` runs the script under

@@ -113,6 +113,13 @@ def add_run_command(commands) -> None:
                      help="keep each rank's whole output in DIR/rank<N>.log; the console shows rank 0's output and "
                           "the other ranks' warnings, errors and tracebacks (--log-level debug: every rank's lines) "
                           "(default: a temporary folder, kept and named only when a rank fails)")
+    run.add_argument("--replica-groups", type=int, default=None, metavar="R",
+                     help="run R replica groups (torchft): a group that dies is restarted under --max-restarts and "
+                          "copies its state from a live one, while the others train on (the script uses "
+                          "ddpkit.ReplicaGroup; one process per group for now; docs/replica-groups.md)")
+    run.add_argument("--replica-heartbeat-timeout", type=float, default=2.0, metavar="SECONDS",
+                     help="with --replica-groups: how long the others wait for a group that stopped answering before "
+                          "they go on without it (default: 2)")
     run.add_argument("--local-rank-arg", action="store_true",
                      help="also pass --local-rank=N, like the old `python -m torch.distributed.launch`")
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as in `python -m`")

@@ -21,6 +21,13 @@ DEFAULT_MASTER_PORT = 29500
 
 # Slurm gives no port; derive one from the job id so that every task of a job agrees on it
 # without talking, and two jobs sharing a node are unlikely to collide.
+# What `ddpkit run --replica-groups R` tells each group's processes (ddpkit.launch.replica_groups, read by
+# ddpkit.strategies.replica_groups): their group (0..R-1), R, the launcher's store (the groups' start barrier)
+# and, in torchft's own name, the lighthouse's address.
+REPLICA_GROUP = "DDPKIT_REPLICA_GROUP"
+REPLICA_GROUPS = "DDPKIT_REPLICA_GROUPS"
+REPLICA_STORE = "DDPKIT_REPLICA_STORE"
+LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
 SLURM_PORT_BASE = 15000
 SLURM_PORT_SPAN = 20000
 

@@ -1,0 +1,231 @@
+"""Replica groups: data parallelism across groups that can die and come back without stopping the others.
+
+``ddpkit run --replica-groups R script.py`` starts R groups, each an ordinary ddpkit launch of its own with its
+own ``--max-restarts``, and torchft's lighthouse, which forms a quorum of the live groups at every step. In the
+script, ``ReplicaGroup`` joins this process to it (torchft's ``Manager``), and ``setup`` wraps the model and the
+optimizer:
+
+* the model in torchft's ``DistributedDataParallel``, its gradients averaged over the groups that take part in
+  the step, through a communication hook of ddpkit's (``drop_failed_step``): torchft 0.2.0's own hook raises
+  ``AssertionError`` in the healthy groups when a peer dies during the all-reduce;
+* the optimizer in torchft's ``Optimizer``: ``zero_grad()`` asks the lighthouse for the step's quorum, ``step()``
+  applies the update only if every group of the quorum reduced its gradients (``should_commit``); otherwise
+  the step is dropped on every group alike and the next one is tried.
+
+A group that (re)joins copies the model, the optimizer and the ``state`` it is handed (``state_dict`` and
+``load_state_dict`` of each) from a healthy group over HTTP before it takes part: live recovery, not a
+checkpoint read. The groups start from the same seed and wait for each other once (``DDPKIT_REPLICA_STORE``,
+a barrier the launcher hosts), so a run without failures is the run of plain DDP over R processes.
+
+For now a group is one process (``--nproc-per-node 1``); see docs/replica-groups.md for what is not built yet.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import re
+import time
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ddpkit.core import progress
+from ddpkit.core.errors import UsageError, first_line
+from ddpkit.core.logs import logger
+
+from ddpkit.core.env import LIGHTHOUSE as LIGHTHOUSE_VARIABLE
+from ddpkit.core.env import REPLICA_GROUP as GROUP_VARIABLE
+from ddpkit.core.env import REPLICA_GROUPS as GROUPS_VARIABLE
+from ddpkit.core.env import REPLICA_STORE as STORE_VARIABLE
+
+
+def require_torchft() -> None:
+    """UsageError, saying how to install it, when torchft cannot be imported."""
+    try:
+        importlib.import_module("torchft")
+    except ImportError as error:
+        raise UsageError(f"replica groups need torchft ({error}); install it with pip install 'ddpkit[ft]'") from None
+
+
+def drop_failed_step(manager, bucket):  # no annotation: DDP checks it against the object, not a string
+    """DDP communication hook: ``bucket`` averaged over the groups of this step's quorum, through ``manager``.
+
+    When the all-reduce fails (a group died or hung in the middle of it), the error is reported to the manager,
+    which then refuses to commit the step on every group; the bucket is zeroed and handed back completed, so
+    backward ends normally instead of raising in the healthy groups (torchft 0.2.0's hook asserts there)."""
+    buffer = bucket.buffer()
+    try:
+        ok = manager.allreduce(buffer).wait()  # False when it failed: the manager has the error already
+    except Exception as error:  # noqa: BLE001 - any failure of the collective drops this step, on every group
+        manager.report_error(error)
+        ok = False
+    if not ok or manager.errored() is not None:
+        buffer.zero_()  # never applied: should_commit() is False for this step
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(buffer)
+    return done
+
+
+class ReplicaGroup:
+    """This process's place among the replica groups that ``ddpkit run --replica-groups R`` started.
+
+    ``timeout_s``: how long a collective across the groups waits for a peer before the step is dropped (a hung
+    group costs this much once). ``quorum_timeout_s``: how long a step waits for the lighthouse's quorum.
+    ``environment``: the variables to read (default: this process's).
+    """
+
+    def __init__(self, *, timeout_s: float = 10.0, quorum_timeout_s: float = 60.0,
+                 environment: dict[str, str] | None = None):
+        environment = dict(os.environ if environment is None else environment)
+        require_torchft()
+        missing = [name for name in (GROUP_VARIABLE, GROUPS_VARIABLE, LIGHTHOUSE_VARIABLE) if not environment.get(name)]
+        if missing:
+            raise UsageError(f"this process is not in a replica group ({', '.join(missing)} not set): start the script "
+                             "with ddpkit run --replica-groups N")
+        if int(environment.get("WORLD_SIZE", "1")) != 1:
+            raise UsageError("replica groups of more than one process are not built yet: use --nproc-per-node 1 "
+                             "with --replica-groups")
+        if not timeout_s > 0 or not quorum_timeout_s > 0:
+            raise UsageError(f"timeout_s and quorum_timeout_s must be positive, got {timeout_s}, {quorum_timeout_s}")
+        self.group = int(environment[GROUP_VARIABLE])
+        self.groups = int(environment[GROUPS_VARIABLE])
+        self.lighthouse = environment[LIGHTHOUSE_VARIABLE]
+        self.restarts = int(environment.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.timeout_s, self.quorum_timeout_s = timeout_s, quorum_timeout_s
+        self._barrier_store = environment.get(STORE_VARIABLE)
+        self._model: nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._state: dict[str, Any] = {}
+        self.manager = None
+        self._store = None
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+              state: dict[str, Any] | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """(the model in torchft's DDP with ``drop_failed_step``, the optimizer in torchft's ``Optimizer``).
+
+        ``state``: more objects with ``state_dict()`` and ``load_state_dict()`` (a scheduler, a loader) that a
+        joining group copies from a healthy one with the model and the optimizer. Give every group the same
+        initial weights (the same seed): the groups start together and nobody copies anything then."""
+        import torchft
+        from torch.distributed import TCPStore
+
+        self._model, self._optimizer, self._state = model, optimizer, dict(state or {})
+        host = "127.0.0.1"  # one machine for now: every group reaches the others there
+        # The group's own store (the manager is its client); the other groups are told its address.
+        self._store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        self.manager = torchft.Manager(
+            pg=torchft.ProcessGroupGloo(timeout=timeout),  # the gloo timeout is set here, not by timeout=
+            load_state_dict=self._load_state_dict, state_dict=self._state_dict, min_replica_size=1,
+            replica_id=str(self.group), lighthouse_addr=self.lighthouse, store_addr=host, store_port=self._store.port,
+            rank=0, world_size=1, port=0, timeout=timeout,
+            quorum_timeout=datetime.timedelta(seconds=self.quorum_timeout_s),
+            # Same seed everywhere instead of a copy at step 0: torchft's init_sync with its asynchronous quorum
+            # halves the first step's gradient (the group being synced contributes zeros, counted as a member).
+            init_sync=False, heartbeat_interval=datetime.timedelta(milliseconds=100),
+        )
+        if self.restarts == 0:
+            self._wait_for_the_other_groups()
+
+        class GroupDDP(torchft.DistributedDataParallel):  # torchft's wrapper registers cls._comm_hook
+            _comm_hook = staticmethod(drop_failed_step)
+
+        return GroupDDP(self.manager, model), _optimizer_class()(self, optimizer)
+
+    def _wait_for_the_other_groups(self) -> None:
+        """Every group's manager is up (heartbeating) before any asks for a quorum: the first quorum then holds
+        them all, and no group starts alone only to be joined later."""
+        if not self._barrier_store:
+            return
+        from torch.distributed import TCPStore
+
+        host, _, port = self._barrier_store.rpartition(":")
+        store = TCPStore(host_name=host, port=int(port), is_master=False,
+                         timeout=datetime.timedelta(seconds=self.quorum_timeout_s))
+        store.add("ready", 1)
+        _wait_count(store, "ready", self.groups, self.quorum_timeout_s)
+
+    def _state_dict(self) -> dict[str, Any]:
+        state = {"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict()}
+        return state | {name: value.state_dict() for name, value in self._state.items()}
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        self._model.load_state_dict(state["model"])
+        self._optimizer.load_state_dict(state["optimizer"])
+        for name, value in self._state.items():
+            value.load_state_dict(state[name])
+
+    @property
+    def step(self) -> int:
+        """Steps committed so far by the groups (a joining group's jumps to theirs): index the data with it, so a
+        dropped step is tried again on the same batch."""
+        return self.manager.current_step()
+
+    @property
+    def participants(self) -> int:
+        """Groups that took part in the last quorum."""
+        return self.manager.num_participants()
+
+    def close(self) -> None:
+        """Leave the groups: stop this process's torchft manager (its heartbeats end; the others go on)."""
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
+
+
+def _optimizer_class():
+    import torchft
+
+    class GroupOptimizer(torchft.Optimizer):
+        """torchft's optimizer wrapper (``zero_grad`` asks for the quorum, ``step`` commits only what every group of
+        it reduced), saying in one line each a dropped step and each change in the groups taking part."""
+
+        def __init__(self, group: ReplicaGroup, optimizer: torch.optim.Optimizer):
+            super().__init__(group.manager, optimizer)
+            self.group = group
+            self.seen = group.groups  # the groups that took part in the last step
+
+        def step(self, closure=None) -> None:
+            manager, before = self.manager, self.manager.current_step()
+            error = manager.errored()
+            super().step(closure)
+            if manager.current_step() == before:
+                why = _short(error.original_exception) if error is not None else "a group did not take part"
+                logger.warning(f"replica group {self.group.group}: step {before + 1} dropped on every group ({why}); "
+                               "trying it again with the groups that answer")
+                return
+            participants = manager.num_participants()
+            if participants != self.seen:
+                healing = "" if manager.is_participating() else " (this group copied its state from them)"
+                logger.warning(f"replica group {self.group.group}: {participants} of {self.group.groups} groups "
+                               f"took part in step {manager.current_step()}{healing}")
+                self.seen = participants
+            progress.mark("data", step=manager.current_step())
+
+    return GroupOptimizer
+
+
+def _short(error: BaseException) -> str:
+    """A collective's error in a few words: gloo's source location and its advice left out."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", first_line(error))
+    return text.split(". This is typically")[0]
+
+
+def _wait_count(store, key: str, count: int, timeout_s: float) -> None:
+    """Until the counter ``key`` of ``store`` reaches ``count``."""
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < count:
+        if time.monotonic() > deadline:
+            raise UsageError(f"the replica groups did not all start within {timeout_s:.0f} s; see the other groups' "
+                             "output for why")
+        time.sleep(0.05)
+
+
+def checksum(model: nn.Module) -> float:
+    """The sum of every parameter in float64: equal on every group while they agree."""
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+

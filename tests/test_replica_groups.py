@@ -1,0 +1,147 @@
+"""Replica groups (torchft) for real: `ddpkit run --replica-groups 2` on one machine, gloo, one process per group.
+
+One run, shared by the tests below: group 1's first process kills itself in the middle of the gradient all-reduce
+of step DIE_AT (group 0 is inside the collective by then); its launcher restarts it, it copies the state from
+group 0 over HTTP and both train on to the end (past STEPS until both groups are back). Every committed step's
+checksum is in OUT/group<G>.jsonl. About 20 s."""
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+pytest.importorskip("torchft", reason="replica groups need torchft (pip install 'ddpkit[ft]')")
+
+from conftest import run_ddpkit  # noqa: E402
+
+STEPS, DIE_AT = 40, 10
+
+SCRIPT = '''
+import json, os, signal, sys, time
+import torch, torch.nn as nn, torch.nn.functional as F
+import ddpkit
+from ddpkit.strategies.replica_groups import checksum
+
+out_dir, steps, die_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+group = ddpkit.ReplicaGroup(timeout_s=5)
+torch.manual_seed(0)
+bare = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+model, optimizer = group.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.05, momentum=0.9))
+out = open(os.path.join(out_dir, f"group{group.group}.jsonl"), "a")
+
+def emit(**record):
+    out.write(json.dumps({"group": group.group, "pid": os.getpid(), "t": time.time(), **record}) + "\\n")
+    out.flush()
+
+def die(grad):  # the first layer's gradient is backward's last: group 0 is in the all-reduce by now
+    time.sleep(0.3)
+    emit(event="die", step=group.step)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+emit(event="start", restarts=group.restarts)
+deadline = time.time() + 60
+while group.step < steps or (group.participants < 2 and time.time() < deadline):
+    step = group.step
+    if step == die_at and group.group == 0:
+        torch.save(bare.state_dict(), os.path.join(out_dir, "before-the-failure.pt"))
+    optimizer.zero_grad()
+    generator = torch.Generator().manual_seed(1000 + step)  # the global batch of this step; each group its half
+    x, y = torch.randn(16, 16, generator=generator), torch.randn(16, 4, generator=generator)
+    half = slice(8 * group.group, 8 * group.group + 8)
+    if step == die_at and group.group == 1 and group.restarts == 0:
+        bare[0].weight.register_hook(die)
+    F.mse_loss(model(x[half]), y[half]).backward()
+    optimizer.step()
+    emit(event="step", data=step, step=group.step, committed=group.step != step, checksum=checksum(bare),
+         participants=group.participants)
+    time.sleep(0.02)
+emit(event="end", step=group.step, checksum=checksum(bare))
+'''
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("replica-groups")
+    (folder / "script.py").write_text(SCRIPT)
+    result = run_ddpkit("run", "--replica-groups", "2", "--replica-heartbeat-timeout", "1", "--max-restarts", "1",
+                        str(folder / "script.py"), str(folder), str(STEPS), str(DIE_AT), timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = {g: [json.loads(line) for line in (folder / f"group{g}.jsonl").read_text().splitlines()] for g in (0, 1)}
+    return folder, result.stdout + result.stderr, records
+
+
+def committed(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["event"] == "step" and r["committed"]]
+
+
+def test_the_other_group_keeps_its_process_and_goes_on_within_seconds_losing_no_step(killed_run):
+    _, output, records = killed_run
+    death = next(r for r in records[1] if r["event"] == "die")
+    assert len({r["pid"] for r in records[0]}) == 1  # never restarted
+    steps = [r["step"] for r in committed(records[0])]
+    assert steps == list(range(1, len(steps) + 1)) and steps[-1] >= STEPS  # every step committed once, in order
+    first_after = next(r for r in committed(records[0]) if r["t"] > death["t"])
+    assert first_after["t"] - death["t"] < 5.0 and first_after["participants"] == 1
+    # The step the dead group was in is dropped on the survivor and tried again: said in one line.
+    assert output.count(f"replica group 0: step {DIE_AT + 1} dropped on every group (Connection") == 1
+    assert "replica group 0: 1 of 2 groups took part" in output
+
+
+def test_the_dead_group_restarts_copies_the_state_live_and_both_end_in_agreement(killed_run):
+    _, output, records = killed_run
+    death = next(r for r in records[1] if r["event"] == "die")
+    starts = [r for r in records[1] if r["event"] == "start"]
+    assert [s["restarts"] for s in starts] == [0, 1] and starts[0]["pid"] != starts[1]["pid"]
+    back = [r for r in committed(records[1]) if r["pid"] == starts[1]["pid"]]
+    assert back[0]["t"] - death["t"] < 30.0
+    # Right after the join, both hold the same weights: the checksums of that step are equal, exactly.
+    survivor = {r["step"]: r["checksum"] for r in committed(records[0])}
+    assert back[0]["step"] > DIE_AT + 1 and back[0]["checksum"] == survivor[back[0]["step"]]
+    assert all(r["checksum"] == survivor[r["step"]] for r in back)
+    ends = [next(r for r in records[g] if r["event"] == "end") for g in (0, 1)]
+    assert ends[0]["step"] == ends[1]["step"] and ends[0]["checksum"] == ends[1]["checksum"]
+    assert "replica group 1: 1 of 2 groups took part in step" in output and "copied its state from them" in output
+
+
+def test_until_the_failure_two_groups_train_as_one_process_on_the_whole_batch(killed_run):
+    folder, _, _ = killed_run
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(DIE_AT):
+        generator = torch.Generator().manual_seed(1000 + step)
+        x, y = torch.randn(16, 16, generator=generator), torch.randn(16, 4, generator=generator)
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    grouped = torch.load(folder / "before-the-failure.pt", weights_only=True)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(grouped[name], value, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--replica-groups", "0"], "--replica-groups must be at least 1, got 0"),
+    (["--replica-groups", "2", "--nproc-per-node", "2"], "replica groups of more than one process are not built yet"),
+    (["--replica-groups", "2", "--nnodes", "2", "--master-addr", "10.0.0.1"], "runs its groups on this machine"),
+    (["--replica-groups", "2", "--replica-heartbeat-timeout", "0"], "--replica-heartbeat-timeout must be positive"),
+])
+def test_bad_replica_group_settings_are_one_line(argv, message, tmp_path, capsys):
+    from ddpkit.app.cli import main
+
+    script = tmp_path / "script.py"
+    script.write_text("pass\n")
+    assert main(["run", *argv, str(script)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_replica_group_outside_such_a_launch_is_one_line(monkeypatch):
+    import ddpkit
+
+    for name in ("DDPKIT_REPLICA_GROUP", "DDPKIT_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ddpkit.UsageError, match="start the script with ddpkit run --replica-groups N"):
+        ddpkit.ReplicaGroup()
+
