@@ -35,11 +35,13 @@ PARTS = {
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", required=True, metavar="folder:PATH|shards:PATH")
-    parser.add_argument("--decode", default="auto", choices=("auto", "cpu", "gpu"))
-    parser.add_argument("--model", default="resnet50")
-    parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--data", required=True, metavar="folder:PATH|shards:PATH",
+                        help="an image folder or a pack of one (ddpkit data make-images, ddpkit data pack)")
+    parser.add_argument("--decode", default="auto", choices=("auto", "cpu", "gpu"),
+                        help="who decodes: the loader processes (cpu) or nvJPEG (gpu); auto: gpu on CUDA")
+    parser.add_argument("--model", default="resnet50", help="a model name of ddpkit's zoo (default: resnet50)")
+    parser.add_argument("--image-size", type=int, default=224, help="crop size in pixels (default: 224)")
+    parser.add_argument("--batch", type=int, default=256, help="images per step (default: 256)")
     parser.add_argument("--warmup", type=int, default=10, help="steps before the profiled ones (default: 10)")
     parser.add_argument("--steps", type=int, default=10, help="profiled steps (default: 10)")
     parser.add_argument("--workers", type=int, default=None, help="loader processes (default: ddpkit's share)")

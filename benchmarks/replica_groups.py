@@ -106,12 +106,12 @@ def launch(mode: str, folder: Path, args, kill_at: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=300, help="training steps of each launch (default: 300)")
     parser.add_argument("--kill-at", type=int, default=125, help="mid-way between two checkpoints (default: 125)")
-    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--width", type=int, default=512, help="features of each of the 4 layers (default: 512)")
     parser.add_argument("--batch", type=int, default=64, help="per process (default: 64)")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="plain DDP's checkpoints (default: 50)")
-    parser.add_argument("--json", default=None, metavar="FILE")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ddpkit-replica-bench-") as name:
         folder = Path(name)

@@ -282,6 +282,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
     script = (["-m"] if ns.module else []) + [ns.script]
     if ns.replica_groups is not None:
         return _run_replica_groups(ns, script)
+    if ns.replica_heartbeat_timeout is not None:
+        raise UsageError("--replica-heartbeat-timeout is for --replica-groups R: add it, or drop the timeout")
     # Each worker runs the script unedited, under ddpkit's watch (--timeout and the stall watch reach a script
     # that starts its own process group too): ddpkit.app.watched.
     watched = ["-m", WATCHED]
@@ -308,17 +310,21 @@ def _run_replica_groups(ns: argparse.Namespace, script: list[str]) -> int:
     """``ddpkit run --replica-groups R``: R launches of one process each, beside torchft's lighthouse."""
     from ddpkit.launch import replica_groups
 
-    if ns.nnodes != "1" or ns.rdzv_endpoint or ns.master_addr or ns.master_port is not None:
+    if ns.nnodes != "1" or ns.rdzv_endpoint or ns.master_addr or ns.master_port is not None or ns.rdzv_id:
         raise UsageError("--replica-groups runs its groups on this machine for now: drop --nnodes, --rdzv-endpoint, "
-                         "--master-addr and --master-port (each group gets a port of its own)")
+                         "--rdzv-id, --master-addr and --master-port (each group gets a port of its own)")
+    if _already_a_rank():
+        raise UsageError("--replica-groups starts its groups' processes itself: run it once per machine, not under "
+                         "srun or mpirun (which make every task a rank already)")
     extra = [flag for name, flag in (("timeout", "--timeout"), ("stall_timeout", "--stall-timeout"),
-                                     ("log_level", "--log-level")) if getattr(ns, name) is not None
-             for flag in (flag, str(getattr(ns, name)))]
+                                     ("log_level", "--log-level"), ("rdzv_timeout", "--rdzv-timeout"))
+             if getattr(ns, name) is not None for flag in (flag, str(getattr(ns, name)))]
     extra += ["--local-rank-arg"] if ns.local_rank_arg else []
+    extra += ["--find-hangs"] if getattr(ns, "find_hangs", False) else []
     command = replica_groups.group_command(nproc_per_node=ns.nproc_per_node, max_restarts=ns.max_restarts,
                                            extra=extra, script=[*script, *ns.script_args])
-    return replica_groups.run_groups(ns.replica_groups, command, heartbeat_timeout_s=ns.replica_heartbeat_timeout,
-                                     log_dir=ns.log_dir)
+    heartbeat = 2.0 if ns.replica_heartbeat_timeout is None else ns.replica_heartbeat_timeout
+    return replica_groups.run_groups(ns.replica_groups, command, heartbeat_timeout_s=heartbeat, log_dir=ns.log_dir)
 
 
 WATCHED = "ddpkit.app.watched"  # the module each worker of `ddpkit run` runs the script under

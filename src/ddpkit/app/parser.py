@@ -117,7 +117,7 @@ def add_run_command(commands) -> None:
                      help="run R replica groups (torchft): a group that dies is restarted under --max-restarts and "
                           "copies its state from a live one, while the others train on (the script uses "
                           "ddpkit.ReplicaGroup; one process per group for now; docs/replica-groups.md)")
-    run.add_argument("--replica-heartbeat-timeout", type=float, default=2.0, metavar="SECONDS",
+    run.add_argument("--replica-heartbeat-timeout", type=float, default=None, metavar="SECONDS",
                      help="with --replica-groups: how long the others wait for a group that stopped answering before "
                           "they go on without it (default: 2)")
     run.add_argument("--local-rank-arg", action="store_true",

@@ -14,6 +14,7 @@ own metadata classes, torch sizes and dtypes, and small values are checked with 
 
 from __future__ import annotations
 
+import inspect
 import io
 import os
 import pickle
@@ -117,8 +118,9 @@ def save(state: dict, folder: Path, group, *, asynchronous: bool, staging: Stagi
     planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)  # replicas' tensors: rank 0's, as model.pt
     if asynchronous:
         stager = staging.stager_for(state) if staging is not None else None
+        given = {"async_stager": stager} if stager is not None else {}  # torch before 2.9 has no such argument
         return dcp.async_save(state, storage_writer=writer, planner=planner, process_group=group,
-                              no_dist=_alone(group), async_stager=stager)
+                              no_dist=_alone(group), **given)
     dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=_alone(group))
     return None
 
@@ -139,12 +141,16 @@ class Staging:
 
     def stager_for(self, state: dict) -> BlockingAsyncStager | None:
         leaves = tree_leaves(state)
-        if not any(isinstance(leaf, torch.Tensor) and leaf.is_cuda for leaf in leaves):
+        if not any(isinstance(leaf, torch.Tensor) and leaf.is_cuda for leaf in leaves) or not _STAGER_ARGUMENT:
             return None
         shape = layout(state)
         if shape != self._layout:  # a first save, or the state changed (an optimizer's first step adds moments)
             self._stager, self._layout = BlockingAsyncStager(cache_staged_state_dict=True), shape
         return self._stager
+
+
+# dcp.async_save takes a stager of the caller's from torch 2.9 on; before, DCP's own copy it is.
+_STAGER_ARGUMENT = "async_stager" in inspect.signature(dcp.async_save).parameters
 
 
 def layout(state: dict) -> tuple:

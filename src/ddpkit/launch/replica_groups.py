@@ -38,11 +38,11 @@ def lighthouse(*, heartbeat_timeout_s: float, join_timeout_s: float = 10.0) -> I
         from torchft.coordination import LighthouseServer
     except ImportError as error:
         raise UsageError(f"--replica-groups needs torchft ({error}); install it with pip install 'ddpkit[ft]'") from None
-    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=int(join_timeout_s * 1000),
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=int(join_timeout_s * 1000),
                               quorum_tick_ms=100, heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
     try:
         port = server.address().rsplit(":", 1)[1]
-        yield f"http://127.0.0.1:{port}"  # its own address names the host, which need not resolve to here
+        yield f"http://127.0.0.1:{port}"  # its own address names the host by a name that need not resolve here
     finally:
         server.shutdown()
 
@@ -59,34 +59,62 @@ def run_groups(groups: int, group_command: Sequence[str], *, heartbeat_timeout_s
         raise UsageError(f"--replica-groups must be at least 1, got {groups}")
     if not heartbeat_timeout_s > 0:
         raise UsageError(f"--replica-heartbeat-timeout must be positive, got {heartbeat_timeout_s}")
-    store = TCPStore(host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=60))
     with lighthouse(heartbeat_timeout_s=heartbeat_timeout_s) as address:
+        store = TCPStore(host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=60))
         logger.info(f"{groups} replica groups, lighthouse at {address}")
-        children = []
-        for group in range(groups):
-            command = list(group_command)
-            if log_dir is not None:
-                command[command.index("run") + 1:command.index("run") + 1] = [
-                    "--log-dir", os.path.join(log_dir, f"group{group}")]
-            environment = {**os.environ, GROUP_VARIABLE: str(group), GROUPS_VARIABLE: str(groups),
-                           STORE_VARIABLE: f"127.0.0.1:{store.port}", LIGHTHOUSE_VARIABLE: address}
-            # The groups share this machine's cores: each launch alone would give its process all of them, and
-            # R x that many OpenMP threads spin against each other (3.4x slower steps, measured on 2 cores).
-            environment.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // groups)))
-            children.append(subprocess.Popen(command, env=environment))
+        children: list[subprocess.Popen] = []
         with _passed_on(children):
-            statuses = [child.wait() for child in children]
+            try:
+                for group in range(groups):
+                    environment = {**os.environ, GROUP_VARIABLE: str(group), GROUPS_VARIABLE: str(groups),
+                                   STORE_VARIABLE: f"127.0.0.1:{store.port}", LIGHTHOUSE_VARIABLE: address}
+                    # The groups share this machine's cores: each launch alone would give its process all of them,
+                    # and R x that many OpenMP threads spin against each other (3.4x slower steps on 2 cores).
+                    environment.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // groups)))
+                    # A session of its own (Ctrl-C reaches it once, passed on below) that ends with this process.
+                    children.append(subprocess.Popen(_with_log_dir(group_command, log_dir, group), env=environment,
+                                                     start_new_session=True, preexec_fn=signals.end_with_parent))
+                statuses = [_exit_status(child.wait()) for child in children]
+            finally:
+                _end(children)
     failed = [(group, status) for group, status in enumerate(statuses) if status != 0]
     for group, status in failed:
         logger.error(f"replica group {group} ended with exit status {status}")
     return failed[0][1] if failed else 0
 
 
+def _with_log_dir(command: Sequence[str], log_dir: str | None, group: int) -> list[str]:
+    """``command`` with ``--log-dir LOG_DIR/group<N>`` after its ``run``, when a folder is given."""
+    command = list(command)
+    if log_dir is not None:
+        at = command.index("run") + 1
+        command[at:at] = ["--log-dir", os.path.join(log_dir, f"group{group}")]
+    return command
+
+
+def _exit_status(status: int) -> int:
+    """A child's status as a shell says it: 128 + N for one ended by signal N."""
+    return 128 - status if status < 0 else status
+
+
+def _end(children: list[subprocess.Popen], grace_s: float = 30.0) -> None:
+    """Every child still running (this process is leaving early): SIGTERM, then SIGKILL after ``grace_s``."""
+    running = [child for child in children if child.poll() is None]
+    for child in running:
+        child.terminate()
+    for child in running:
+        try:
+            child.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
 @contextlib.contextmanager
 def _passed_on(children: list[subprocess.Popen]) -> Iterator[None]:
-    """SIGTERM (and SIGINT, which a terminal sends the whole process group anyway) passed on to every group's
-    launcher while they run."""
+    """SIGTERM and SIGINT passed on to every group's launcher while they run (each runs in a session of its own,
+    so a terminal's Ctrl-C reaches it only this way, once: a second one would end its ranks at once)."""
     def pass_on(signum, frame) -> None:  # noqa: ARG001
         for child in children:
             if child.poll() is None:

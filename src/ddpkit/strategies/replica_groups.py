@@ -9,8 +9,9 @@ optimizer:
   the step, through a communication hook of ddpkit's (``drop_failed_step``): torchft 0.2.0's own hook raises
   ``AssertionError`` in the healthy groups when a peer dies during the all-reduce;
 * the optimizer in torchft's ``Optimizer``: ``zero_grad()`` asks the lighthouse for the step's quorum, ``step()``
-  applies the update only if every group of the quorum reduced its gradients (``should_commit``); otherwise
-  the step is dropped on every group alike and the next one is tried.
+  applies the update only if this group's gradients were reduced over the quorum (``should_commit``); otherwise
+  the step is dropped here and tried again. A group left behind that way copies the others' state at its next
+  quorum.
 
 A group that (re)joins copies the model, the optimizer and the ``state`` it is handed (``state_dict`` and
 ``load_state_dict`` of each) from a healthy group over HTTP before it takes part: live recovery, not a
@@ -54,7 +55,7 @@ def drop_failed_step(manager, bucket):  # no annotation: DDP checks it against t
     """DDP communication hook: ``bucket`` averaged over the groups of this step's quorum, through ``manager``.
 
     When the all-reduce fails (a group died or hung in the middle of it), the error is reported to the manager,
-    which then refuses to commit the step on every group; the bucket is zeroed and handed back completed, so
+    which then refuses to commit the step in this group; the bucket is zeroed and handed back completed, so
     backward ends normally instead of raising in the healthy groups (torchft 0.2.0's hook asserts there)."""
     buffer = bucket.buffer()
     try:
@@ -90,8 +91,11 @@ class ReplicaGroup:
                              "with --replica-groups")
         if not timeout_s > 0 or not quorum_timeout_s > 0:
             raise UsageError(f"timeout_s and quorum_timeout_s must be positive, got {timeout_s}, {quorum_timeout_s}")
-        self.group = int(environment[GROUP_VARIABLE])
-        self.groups = int(environment[GROUPS_VARIABLE])
+        try:
+            self.group, self.groups = int(environment[GROUP_VARIABLE]), int(environment[GROUPS_VARIABLE])
+        except ValueError:
+            raise UsageError(f"{GROUP_VARIABLE} and {GROUPS_VARIABLE} must be whole numbers, got "
+                             f"{environment[GROUP_VARIABLE]!r} and {environment[GROUPS_VARIABLE]!r}") from None
         self.lighthouse = environment[LIGHTHOUSE_VARIABLE]
         self.restarts = int(environment.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.timeout_s, self.quorum_timeout_s = timeout_s, quorum_timeout_s
@@ -121,7 +125,7 @@ class ReplicaGroup:
             pg=torchft.ProcessGroupGloo(timeout=timeout),  # the gloo timeout is set here, not by timeout=
             load_state_dict=self._load_state_dict, state_dict=self._state_dict, min_replica_size=1,
             replica_id=str(self.group), lighthouse_addr=self.lighthouse, store_addr=host, store_port=self._store.port,
-            rank=0, world_size=1, port=0, timeout=timeout,
+            rank=0, world_size=1, port=0, timeout=timeout, hostname=host,  # what it tells the others to reach
             quorum_timeout=datetime.timedelta(seconds=self.quorum_timeout_s),
             # Same seed everywhere instead of a copy at step 0: torchft's init_sync with its asynchronous quorum
             # halves the first step's gradient (the group being synced contributes zeros, counted as a member).
@@ -162,18 +166,24 @@ class ReplicaGroup:
     def step(self) -> int:
         """Steps committed so far by the groups (a joining group's jumps to theirs): index the data with it, so a
         dropped step is tried again on the same batch."""
-        return self.manager.current_step()
+        return self._manager().current_step()
 
     @property
     def participants(self) -> int:
         """Groups that took part in the last quorum."""
-        return self.manager.num_participants()
+        return self._manager().num_participants()
+
+    def _manager(self):
+        if self.manager is None:
+            raise UsageError("call ReplicaGroup.setup(model, optimizer) first: it joins this process to the groups")
+        return self.manager
 
     def close(self) -> None:
         """Leave the groups: stop this process's torchft manager (its heartbeats end; the others go on)."""
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
+        self._store = None
 
 
 def _optimizer_class():
@@ -194,8 +204,8 @@ def _optimizer_class():
             super().step(closure)
             if manager.current_step() == before:
                 why = _short(error.original_exception) if error is not None else "a group did not take part"
-                logger.warning(f"replica group {self.group.group}: step {before + 1} dropped on every group ({why}); "
-                               "trying it again with the groups that answer")
+                logger.warning(f"replica group {self.group.group}: step {before + 1} dropped ({why}); trying it "
+                               "again with the groups that answer")
                 return
             participants = manager.num_participants()
             if participants != self.seen:
