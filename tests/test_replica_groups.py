@@ -2,8 +2,9 @@
 
 One run, shared by the tests below: group 1's first process kills itself in the middle of the gradient all-reduce
 of step DIE_AT (group 0 is inside the collective by then); its launcher restarts it, it copies the state from
-group 0 over HTTP and both train on to the end (past STEPS until both groups are back). Every committed step's
-checksum is in OUT/group<G>.jsonl. About 20 s."""
+group 0 over HTTP; at its own HANG_AT-th step that second process hangs (its heartbeats go on), its fence ends it, it is
+restarted again, and both train on to the end (past STEPS until both groups are back). Every committed step's
+checksum is in OUT/group<G>.jsonl. About 25 s."""
 
 import json
 
@@ -16,7 +17,7 @@ pytest.importorskip("torchft", reason="replica groups need torchft (pip install 
 
 from conftest import run_ddpkit  # noqa: E402
 
-STEPS, DIE_AT = 40, 10
+STEPS, DIE_AT, HANG_AT, STALL_S = 50, 10, 5, 5
 
 SCRIPT = '''
 import json, os, signal, sys, time
@@ -24,8 +25,8 @@ import torch, torch.nn as nn, torch.nn.functional as F
 import ddpkit
 from ddpkit.strategies.replica_groups import checksum
 
-out_dir, steps, die_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-group = ddpkit.ReplicaGroup(timeout_s=5)
+out_dir, steps, die_at, hang_at, stall_s = sys.argv[1], *map(int, sys.argv[2:6])
+group = ddpkit.ReplicaGroup(timeout_s=3, stall_timeout_s=stall_s)
 torch.manual_seed(0)
 bare = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 model, optimizer = group.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.05, momentum=0.9))
@@ -41,12 +42,20 @@ def die(grad):  # the first layer's gradient is backward's last: group 0 is in t
     os.kill(os.getpid(), signal.SIGKILL)
 
 emit(event="start", restarts=group.restarts)
-deadline = time.time() + 60
-while group.step < steps or (group.participants < 2 and time.time() < deadline):
+if group.group == 1 and group.restarts == 2:
+    open(os.path.join(out_dir, "last-start"), "w").close()
+deadline, mine = time.time() + 90, 0
+# On to STEPS, and until group 1's last process (after the kill and the hang) has joined.
+while (group.step < steps or group.participants < 2 or not os.path.exists(os.path.join(out_dir, "last-start"))) \
+        and time.time() < deadline:
     step = group.step
     if step == die_at and group.group == 0:
         torch.save(bare.state_dict(), os.path.join(out_dir, "before-the-failure.pt"))
     optimizer.zero_grad()
+    mine += 1
+    if mine == hang_at and group.group == 1 and group.restarts == 1:  # this process's own HANG_AT-th step
+        emit(event="hang", step=step)
+        time.sleep(600)  # stuck inside a step; torchft's heartbeat thread goes on
     generator = torch.Generator().manual_seed(1000 + step)  # the global batch of this step; each group its half
     x, y = torch.randn(16, 16, generator=generator), torch.randn(16, 4, generator=generator)
     half = slice(8 * group.group, 8 * group.group + 8)
@@ -65,8 +74,9 @@ emit(event="end", step=group.step, checksum=checksum(bare))
 def killed_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("replica-groups")
     (folder / "script.py").write_text(SCRIPT)
-    result = run_ddpkit("run", "--replica-groups", "2", "--replica-heartbeat-timeout", "1", "--max-restarts", "1",
-                        str(folder / "script.py"), str(folder), str(STEPS), str(DIE_AT), timeout=180)
+    result = run_ddpkit("run", "--replica-groups", "2", "--replica-heartbeat-timeout", "1", "--max-restarts", "2",
+                        str(folder / "script.py"), str(folder), str(STEPS), str(DIE_AT), str(HANG_AT), str(STALL_S),
+                        timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     records = {g: [json.loads(line) for line in (folder / f"group{g}.jsonl").read_text().splitlines()] for g in (0, 1)}
     return folder, result.stdout + result.stderr, records
@@ -93,7 +103,7 @@ def test_the_dead_group_restarts_copies_the_state_live_and_both_end_in_agreement
     _, output, records = killed_run
     death = next(r for r in records[1] if r["event"] == "die")
     starts = [r for r in records[1] if r["event"] == "start"]
-    assert [s["restarts"] for s in starts] == [0, 1] and starts[0]["pid"] != starts[1]["pid"]
+    assert [s["restarts"] for s in starts] == [0, 1, 2] and len({s["pid"] for s in starts}) == 3
     back = [r for r in committed(records[1]) if r["pid"] == starts[1]["pid"]]
     assert back[0]["t"] - death["t"] < 30.0
     # Right after the join, both hold the same weights: the checksums of that step are equal, exactly.
@@ -103,6 +113,19 @@ def test_the_dead_group_restarts_copies_the_state_live_and_both_end_in_agreement
     ends = [next(r for r in records[g] if r["event"] == "end") for g in (0, 1)]
     assert ends[0]["step"] == ends[1]["step"] and ends[0]["checksum"] == ends[1]["checksum"]
     assert "replica group 1: 1 of 2 groups took part in step" in output and "copied its state from them" in output
+
+
+def test_a_hung_group_is_ended_by_its_fence_and_restarted_while_the_other_goes_on(killed_run):
+    _, output, records = killed_run
+    hang = next(r for r in records[1] if r["event"] == "hang")
+    assert output.count(f"replica group 1: no step for {STALL_S} s (stuck at ") == 1
+    # Group 0 waited for the hung group only until the fence ended it and its heartbeats stopped (1 s here).
+    first_after = next(r for r in committed(records[0]) if r["t"] > hang["t"])
+    assert first_after["participants"] == 1 and first_after["t"] - hang["t"] < STALL_S + 10
+    third = [r for r in records[1] if r["event"] == "start"][2]
+    back = [r for r in committed(records[1]) if r["pid"] == third["pid"]]
+    survivor = {r["step"]: r["checksum"] for r in committed(records[0])}
+    assert back and back[0]["step"] > hang["step"] and all(r["checksum"] == survivor[r["step"]] for r in back)
 
 
 def test_until_the_failure_two_groups_train_as_one_process_on_the_whole_batch(killed_run):
@@ -136,6 +159,17 @@ def test_bad_replica_group_settings_are_one_line(argv, message, tmp_path, capsys
     assert main(["run", *argv, str(script)]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_fence_that_would_end_a_healthy_group_waiting_for_a_hung_one_is_refused(monkeypatch):
+    import ddpkit
+
+    monkeypatch.setenv("DDPKIT_REPLICA_GROUP", "0")
+    monkeypatch.setenv("DDPKIT_REPLICA_GROUPS", "2")
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:1")
+    with pytest.raises(ddpkit.UsageError, match=r"stall_timeout_s must be 0 \(off\) or between timeout_s \(10\)"):
+        ddpkit.ReplicaGroup(timeout_s=10, stall_timeout_s=5)
+    ddpkit.ReplicaGroup(timeout_s=10, stall_timeout_s=0)  # off
 
 
 def test_a_replica_group_outside_such_a_launch_is_one_line(monkeypatch):

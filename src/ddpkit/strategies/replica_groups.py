@@ -27,7 +27,10 @@ import datetime
 import importlib
 import os
 import re
+import sys
+import threading
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -41,6 +44,8 @@ from ddpkit.core.env import LIGHTHOUSE as LIGHTHOUSE_VARIABLE
 from ddpkit.core.env import REPLICA_GROUP as GROUP_VARIABLE
 from ddpkit.core.env import REPLICA_GROUPS as GROUPS_VARIABLE
 from ddpkit.core.env import REPLICA_STORE as STORE_VARIABLE
+
+FENCED = 70  # the exit status of a process its fence ended (EX_SOFTWARE)
 
 
 def require_torchft() -> None:
@@ -75,10 +80,16 @@ class ReplicaGroup:
 
     ``timeout_s``: how long a collective across the groups waits for a peer before the step is dropped (a hung
     group costs this much once). ``quorum_timeout_s``: how long a step waits for the lighthouse's quorum.
+    ``stall_timeout_s``: a step of this process that takes longer ends it (one line, with where it is stuck), so
+    that its launcher restarts it and the other groups go on: a hung process keeps torchft's heartbeats going, and
+    the others would wait for it at their next quorum until ``quorum_timeout_s`` failed them. It must lie between
+    ``timeout_s`` (a healthy group waiting in a collective for the hung one gives up on it first) and
+    ``quorum_timeout_s``, and the launcher's heartbeat timeout must be shorter than ``timeout_s``; 0 turns it off.
+    Armed at the first ``zero_grad()``: count evaluation or a checkpoint between two steps in it.
     ``environment``: the variables to read (default: this process's).
     """
 
-    def __init__(self, *, timeout_s: float = 10.0, quorum_timeout_s: float = 60.0,
+    def __init__(self, *, timeout_s: float = 10.0, quorum_timeout_s: float = 60.0, stall_timeout_s: float = 30.0,
                  environment: dict[str, str] | None = None):
         environment = dict(os.environ if environment is None else environment)
         require_torchft()
@@ -91,6 +102,13 @@ class ReplicaGroup:
                              "with --replica-groups")
         if not timeout_s > 0 or not quorum_timeout_s > 0:
             raise UsageError(f"timeout_s and quorum_timeout_s must be positive, got {timeout_s}, {quorum_timeout_s}")
+        if stall_timeout_s and not timeout_s < stall_timeout_s < quorum_timeout_s:
+            # A healthy group waiting in a collective for a hung one must reach the collective's timeout (and go on)
+            # before its own fence would end it; the hung one must be ended before the others' quorum gives up.
+            raise UsageError(f"stall_timeout_s must be 0 (off) or between timeout_s ({timeout_s:g}) and "
+                             f"quorum_timeout_s ({quorum_timeout_s:g}), got {stall_timeout_s:g}")
+        if stall_timeout_s < 0:
+            raise UsageError(f"stall_timeout_s must be 0 (off) or positive, got {stall_timeout_s:g}")
         try:
             self.group, self.groups = int(environment[GROUP_VARIABLE]), int(environment[GROUPS_VARIABLE])
         except ValueError:
@@ -98,7 +116,8 @@ class ReplicaGroup:
                              f"{environment[GROUP_VARIABLE]!r} and {environment[GROUPS_VARIABLE]!r}") from None
         self.lighthouse = environment[LIGHTHOUSE_VARIABLE]
         self.restarts = int(environment.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.timeout_s, self.quorum_timeout_s = timeout_s, quorum_timeout_s
+        self.timeout_s, self.quorum_timeout_s, self.stall_timeout_s = timeout_s, quorum_timeout_s, stall_timeout_s
+        self._moved: float | None = None  # when this process last began or ended a step (None: not yet)
         self._barrier_store = environment.get(STORE_VARIABLE)
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
@@ -133,11 +152,32 @@ class ReplicaGroup:
         )
         if self.restarts == 0:
             self._wait_for_the_other_groups()
+        if self.stall_timeout_s:
+            threading.Thread(target=self._fence, name="ddpkit-replica-fence", daemon=True).start()
 
         class GroupDDP(torchft.DistributedDataParallel):  # torchft's wrapper registers cls._comm_hook
             _comm_hook = staticmethod(drop_failed_step)
 
         return GroupDDP(self.manager, model), _optimizer_class()(self, optimizer)
+
+    def moved(self) -> None:
+        """This process began or ended a step (the fence's clock)."""
+        self._moved = time.monotonic()
+
+    def _fence(self) -> None:
+        """End this process when a step of it outlasts ``stall_timeout_s``: a hang here must not hold the others."""
+        main = threading.main_thread()
+        while main.is_alive():
+            time.sleep(min(1.0, self.stall_timeout_s / 4))
+            if self._moved is not None and time.monotonic() - self._moved > self.stall_timeout_s:
+                frame = sys._current_frames().get(main.ident)
+                where = "".join(traceback.format_stack(frame, limit=1)).strip().splitlines()[0] if frame else "?"
+                logger.error(f"replica group {self.group}: no step for {self.stall_timeout_s:g} s (stuck at "
+                             f"{where.strip()}); ending this process so that the other groups go on and its launcher "
+                             "restarts it")
+                for stream in (sys.stdout, sys.stderr):
+                    stream.flush()
+                os._exit(FENCED)
 
     def _wait_for_the_other_groups(self) -> None:
         """Every group's manager is up (heartbeating) before any asks for a quorum: the first quorum then holds
@@ -198,7 +238,12 @@ def _optimizer_class():
             self.group = group
             self.seen = group.groups  # the groups that took part in the last step
 
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            self.group.moved()
+            super().zero_grad(set_to_none)
+
         def step(self, closure=None) -> None:
+            self.group.moved()
             manager, before = self.manager, self.manager.current_step()
             error = manager.errored()
             super().step(closure)
@@ -214,6 +259,7 @@ def _optimizer_class():
                                f"took part in step {manager.current_step()}{healing}")
                 self.seen = participants
             progress.mark("data", step=manager.current_step())
+            self.group.moved()
 
     return GroupOptimizer
 
