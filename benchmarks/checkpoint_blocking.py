@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import ddpkit
+from ddpkit.core.process_group import synchronize
 
 WAYS = {"full": {"sharded": False}, "sharded": {"sharded": True}, "sharded async": {"async_save": True}}
 
@@ -85,11 +86,6 @@ def idle_step_seconds(job: ddpkit.Job, step, args) -> float:
         synchronize(job.device)
         times.append(longest(time.perf_counter() - started, job.device) / max(args.steps, 1))
     return statistics.median(times)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main(argv=None) -> int:

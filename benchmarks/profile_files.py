@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import ddpkit
 from ddpkit import zoo
+from ddpkit.core.process_group import synchronize
 from ddpkit.data import default_workers
 
 # (what, the profiler event names it sums): the training process's own time in each part of a file-fed step
@@ -78,15 +79,13 @@ def main(argv=None) -> int:
 
         def train(steps: int) -> float:
             """Seconds per step over ``steps`` steps, the device synchronised at both ends."""
-            if cuda:
-                torch.cuda.synchronize()
+            synchronize(job.device)
             started = time.perf_counter()
             for _ in range(steps):
                 images, labels = next(source)
                 job.forward_backward(model, images.contiguous(memory_format=memory_format), labels, F.cross_entropy)
                 job.step(optimizer)
-            if cuda:
-                torch.cuda.synchronize()
+            synchronize(job.device)
             return (time.perf_counter() - started) / steps
 
         train(args.warmup)
