@@ -23,7 +23,7 @@ SCRIPT = '''
 import json, os, signal, sys, time
 import torch, torch.nn as nn, torch.nn.functional as F
 import ddpkit
-from ddpkit.strategies.replica_groups import checksum
+from ddpkit.watch.replicas import checksums  # the replica check's: each tensor's bits, summed
 
 out_dir, steps, die_at, hang_at, stall_s = sys.argv[1], *map(int, sys.argv[2:6])
 group = ddpkit.ReplicaGroup(timeout_s=3, stall_timeout_s=stall_s)
@@ -63,10 +63,10 @@ while (group.step < steps or group.participants < 2 or not os.path.exists(os.pat
         bare[0].weight.register_hook(die)
     F.mse_loss(model(x[half]), y[half]).backward()
     optimizer.step()
-    emit(event="step", data=step, step=group.step, committed=group.step != step, checksum=checksum(bare),
-         participants=group.participants)
+    emit(event="step", data=step, step=group.step, committed=group.step != step,
+         checksum=checksums(bare.named_parameters()).tolist(), participants=group.participants)
     time.sleep(0.02)
-emit(event="end", step=group.step, checksum=checksum(bare))
+emit(event="end", step=group.step, checksum=checksums(bare.named_parameters()).tolist())
 '''
 
 

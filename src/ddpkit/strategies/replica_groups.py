@@ -276,10 +276,3 @@ def _wait_count(store, key: str, count: int, timeout_s: float) -> None:
             raise UsageError(f"the replica groups did not all start within {timeout_s:.0f} s; see the other groups' "
                              "output for why")
         time.sleep(0.05)
-
-
-def checksum(model: nn.Module) -> float:
-    """The sum of every parameter in float64: equal on every group while they agree."""
-    return float(sum(p.detach().double().sum() for p in model.parameters()))
-
-
