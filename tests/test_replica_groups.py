@@ -2,8 +2,8 @@
 
 One run, shared by the tests below: group 1's first process kills itself in the middle of the gradient all-reduce
 of step DIE_AT (group 0 is inside the collective by then); its launcher restarts it, it copies the state from
-group 0 over HTTP; at its own HANG_AT-th step that second process hangs (its heartbeats go on), its fence ends it, it is
-restarted again, and both train on to the end (past STEPS until both groups are back). Every committed step's
+group 0 over HTTP; at its own HANG_AT-th step that second process stops itself (SIGSTOP: its torchft heartbeats stop
+too), the launcher's fence ends it, it is restarted again, and both train on to the end (past STEPS until both groups are back). Every committed step's
 checksum is in OUT/group<G>.jsonl. About 25 s."""
 
 import json
@@ -55,7 +55,7 @@ while (group.step < steps or group.participants < 2 or not os.path.exists(os.pat
     mine += 1
     if mine == hang_at and group.group == 1 and group.restarts == 1:  # this process's own HANG_AT-th step
         emit(event="hang", step=step)
-        time.sleep(600)  # stuck inside a step; torchft's heartbeat thread goes on
+        os.kill(os.getpid(), signal.SIGSTOP)  # stopped inside a step, every thread with it
     generator = torch.Generator().manual_seed(1000 + step)  # the global batch of this step; each group its half
     x, y = torch.randn(16, 16, generator=generator), torch.randn(16, 4, generator=generator)
     half = slice(8 * group.group, 8 * group.group + 8)
@@ -115,11 +115,11 @@ def test_the_dead_group_restarts_copies_the_state_live_and_both_end_in_agreement
     assert "replica group 1: 1 of 2 groups took part in step" in output and "copied its state from them" in output
 
 
-def test_a_hung_group_is_ended_by_its_fence_and_restarted_while_the_other_goes_on(killed_run):
+def test_a_stopped_group_is_fenced_and_restarted_while_the_other_goes_on(killed_run):
     _, output, records = killed_run
     hang = next(r for r in records[1] if r["event"] == "hang")
-    assert output.count(f"replica group 1: no step for {STALL_S} s (stuck at ") == 1
-    # Group 0 waited for the hung group only until the fence ended it and its heartbeats stopped (1 s here).
+    assert output.count(f"replica group 1: no step for {STALL_S} s (its process {hang['pid']} is stopped or frozen") == 1
+    # Group 0 waited for the stopped group until its heartbeats had been missing 1 s and the collective's timeout.
     first_after = next(r for r in committed(records[0]) if r["t"] > hang["t"])
     assert first_after["participants"] == 1 and first_after["t"] - hang["t"] < STALL_S + 10
     third = [r for r in records[1] if r["event"] == "start"][2]
@@ -159,6 +159,19 @@ def test_bad_replica_group_settings_are_one_line(argv, message, tmp_path, capsys
     assert main(["run", *argv, str(script)]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_the_fence_ends_a_step_that_outlasts_its_limit_whether_the_process_still_answers_or_not():
+    from ddpkit.launch.replica_groups import fence_reason
+
+    beat = {"pid": 7, "t": 100.0, "moved_s": 1.0, "stall_s": 5.0, "where": 'File "x.py", line 3'}
+    assert fence_reason(beat, 101.0) is None and fence_reason(beat, 104.0) is None  # a step of 2 s, then 5 s
+    assert fence_reason(beat | {"t": 104.0, "moved_s": 5.5}, 104.1) == 'no step for 5 s (stuck at File "x.py", line 3)'
+    assert fence_reason(beat, 104.5) == ("no step for 5 s (its process 7 is stopped or frozen, silent for 4 s, last "
+                                         'at File "x.py", line 3)')
+    before_training = beat | {"moved_s": None}  # only a process that stopped answering is fenced then
+    assert fence_reason(before_training, 104.9) is None and "stopped or frozen" in fence_reason(before_training, 105.1)
+    assert fence_reason(beat | {"stall_s": 0}, 1000.0) is None  # the fence is off
 
 
 def test_a_fence_that_would_end_a_healthy_group_waiting_for_a_hung_one_is_refused(monkeypatch):

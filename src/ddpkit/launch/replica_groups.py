@@ -4,16 +4,19 @@ launches of the script, one per group, each with its own rendezvous and its own 
 A group that fails is restarted by its own launcher while the others go on (``ddpkit.strategies.replica_groups``
 says how the script's processes take part). The command ends when every group has ended, with the first
 failure's status. Ctrl-C or SIGTERM reaches every group's launcher, which stops its workers as a plain launch does.
+The fence here ends a group's process whose step outlasts its ``stall_timeout_s``, or that stopped answering.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Iterator, Sequence
 
 from ddpkit.core import signals
@@ -64,7 +67,7 @@ def run_groups(groups: int, group_command: Sequence[str], *, heartbeat_timeout_s
                          timeout=datetime.timedelta(seconds=60))
         logger.info(f"{groups} replica groups, lighthouse at {address}")
         children: list[subprocess.Popen] = []
-        with _passed_on(children):
+        with _passed_on(children), _fencing(store, groups, children):
             try:
                 for group in range(groups):
                     environment = {**os.environ, GROUP_VARIABLE: str(group), GROUPS_VARIABLE: str(groups),
@@ -82,6 +85,79 @@ def run_groups(groups: int, group_command: Sequence[str], *, heartbeat_timeout_s
     for group, status in failed:
         logger.error(f"replica group {group} ended with exit status {status}")
     return failed[0][1] if failed else 0
+
+
+SILENT_S = 2.0  # a process whose beats (every 0.5 s) stopped this long ago is stopped or frozen, not just busy
+
+
+def fence_reason(beat: dict, now: float) -> str | None:
+    """Why the process that published ``beat`` (``ReplicaGroup``'s, at wall-clock ``beat["t"]``) must be ended at
+    ``now``, or None: a step of it has lasted its ``stall_s``, counting the time since its beats stopped, or its
+    beats have stopped that long."""
+    if not beat.get("stall_s"):
+        return None  # no fence asked for
+    silent = now - beat["t"]
+    if (beat["moved_s"] or 0.0) + silent <= beat["stall_s"]:
+        return None  # before its first step (start-up, loading), only a process that stopped answering is fenced
+    if silent > SILENT_S:
+        how = f"its process {beat['pid']} is stopped or frozen, silent for {silent:.0f} s, last at {beat['where']}"
+    else:
+        how = f"stuck at {beat['where']}"
+    return f"no step for {beat['stall_s']:g} s ({how})"
+
+
+@contextlib.contextmanager
+def _fencing(store, groups: int, children: list[subprocess.Popen]) -> Iterator[None]:
+    """While the groups run, a thread that ends (SIGKILL) a group's process whose step has outlasted its
+    ``stall_timeout_s``: a hung process keeps torchft's heartbeats going (the others would wait for it until their
+    quorum timeout), and a stopped one cannot end itself. Its launcher restarts it, and it rejoins."""
+    import threading
+
+    from ddpkit.strategies.replica_groups import beat_key
+
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.25):
+            for group in range(groups):
+                key = beat_key(group)
+                if not store.check([key]):
+                    continue
+                beat = json.loads(store.get(key))
+                reason = fence_reason(beat, time.time())
+                if reason is None:
+                    continue
+                store.delete_key(key)  # once per process: its next one publishes anew
+                if _runs_under(beat["pid"], {child.pid for child in children}):
+                    logger.error(f"replica group {group}: {reason}; ending it so that the other groups go on and "
+                                 "its launcher restarts it")
+                    with contextlib.suppress(ProcessLookupError):  # it ended on its own meanwhile
+                        os.kill(beat["pid"], signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="ddpkit-replica-fence", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _runs_under(pid: int, ancestors: set[int]) -> bool:
+    """Whether ``pid`` is a live process (not a zombie) started by one of ``ancestors`` or their children: a pid
+    read from a beat is never a stranger's that reused it."""
+    for _ in range(4):
+        try:
+            with open(f"/proc/{pid}/stat") as file:
+                fields = file.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return False
+        if fields[0] == "Z":
+            return False
+        pid = int(fields[1])  # its parent
+        if pid in ancestors:
+            return True
+    return False
 
 
 def _with_log_dir(command: Sequence[str], log_dir: str | None, group: int) -> list[str]:

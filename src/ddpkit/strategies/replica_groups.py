@@ -23,8 +23,10 @@ For now a group is one process (``--nproc-per-node 1``); see docs/replica-groups
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import importlib
+import json
 import os
 import re
 import sys
@@ -45,7 +47,12 @@ from ddpkit.core.env import REPLICA_GROUP as GROUP_VARIABLE
 from ddpkit.core.env import REPLICA_GROUPS as GROUPS_VARIABLE
 from ddpkit.core.env import REPLICA_STORE as STORE_VARIABLE
 
-FENCED = 70  # the exit status of a process its fence ended (EX_SOFTWARE)
+BEAT_S = 0.5  # how often a group's process tells the launcher where it is (the fence reads it)
+
+
+def beat_key(group: int) -> str:
+    """The launcher's store key under which ``group``'s process publishes its beat."""
+    return f"beat/{group}"
 
 
 def require_torchft() -> None:
@@ -80,12 +87,13 @@ class ReplicaGroup:
 
     ``timeout_s``: how long a collective across the groups waits for a peer before the step is dropped (a hung
     group costs this much once). ``quorum_timeout_s``: how long a step waits for the lighthouse's quorum.
-    ``stall_timeout_s``: a step of this process that takes longer ends it (one line, with where it is stuck), so
-    that its launcher restarts it and the other groups go on: a hung process keeps torchft's heartbeats going, and
-    the others would wait for it at their next quorum until ``quorum_timeout_s`` failed them. It must lie between
-    ``timeout_s`` (a healthy group waiting in a collective for the hung one gives up on it first) and
-    ``quorum_timeout_s``, and the launcher's heartbeat timeout must be shorter than ``timeout_s``; 0 turns it off.
-    Armed at the first ``zero_grad()``: count evaluation or a checkpoint between two steps in it.
+    ``stall_timeout_s``: a step of this process that takes longer is ended by the launcher (one line, with where it
+    is stuck; the process killed, so that its launcher restarts it and the other groups go on). This process tells
+    the launcher twice a second where it is; a hung process keeps torchft's heartbeats going, and the others would
+    wait for it at their next quorum until ``quorum_timeout_s`` failed them, and a stopped one (SIGSTOP) cannot end
+    itself. It must lie between ``timeout_s`` (a healthy group waiting in a collective for the hung one gives up on
+    it first) and ``quorum_timeout_s``, and the launcher's heartbeat timeout must be shorter than ``timeout_s``; 0
+    turns it off. Armed at the first ``zero_grad()``: count evaluation or a checkpoint between two steps in it.
     ``environment``: the variables to read (default: this process's).
     """
 
@@ -116,7 +124,8 @@ class ReplicaGroup:
         self.restarts = int(environment.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.timeout_s, self.quorum_timeout_s, self.stall_timeout_s = timeout_s, quorum_timeout_s, stall_timeout_s
         self._moved: float | None = None  # when this process last began or ended a step (None: not yet)
-        self._barrier_store = environment.get(STORE_VARIABLE)
+        self._launcher_store = _client(environment.get(STORE_VARIABLE), timeout_s=quorum_timeout_s)
+        self._stopping, self._beats = threading.Event(), None
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._state: dict[str, Any] = {}
@@ -148,10 +157,13 @@ class ReplicaGroup:
             # halves the first step's gradient (the group being synced contributes zeros, counted as a member).
             init_sync=False, heartbeat_interval=datetime.timedelta(milliseconds=100),
         )
-        if self.restarts == 0:
-            self._wait_for_the_other_groups()
-        if self.stall_timeout_s:
-            threading.Thread(target=self._fence, name="ddpkit-replica-fence", daemon=True).start()
+        if self._launcher_store is not None:
+            if self.restarts == 0:
+                self._wait_for_the_other_groups()
+            if self.stall_timeout_s:
+                self._beats = threading.Thread(target=self._publish_beats, name="ddpkit-replica-beats", daemon=True)
+                self._beats.start()
+                atexit.register(self._stop_beats)
 
         class GroupDDP(torchft.DistributedDataParallel):  # torchft's wrapper registers cls._comm_hook
             _comm_hook = staticmethod(drop_failed_step)
@@ -162,33 +174,35 @@ class ReplicaGroup:
         """This process began or ended a step (the fence's clock)."""
         self._moved = time.monotonic()
 
-    def _fence(self) -> None:
-        """End this process when a step of it outlasts ``stall_timeout_s``: a hang here must not hold the others."""
+    def _publish_beats(self) -> None:
+        """Every ``BEAT_S``, to the launcher's store: this process's pid, how long its current step has lasted and
+        where its main thread is. The launcher ends it when that reaches ``stall_timeout_s``, or when the beats
+        stop with a step open (SIGSTOP, a frozen interpreter): the fence works from outside, on a stopped
+        process too."""
         main = threading.main_thread()
-        while main.is_alive():
-            time.sleep(min(1.0, self.stall_timeout_s / 4))
-            if self._moved is not None and time.monotonic() - self._moved > self.stall_timeout_s:
-                frame = sys._current_frames().get(main.ident)
-                where = "".join(traceback.format_stack(frame, limit=1)).strip().splitlines()[0] if frame else "?"
-                logger.error(f"replica group {self.group}: no step for {self.stall_timeout_s:g} s (stuck at "
-                             f"{where.strip()}); ending this process so that the other groups go on and its launcher "
-                             "restarts it")
-                for stream in (sys.stdout, sys.stderr):
-                    stream.flush()
-                os._exit(FENCED)
+        while main.is_alive():  # the first at once: a process may stop within its first half second
+            frame = sys._current_frames().get(main.ident)
+            where = traceback.format_stack(frame, limit=1)[0].strip().splitlines()[0] if frame else "?"
+            moved = None if self._moved is None else time.monotonic() - self._moved
+            beat = {"pid": os.getpid(), "t": time.time(), "moved_s": moved, "stall_s": self.stall_timeout_s,
+                    "where": where}
+            self._launcher_store.set(beat_key(self.group), json.dumps(beat))
+            if self._stopping.wait(BEAT_S):
+                return
+
+    def _stop_beats(self) -> None:
+        """No more beats, and the last one withdrawn: a process that ends is not fenced."""
+        if self._beats is not None:
+            self._stopping.set()
+            self._beats.join()
+            self._beats = None
+            self._launcher_store.delete_key(beat_key(self.group))
 
     def _wait_for_the_other_groups(self) -> None:
         """Every group's manager is up (heartbeating) before any asks for a quorum: the first quorum then holds
         them all, and no group starts alone only to be joined later."""
-        if not self._barrier_store:
-            return
-        from torch.distributed import TCPStore
-
-        host, _, port = self._barrier_store.rpartition(":")
-        store = TCPStore(host_name=host, port=int(port), is_master=False,
-                         timeout=datetime.timedelta(seconds=self.quorum_timeout_s))
-        store.add("ready", 1)
-        _wait_count(store, "ready", self.groups, self.quorum_timeout_s)
+        self._launcher_store.add("ready", 1)
+        _wait_count(self._launcher_store, "ready", self.groups, self.quorum_timeout_s)
 
     def _state_dict(self) -> dict[str, Any]:
         state = {"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict()}
@@ -218,6 +232,7 @@ class ReplicaGroup:
 
     def close(self) -> None:
         """Leave the groups: stop this process's torchft manager (its heartbeats end; the others go on)."""
+        self._stop_beats()
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
@@ -266,6 +281,16 @@ def _short(error: BaseException) -> str:
     """A collective's error in a few words: gloo's source location and its advice left out."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", first_line(error))
     return text.split(". This is typically")[0]
+
+
+def _client(address: str | None, *, timeout_s: float):
+    """A client of the launcher's store at ``address`` (HOST:PORT), or None outside ``ddpkit run --replica-groups``."""
+    if not address:
+        return None
+    from torch.distributed import TCPStore
+
+    host, _, port = address.rpartition(":")
+    return TCPStore(host_name=host, port=int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _wait_count(store, key: str, count: int, timeout_s: float) -> None:
