@@ -17,7 +17,7 @@ pytest.importorskip("torchft", reason="replica groups need torchft (pip install 
 
 from conftest import run_ddpkit  # noqa: E402
 
-STEPS, DIE_AT, HANG_AT, STALL_S = 50, 10, 5, 5
+STEPS, DIE_AT, HANG_AT, STALL_S = 50, 10, 5, 4
 
 SCRIPT = '''
 import json, os, signal, sys, time
@@ -193,3 +193,87 @@ def test_a_replica_group_outside_such_a_launch_is_one_line(monkeypatch):
     with pytest.raises(ddpkit.UsageError, match="start the script with ddpkit run --replica-groups N"):
         ddpkit.ReplicaGroup()
 
+
+
+MODEL = '''
+import os, signal, time
+import torch.nn as nn
+
+def model(kill_at=0):
+    """A small classifier; group 1's first process kills itself (SIGKILL) at its kill_at-th training forward. Until
+    its second process is built and for 10 steps more, group 0 takes 0.1 s a step (up to 60 s): group 1 rejoins
+    before the run ends."""
+    group, restarts = os.environ.get("DDPKIT_REPLICA_GROUP"), os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if kill_at and group == "1" and restarts == "1":
+        open("back", "w").close()
+    net = nn.Sequential(nn.AdaptiveAvgPool2d(8), nn.Flatten(), nn.Linear(192, 64), nn.ReLU(), nn.Linear(64, 10))
+    forwards, after, started = [], [], time.time()
+
+    def count(module, args):
+        if module.training:
+            forwards.append(1)
+            if len(forwards) == kill_at and group == "1" and restarts == "0":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if len(forwards) > kill_at > 0 and group == "0" and time.time() < started + 60:
+                if os.path.exists("back"):
+                    after.append(1)
+                if len(after) <= 10:
+                    time.sleep(0.1)
+
+    net.register_forward_pre_hook(count)
+    return net
+'''
+TRAIN_EPOCHS, KILL_AT = 8, 30  # digits, 22 steps an epoch of 2 x 32: group 1 dies in epoch 2
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """`ddpkit train --replica-groups 2`, group 1 killed in its second epoch; then one more epoch resumed from the
+    run's checkpoint, in replica-group mode."""
+    folder = tmp_path_factory.mktemp("replica-train")
+    (folder / "groupnet.py").write_text(MODEL)
+    common = ["train", "--replica-groups", "2", "--replica-heartbeat-timeout", "1", "--max-restarts", "1",
+              "--model", "groupnet:model", "--output-dir", "out", "--no-progress", "--stall-timeout", "6"]
+    first = run_ddpkit(*common, "--epochs", str(TRAIN_EPOCHS), "--model-arg", f"kill_at={KILL_AT}", cwd=folder,
+                       timeout=180)
+    assert first.returncode == 0, first.stdout + first.stderr
+    records = [json.loads(line) for line in (folder / "out" / "metrics.jsonl").read_text().splitlines()]
+    second = run_ddpkit(*common, "--epochs", str(TRAIN_EPOCHS + 1), "--resume", "auto", cwd=folder, timeout=180)
+    assert second.returncode == 0, second.stdout + second.stderr
+    return folder / "out", first.stdout + first.stderr, records, second.stdout + second.stderr
+
+
+def test_train_goes_on_with_one_group_and_records_how_many_took_part(trained):
+    out, output, records, _ = trained
+    assert [r["epoch"] for r in records] == list(range(TRAIN_EPOCHS))  # every epoch once, whoever led it
+    hit = records[KILL_AT // 22]
+    assert hit["replicas_min"] == 1 and 1 < hit["replicas"] < 2 and hit["replica_groups"] == 2
+    assert 32 < hit["effective_global_batch"] < 64 and hit["global_batch"] == 64
+    assert records[0]["replicas"] == 2.0 and records[-1]["replicas"] == 2.0  # before the kill, and after the rejoin
+    assert "replica group 0: 1 of 2 groups took part in step" in output
+    assert output.count("replica group 1 rejoined at step") == 1
+    assert "saved out/model.pt" in output and (out / "model.pt").exists()
+    from ddpkit.watch import status
+
+    assert "replica groups 1." in status.describe(None, hit) and "effective global batch" in status.describe(None, hit)
+
+
+def test_train_resumes_from_its_checkpoint_in_replica_group_mode(trained):
+    out, _, _, output = trained
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == list(range(TRAIN_EPOCHS + 1))
+    assert records[-1]["replicas"] == 2.0 and records[-1]["replica_groups"] == 2
+    assert f"continuing at epoch {TRAIN_EPOCHS + 1}" in output and "rejoined" not in output
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--accumulate", "2"], "--replica-groups takes one micro-step per optimizer step for now"),
+    (["--strategy", "fsdp"], "--replica-groups trains with --strategy ddp"),
+    (["--launcher", "spawn"], "--replica-groups starts each group with torchrun's agent"),
+])
+def test_bad_replica_group_training_settings_are_one_line(argv, message, tmp_path, capsys):
+    from ddpkit.app.cli import main
+
+    assert main(["train", "--replica-groups", "2", "--output-dir", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1

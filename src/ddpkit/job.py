@@ -237,10 +237,12 @@ class Job:
 
     def train_loader(self, dataset, batch_size: int | None = None, **options) -> data.DeviceLoader:
         """``ddpkit.train_loader`` for this job: this rank's share of a data set or of the script's own DataLoader,
-        the job's seed, whole accumulation steps."""
+        the job's seed, whole accumulation steps. ``replica=(index, count)``: another split of the data than the
+        ranks' (``ddpkit train --replica-groups`` splits it over the groups)."""
         seed = options.pop("seed", self.seed)
+        replica = options.pop("replica", None) or self.strategy.data_part(self.rank, self.world_size)
         loader = data.train_loader(dataset, batch_size, runtime=self.runtime, seed=seed, accumulate=self.accumulate,
-                                   replica=self.strategy.data_part(self.rank, self.world_size), **options)
+                                   replica=replica, **options)
         self.loaders.append(loader)
         return loader
 

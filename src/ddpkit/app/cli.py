@@ -200,6 +200,10 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str], parser: argparse.Argu
         trainer.run(cfg)
         freeze_for_exit()  # done, and the group is down: end in a fraction of a second, not two
         return 0
+    if ns.replica_groups is not None:
+        return _train_replica_groups(ns, argv, parser, cfg)
+    if ns.replica_heartbeat_timeout is not None:
+        raise UsageError("--replica-heartbeat-timeout is for --replica-groups R: add it, or drop the timeout")
     options = _launch_options(ns, ns.launcher, one_process=trainer.strategy_for(cfg).one_process)
     _check_before_launch(cfg, options)
     warn_earlier_run(cfg.output_dir)
@@ -306,16 +310,43 @@ def cmd_run(ns: argparse.Namespace) -> int:
     return _workers_done(status)
 
 
-def _run_replica_groups(ns: argparse.Namespace, script: list[str]) -> int:
-    """``ddpkit run --replica-groups R``: R launches of one process each, beside torchft's lighthouse."""
-    from ddpkit.launch import replica_groups
-
+def _check_replica_launch(ns: argparse.Namespace) -> None:
+    """UsageError for launch flags that --replica-groups does not take (yet)."""
     if ns.nnodes != "1" or ns.rdzv_endpoint or ns.master_addr or ns.master_port is not None or ns.rdzv_id:
         raise UsageError("--replica-groups runs its groups on this machine for now: drop --nnodes, --rdzv-endpoint, "
                          "--rdzv-id, --master-addr and --master-port (each group gets a port of its own)")
     if _already_a_rank():
         raise UsageError("--replica-groups starts its groups' processes itself: run it once per machine, not under "
                          "srun or mpirun (which make every task a rank already)")
+
+
+def _train_replica_groups(ns: argparse.Namespace, argv: Sequence[str], parser, cfg) -> int:
+    """``ddpkit train --replica-groups R``: R groups of one process, each ``ddpkit train`` as a rank of its own
+    launch (its restarts under --max-restarts), beside torchft's lighthouse; OUTPUT_DIR/logs/group<G>/ each."""
+    from ddpkit.app import trainer
+    from ddpkit.launch import replica_groups
+    from ddpkit.strategies.replica_groups import require_torchft
+
+    _check_replica_launch(ns)
+    if getattr(ns, "launcher", None) not in (None, "torchrun"):
+        raise UsageError(f"--replica-groups starts each group with torchrun's agent: drop --launcher {ns.launcher}")
+    trainer.check_replica_settings(cfg)
+    require_torchft()
+    warn_earlier_run(cfg.output_dir)
+    _write_resolved_config(ns, parser, cfg, 1)
+    os.environ[CONFIG_WRITTEN_ENV] = "1"  # the groups' processes run this command again: written once, here
+    command = replica_groups.group_command(nproc_per_node=ns.nproc_per_node, max_restarts=ns.max_restarts,
+                                           extra=[], script=["-m", "ddpkit", *argv])
+    heartbeat = 2.0 if ns.replica_heartbeat_timeout is None else ns.replica_heartbeat_timeout
+    return _workers_done(replica_groups.run_groups(ns.replica_groups, command, heartbeat_timeout_s=heartbeat,
+                                                   log_dir=os.path.join(cfg.output_dir, trainer.LOGS_FOLDER)))
+
+
+def _run_replica_groups(ns: argparse.Namespace, script: list[str]) -> int:
+    """``ddpkit run --replica-groups R``: R launches of one process each, beside torchft's lighthouse."""
+    from ddpkit.launch import replica_groups
+
+    _check_replica_launch(ns)
     extra = [flag for name, flag in (("timeout", "--timeout"), ("stall_timeout", "--stall-timeout"),
                                      ("log_level", "--log-level"), ("rdzv_timeout", "--rdzv-timeout"))
              if getattr(ns, name) is not None for flag in (flag, str(getattr(ns, name)))]

@@ -86,12 +86,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_replica_flags(parser: argparse.ArgumentParser, how: str = "") -> None:
+    """--replica-groups and --replica-heartbeat-timeout (``ddpkit train`` and ``ddpkit run``)."""
+    parser.add_argument("--replica-groups", type=int, default=None, metavar="R",
+                        help="run R replica groups (torchft): a group that dies is restarted under --max-restarts and "
+                             f"copies its state from a live one, while the others train on ({how}one process per "
+                             "group for now; docs/replica-groups.md)")
+    parser.add_argument("--replica-heartbeat-timeout", type=float, default=None, metavar="SECONDS",
+                        help="with --replica-groups: how long the others wait for a group that stopped answering "
+                             "before they go on without it (default: 2)")
+
+
 def add_train_command(commands) -> None:
     """``ddpkit train``: TrainConfig's flags, the launch flags and --config."""
     train = commands.add_parser("train", help="train a built-in or torchvision model",
                                 description="Train a model data-parallel on every device of this machine (or many).")
     add_train_flags(train)
     add_launch_flags(train, with_launcher=True)
+    add_replica_flags(train)
 
 
 def add_run_command(commands) -> None:
@@ -113,13 +125,7 @@ def add_run_command(commands) -> None:
                      help="keep each rank's whole output in DIR/rank<N>.log; the console shows rank 0's output and "
                           "the other ranks' warnings, errors and tracebacks (--log-level debug: every rank's lines) "
                           "(default: a temporary folder, kept and named only when a rank fails)")
-    run.add_argument("--replica-groups", type=int, default=None, metavar="R",
-                     help="run R replica groups (torchft): a group that dies is restarted under --max-restarts and "
-                          "copies its state from a live one, while the others train on (the script uses "
-                          "ddpkit.ReplicaGroup; one process per group for now; docs/replica-groups.md)")
-    run.add_argument("--replica-heartbeat-timeout", type=float, default=None, metavar="SECONDS",
-                     help="with --replica-groups: how long the others wait for a group that stopped answering before "
-                          "they go on without it (default: 2)")
+    add_replica_flags(run, "the script uses ddpkit.ReplicaGroup; ")
     run.add_argument("--local-rank-arg", action="store_true",
                      help="also pass --local-rank=N, like the old `python -m torch.distributed.launch`")
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as in `python -m`")

@@ -340,6 +340,8 @@ def run(cfg: TrainConfig, environment: DistEnv | None = None) -> dict:
     ``environment`` is read from the launcher's variables when not given (``mp.spawn`` passes its own).
     """
     cfg.validate()
+    replica = replica_group(cfg)
+    logs_folder = os.path.join(cfg.output_dir, LOGS_FOLDER, *([f"group{replica.group}"] if replica else []))
     with in_train_flags():  # the library's errors name its parameters; this command's user knows its flags
         job = Job(strategy_for(cfg), amp=cfg.amp, accumulate=cfg.accumulate, seed=cfg.seed, sync_bn=cfg.sync_bn,
                   backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout, stall_timeout_s=cfg.stall_timeout,
@@ -347,9 +349,39 @@ def run(cfg: TrainConfig, environment: DistEnv | None = None) -> dict:
                   environment=environment,
                   log_level="debug" if cfg.debug else cfg.log_level)
     # Each rank's own messages, those the console leaves out too (ranks other than 0 say info lines there).
-    with logs.kept_in_file(os.path.join(cfg.output_dir, LOGS_FOLDER, f"rank{job.rank}.log"), job.rank):
-        with job, in_train_flags():  # translated before the job's exit reports them
-            return train(cfg, job)
+    with logs.kept_in_file(os.path.join(logs_folder, f"rank{job.rank}.log"), job.rank):
+        with job, in_train_flags(), contextlib.ExitStack() as leaving:  # translated before the job's exit reports them
+            if replica is not None:
+                leaving.callback(replica.close)
+            return train(cfg, job, replica)
+
+
+def replica_group(cfg: TrainConfig):
+    """This process's ``ReplicaGroup`` when ``ddpkit train --replica-groups R`` started it (None otherwise), its
+    settings checked: one process per group, the ddp strategy, one micro-step per step."""
+    from ddpkit.core.env import REPLICA_GROUP
+
+    if REPLICA_GROUP not in os.environ:
+        return None
+    check_replica_settings(cfg)
+    from ddpkit.strategies.replica_groups import ReplicaGroup
+
+    # The fence ends a group's process whose step has lasted --stall-timeout; a collective across the groups waits
+    # for a lost one at most half that, then drops the step; a quorum waits twice that.
+    stall_s = heartbeat.stall_setting(cfg.stall_timeout)
+    timeout_s = min(10.0, stall_s / 2) if stall_s else 10.0
+    return ReplicaGroup(timeout_s=timeout_s, stall_timeout_s=stall_s, quorum_timeout_s=max(60.0, 2 * stall_s))
+
+
+def check_replica_settings(cfg: TrainConfig) -> None:
+    """UsageError for settings that replica groups do not support yet."""
+    strategy = strategy_for(cfg)
+    if not strategy.in_replica_groups:
+        raise UsageError(f"--replica-groups trains with --strategy ddp (data parallel across the groups) for now, "
+                         f"got {strategy.name}")
+    if cfg.accumulate != 1:
+        raise UsageError(f"--replica-groups takes one micro-step per optimizer step for now: drop --accumulate "
+                         f"{cfg.accumulate}")
 
 
 # Library parameters that `ddpkit train` sets through flags of other names (TrainConfig's fields are flags).
@@ -385,40 +417,92 @@ class RunState:
     ckpt: checkpoint.Checkpointer
     steps_per_epoch: int
     position: Position
+    replica: Any = None  # this process's ReplicaGroup under --replica-groups
 
     @property
     def global_batch(self) -> int:
-        return self.cfg.batch_size * self.job.data_replicas * self.cfg.accumulate
+        """Samples of one optimizer step, every replica group taking part."""
+        groups = self.replica.groups if self.replica is not None else 1
+        return self.cfg.batch_size * self.job.data_replicas * self.cfg.accumulate * groups
+
+    @property
+    def leads(self) -> bool:
+        """Whether this process writes what the run keeps (checkpoints, metrics, model.pt): rank 0, and under
+        replica groups rank 0 of the group that led the last step."""
+        return self.job.is_main and (self.replica is None or self.replica.leads)
+
+    def paused(self):
+        """A block between steps (evaluation, a checkpoint) that the replica groups' fence does not time."""
+        return self.replica.paused() if self.replica is not None else contextlib.nullcontext()
 
 
-def train(cfg: TrainConfig, job: Job) -> dict:
+def train(cfg: TrainConfig, job: Job, replica=None) -> dict:
     """The whole run in this process: build, resume, the epochs, model.pt. Returns the last epoch's metrics."""
-    run_state = start(cfg, job)
+    run_state = start(cfg, job, replica)
     metrics_path = os.path.join(cfg.output_dir, METRICS_FILE)
-    if job.is_main:
+    first = replica is None or (replica.group == 0 and replica.restarts == 0)
+    if job.is_main and first:
         keep_metrics_before(metrics_path, run_state.position.epoch)
     record: dict = {}
     loop = EpochLoop(run_state)
     tracked = trackers.Trackers(cfg.tracker if job.is_main else (), cfg.output_dir, dataclasses.asdict(cfg))
     with preempt.stop_on_signal(job.runtime) as loop.stop, contextlib.closing(tracked):
-        for epoch in range(run_state.position.epoch, cfg.epochs):
-            record = loop.run_epoch(epoch)
-            if job.is_main:
+        epoch = run_state.position.epoch
+        while epoch < cfg.epochs:
+            try:
+                record = loop.run_epoch(epoch)
+            except Rejoined as rejoined:  # this replica group copied the others' state: on from their step
+                run_state.position = rejoined.position(run_state)
+                epoch = run_state.position.epoch
+                continue
+            except OthersFinished:
+                logger.info(f"replica group {replica.group}: the other groups have finished the run; this one "
+                            "stops here, writing nothing")
+                return record
+            if run_state.leads:
                 append_record(metrics_path, record)
                 tracked.log(record)
-            job.print(f"epoch {epoch + 1}/{cfg.epochs}: train_loss {record['train_loss']:.4f}  val_loss "
-                      f"{record['val_loss']:.4f}  val_acc {record['val_acc']:.2%} ({record['val_count']} samples)  "
-                      f"{record['images_per_sec']:.0f} images/s")
+                job.print(f"epoch {epoch + 1}/{cfg.epochs}: train_loss {record['train_loss']:.4f}  val_loss "
+                          f"{record['val_loss']:.4f}  val_acc {record['val_acc']:.2%} ({record['val_count']} samples)  "
+                          f"{record['images_per_sec']:.0f} images/s" + replicas_said(record))
             loop.save(epoch + 1, 0, [0.0, 0.0], if_idle=False)
+            epoch += 1
     run_state.ckpt.wait()
-    job.save_model(run_state.model, os.path.join(cfg.output_dir, checkpoint.MODEL_FILE))  # a collective under fsdp, pipeline
-    job.print(f"saved {os.path.join(cfg.output_dir, checkpoint.MODEL_FILE)} and {metrics_path}")
+    if replica is not None:
+        replica.finish()
+    if replica is None or run_state.leads:  # under replica groups the leading group alone writes it
+        job.save_model(run_state.model, os.path.join(cfg.output_dir, checkpoint.MODEL_FILE))  # a collective under fsdp, pipeline
+        job.print(f"saved {os.path.join(cfg.output_dir, checkpoint.MODEL_FILE)} and {metrics_path}")
     # Nobody leaves (and tears the group down) before rank 0 has written the model.
     run_state.ckpt.wait()
     return record
 
 
-def start(cfg: TrainConfig, job: Job) -> RunState:
+class OthersFinished(Exception):
+    """The other replica groups trained to the end while this one was away: it stops, writing nothing."""
+
+
+class Rejoined(Exception):
+    """This replica group copied a healthy group's state at its last step and jumped to that group's step."""
+
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
+
+    def position(self, run_state: RunState) -> Position:
+        """Where the groups stand at ``step``: its epoch, and the samples of it they have consumed."""
+        epoch, step_in_epoch = divmod(self.step, run_state.steps_per_epoch)
+        logger.info(f"replica group {run_state.replica.group} rejoined at step {self.step}: epoch {epoch + 1}, "
+                    f"step {step_in_epoch} of {run_state.steps_per_epoch}")
+        return Position(epoch=epoch, samples=step_in_epoch * run_state.global_batch, global_step=self.step)
+
+
+def replicas_said(record: dict) -> str:
+    """The epoch line's words on the replica groups that took part, when some did not."""
+    return f"  {status.replicas_words(record)}" if status.replicas_words(record) else ""
+
+
+def start(cfg: TrainConfig, job: Job, replica=None) -> RunState:
     """Data, model, checkpoint to resume, wrapping, optimizer, loaders and schedule, in the order they need."""
     # Before any data is loaded: a rank that hangs later can still be found and attached to.
     logger.debug(f"local rank {job.local_rank}, pid {os.getpid()}: process group up, "
@@ -436,37 +520,48 @@ def start(cfg: TrainConfig, job: Job) -> RunState:
         model = zoo.build_model(cfg.model, in_channels=channels, num_classes=sets.num_classes, image_size=image_size,
                                 arguments=cfg.model_arguments())
     job.strategy.check(world_size=job.world_size, cuda_count=torch.cuda.device_count(), batch_size=cfg.batch_size)
-    ckpt, resumed = open_checkpoints(cfg, job, model)
+    ckpt, resumed = open_checkpoints(cfg, job, model, replica)
     optimizer_class, settings = optimizer_settings(cfg.optimizer, cfg.lr)
     example = zoo.example_batch(sets, cfg.batch_size, channels, image_size)
     wrapped, optimizer = job.setup(model, optimizer_class, example=example, **settings)
+    if replica is not None:  # torchft's DDP across the groups and its optimizer, which commits only agreed steps
+        wrapped, optimizer = replica.setup(wrapped, optimizer)
     # --workers, else a share of the cores (none for tensors already in memory).
     workers = data.default_workers(job.runtime, None, sets.train) if cfg.workers is None else cfg.workers
-    loader = job.train_loader(sets.train, cfg.batch_size, workers=workers)
+    # Under replica groups the training data is split over the groups: each reads its share of the global batch.
+    split = {} if replica is None else {"replica": (replica.group, replica.groups)}
+    loader = job.train_loader(sets.train, cfg.batch_size, workers=workers, **split)
     val_loader = job.eval_loader(sets.val, cfg.batch_size, workers=workers)
     steps_per_epoch = len(loader) // cfg.accumulate
     if steps_per_epoch == 0:
         raise UsageError(f"one epoch has {len(loader.loader)} batches per process, fewer than --accumulate "
                          f"{cfg.accumulate}; lower --accumulate or --batch-size", said_elsewhere=not job.is_main)
     run_state = RunState(cfg, job, wrapped, optimizer, make_scheduler(cfg, optimizer, steps_per_epoch), loader, val_loader,
-                    ckpt, steps_per_epoch, Position())
+                    ckpt, steps_per_epoch, Position(), replica)
     announce(run_state, sets, sum(p.numel() for p in model.parameters()))
     if resumed is not None:
         run_state.position = restore(run_state, resumed)
     job.global_step = run_state.position.global_step
+    if replica is not None:
+        replica.resume_at(job.global_step)
+        optimizer.zero_grad()  # asks for the first step's quorum (job.step asks for each next one as it ends)
     return run_state
 
 
-def open_checkpoints(cfg: TrainConfig, job: Job, model: nn.Module) -> tuple[checkpoint.Checkpointer, Any]:
+def open_checkpoints(cfg: TrainConfig, job: Job, model: nn.Module, replica=None) -> tuple[checkpoint.Checkpointer, Any]:
     """The run's Checkpointer, and the checkpoint to resume (its weights loaded into the bare model), if any."""
     folder = os.path.join(cfg.output_dir, checkpoint.FOLDER)
     source = cfg.resume
-    if job.env.restart_count > 0 and (source is None or checkpoint.list_checkpoints(folder)):
+    if replica is not None and replica.restarts > 0:
+        # A replica group's process restarted: the others go on, and it copies their state at its first step; the
+        # newest checkpoint only brings it close (less to copy when they have all died).
+        source = "auto" if checkpoint.list_checkpoints(folder) else None
+    elif job.env.restart_count > 0 and (source is None or checkpoint.list_checkpoints(folder)):
         # torchrun restarted the group after a failure: carry on from this run's newest checkpoint (a
         # --resume PATH was the starting point of the first attempt only).
         source = "auto"
         logger.info(f"restart {job.env.restart_count} of the group: resuming from the newest checkpoint")
-    if source is None and job.is_main:
+    if source is None and job.is_main and (replica is None or (replica.group == 0 and replica.restarts == 0)):
         moved = checkpoint.set_aside(folder)
         if moved is not None:
             logger.info(f"starting fresh (no --resume); the earlier run's checkpoints were moved to {moved}")
@@ -494,13 +589,15 @@ def announce(run_state: RunState, sets, n_params: int) -> None:
     split = (f"pipeline x {replicas} pipeline(s) of {stages} stages ({cfg.microbatches or 2 * stages} micro-batches, "
              f"{cfg.pipeline_schedule})" if replicas != job.world_size
              else f"process x {job.world_size} processes")
-    logger.info(
+    say = logger.info if run_state.replica is None or run_state.replica.group == 0 else logger.debug  # said once
+    say(
         f"{job.world_size} process(es) via {job.env.launcher}, backend {job.backend or 'none'}, device "
         f"{job.device.type}, strategy {cfg.strategy}; model {cfg.model} ({n_params:,} parameters); data {cfg.data}: "
         f"{len(sets.train)} train / {len(sets.val)} val"
         + (image_loading(sets.train, run_state.loader.loader.num_workers)
            if isinstance(sets.train, images.ImageData) else "")
         + f"; batch {cfg.batch_size} per {split}"
+        + (f" x {run_state.replica.groups} replica groups" if run_state.replica is not None else "")
         + (f" x {cfg.accumulate} micro-steps" if cfg.accumulate > 1 else "")
         + f" = global batch {run_state.global_batch}; {run_state.steps_per_epoch} steps per epoch"
     )
@@ -618,8 +715,16 @@ class EpochLoop:
         self.stop: preempt.StopSignal | None = None
         self.last_samples, self.last_partial = 0, [0.0, 0.0]  # where the last steps() ended, for a stop there
         self.skipped_before = skipped_samples(run_state)  # unreadable images left out so far, on this rank
+        self.participants: list[int] = []  # under replica groups: the groups in each step committed this epoch
 
     def save(self, epoch: int, samples: int, partial: list[float], *, if_idle: bool) -> None:
+        run = self.run
+        if run.replica is not None and not run.leads:
+            return  # the group that led the last step writes the run's checkpoints
+        with run.paused():
+            self._save(epoch, samples, partial, if_idle=if_idle)
+
+    def _save(self, epoch: int, samples: int, partial: list[float], *, if_idle: bool) -> None:
         run = self.run
         totals = [0.0, 0.0]
         if samples:  # mid-epoch (an epoch's end was checked by run_epoch): never a checkpoint of a diverged model
@@ -649,7 +754,8 @@ class EpochLoop:
             self.stop_now(epoch, self.last_samples, self.last_partial, None)
         process_group.synchronize(job.device)
         elapsed = time.perf_counter() - started
-        val_loss, val_acc, val_count = job.evaluate(run.model, run.val_loader)
+        with run.paused():
+            val_loss, val_acc, val_count = job.evaluate(run.model, run.val_loader)
         record = {
             "epoch": epoch, "train_loss": train_loss, "val_loss": val_loss, "val_acc": val_acc, "val_count": val_count,
             "images_per_sec": steps_run * run.global_batch / elapsed, "epoch_time_s": elapsed,
@@ -657,6 +763,8 @@ class EpochLoop:
             "lr": run.optimizer.param_groups[0]["lr"], **memory(job, run.model, run.optimizer), **ranks,
             "nccl": nccl.in_effect(),
         }
+        if run.replica is not None:
+            record.update(self.replicas_record(elapsed))
         if start:
             record["resumed_at_step"] = run.steps_per_epoch - steps_run
         skipped = skipped_samples(run)
@@ -664,6 +772,31 @@ class EpochLoop:
             record["skipped_samples"] = int(job.reduce_sums([float(skipped - self.skipped_before)])[0])
             self.skipped_before = skipped
         return record
+
+    def replicas_record(self, elapsed: float) -> dict:
+        """The replica groups that took part in this epoch's steps run here: how many on average and at least, the
+        mean global batch they trained on, and the images per second that makes."""
+        taken = self.participants or [self.run.replica.last_participants]
+        mean = sum(taken) / len(taken)
+        per_group = self.run.cfg.batch_size
+        return {"replica_groups": self.run.replica.groups, "replicas": mean, "replicas_min": min(taken),
+                "effective_global_batch": per_group * mean, "images_per_sec": per_group * sum(taken) / elapsed}
+
+    def stepped(self, before: int) -> bool:
+        """After ``job.step`` under replica groups: whether the step was committed (False: dropped, to be tried again
+        on the same batch). Raises ``Rejoined`` when this group copied the others' state and jumped to their step."""
+        run = self.run
+        now = run.replica.step
+        run.job.global_step = now
+        place_scheduler(run.scheduler, now)  # the schedule follows the committed steps, not the tries
+        if now == before:
+            return False
+        if now != before + 1:
+            raise Rejoined(now)
+        if run.replica.last_participants < run.replica.groups and run.replica.others_finished():
+            raise OthersFinished  # alone now because the others are done: training on would redo their steps
+        self.participants.append(run.replica.last_participants)
+        return True
 
     def steps(self, epoch: int, start: int, partial: list[float]) -> tuple[float, int]:
         """Train from ``start`` samples into ``epoch``; return the epoch's mean loss and the steps run here."""
@@ -674,17 +807,22 @@ class EpochLoop:
         loss_sum = torch.tensor(partial[0], dtype=torch.float64, device=job.device)
         seen = partial[1]
         batches = iter(run.loader)
+        self.participants = []
         for step in range(steps):
             for micro in range(cfg.accumulate):
                 images, labels = next(batches)
                 if step == 0 and micro == 0:
                     logger.debug(f"local rank {job.local_rank}, pid {os.getpid()}: data: {images.device}, "
                                  f"model: {next(run.model.parameters()).device}")
-                loss = job.forward_backward(run.model, images, labels)
+                while True:  # once, or under replica groups until a step on this batch is committed
+                    before = job.global_step
+                    loss = job.forward_backward(run.model, images, labels)
+                    job.step(run.optimizer, run.scheduler)
+                    if run.replica is None or self.stepped(before):
+                        break
                 if loss is not None:  # None: a pipeline stage other than the last has no loss
                     loss_sum += loss.detach().double() * labels.shape[0]
                     seen += labels.shape[0]
-                job.step(run.optimizer, run.scheduler)
             if progress is not None:
                 progress.update(run.global_batch)
             done = start + (step + 1) * run.global_batch

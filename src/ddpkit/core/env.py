@@ -19,15 +19,22 @@ from collections.abc import Mapping, Sequence
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
 
-# Slurm gives no port; derive one from the job id so that every task of a job agrees on it
-# without talking, and two jobs sharing a node are unlikely to collide.
 # What `ddpkit run --replica-groups R` tells each group's processes (ddpkit.launch.replica_groups, read by
-# ddpkit.strategies.replica_groups): their group (0..R-1), R, the launcher's store (the groups' start barrier)
-# and, in torchft's own name, the lighthouse's address.
+# ddpkit.strategies.replica_groups): their group (0..R-1), R, the launcher's store (the groups' start barrier, and
+# where each process publishes its beat for the launcher's fence) and, in torchft's own name, the lighthouse.
 REPLICA_GROUP = "DDPKIT_REPLICA_GROUP"
 REPLICA_GROUPS = "DDPKIT_REPLICA_GROUPS"
 REPLICA_STORE = "DDPKIT_REPLICA_STORE"
 LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
+
+
+def replica_beat_key(group: int) -> str:
+    """The key of the launcher's store under which ``group``'s process publishes its beat."""
+    return f"beat/{group}"
+
+
+# Slurm gives no port; derive one from the job id so that every task of a job agrees on it
+# without talking, and two jobs sharing a node are unlikely to collide.
 SLURM_PORT_BASE = 15000
 SLURM_PORT_SPAN = 20000
 

@@ -113,7 +113,7 @@ def _fencing(store, groups: int, children: list[subprocess.Popen]) -> Iterator[N
     quorum timeout), and a stopped one cannot end itself. Its launcher restarts it, and it rejoins."""
     import threading
 
-    from ddpkit.strategies.replica_groups import beat_key
+    from ddpkit.core.env import replica_beat_key as beat_key
 
     stop = threading.Event()
 

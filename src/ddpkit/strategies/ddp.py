@@ -31,6 +31,7 @@ class DDP(Strategy):
     replicated: ClassVar[bool] = True
     with_zero: ClassVar[str | None] = "zero"
     syncs_weights: ClassVar[bool] = True  # DDP's constructor broadcasts rank 0's parameters and buffers
+    in_replica_groups: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:

@@ -24,6 +24,7 @@ For now a group is one process (``--nproc-per-node 1``); see docs/replica-groups
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import importlib
 import json
@@ -46,17 +47,15 @@ from ddpkit.core.env import LIGHTHOUSE as LIGHTHOUSE_VARIABLE
 from ddpkit.core.env import REPLICA_GROUP as GROUP_VARIABLE
 from ddpkit.core.env import REPLICA_GROUPS as GROUPS_VARIABLE
 from ddpkit.core.env import REPLICA_STORE as STORE_VARIABLE
+from ddpkit.core.env import replica_beat_key as beat_key
 
 BEAT_S = 0.5  # how often a group's process tells the launcher where it is (the fence reads it)
-
-
-def beat_key(group: int) -> str:
-    """The launcher's store key under which ``group``'s process publishes its beat."""
-    return f"beat/{group}"
+FINISHED_KEY = "finished"  # in the launcher's store, once a group has trained to the end
 
 
 def require_torchft() -> None:
     """UsageError, saying how to install it, when torchft cannot be imported."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs each quorum at INFO otherwise (read at import)
     try:
         importlib.import_module("torchft")
     except ImportError as error:
@@ -124,13 +123,16 @@ class ReplicaGroup:
         self.restarts = int(environment.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.timeout_s, self.quorum_timeout_s, self.stall_timeout_s = timeout_s, quorum_timeout_s, stall_timeout_s
         self._moved: float | None = None  # when this process last began or ended a step (None: not yet)
-        self._launcher_store = _client(environment.get(STORE_VARIABLE), timeout_s=quorum_timeout_s)
+        self._store_address = environment.get(STORE_VARIABLE)
+        self._launcher_store = _client(self._store_address, timeout_s=quorum_timeout_s)
         self._stopping, self._beats = threading.Event(), None
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._state: dict[str, Any] = {}
         self.manager = None
         self._store = None
+        self.last_participants = self.groups  # the groups that took part in the last committed step
+        self.last_rank: int | None = self.group  # this group's rank among them (None: it was healing)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
               state: dict[str, Any] | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -174,19 +176,41 @@ class ReplicaGroup:
         """This process began or ended a step (the fence's clock)."""
         self._moved = time.monotonic()
 
+    @contextlib.contextmanager
+    def paused(self):
+        """A block between two steps that may outlast ``stall_timeout_s`` (an evaluation, a checkpoint): the fence
+        then ends this process only if it stops answering."""
+        self._moved = None
+        try:
+            yield
+        finally:
+            self.moved()
+
+    @property
+    def leads(self) -> bool:
+        """Whether this group was the first of those that took part in the last committed step: the one that
+        writes what the run keeps (checkpoints, metrics, the model). Exactly one group leads at each step."""
+        return self.last_rank == 0
+
+    def resume_at(self, step: int) -> None:
+        """Count the steps from ``step`` (a checkpoint's), before the first: the groups that resumed from it agree,
+        and a group restarted from an older one copies the others' state at its first step."""
+        self._manager().load_state_dict({"step": step, "batches_committed": step * self.groups})
+
     def _publish_beats(self) -> None:
         """Every ``BEAT_S``, to the launcher's store: this process's pid, how long its current step has lasted and
         where its main thread is. The launcher ends it when that reaches ``stall_timeout_s``, or when the beats
         stop with a step open (SIGSTOP, a frozen interpreter): the fence works from outside, on a stopped
         process too."""
         main = threading.main_thread()
+        store = _client(self._store_address, timeout_s=self.quorum_timeout_s)  # this thread's own connection
         while main.is_alive():  # the first at once: a process may stop within its first half second
             frame = sys._current_frames().get(main.ident)
             where = traceback.format_stack(frame, limit=1)[0].strip().splitlines()[0] if frame else "?"
             moved = None if self._moved is None else time.monotonic() - self._moved
             beat = {"pid": os.getpid(), "t": time.time(), "moved_s": moved, "stall_s": self.stall_timeout_s,
                     "where": where}
-            self._launcher_store.set(beat_key(self.group), json.dumps(beat))
+            store.set(beat_key(self.group), json.dumps(beat))
             if self._stopping.wait(BEAT_S):
                 return
 
@@ -197,6 +221,16 @@ class ReplicaGroup:
             self._beats.join()
             self._beats = None
             self._launcher_store.delete_key(beat_key(self.group))
+
+    def finish(self) -> None:
+        """Tell the launcher that this group trained to the end: a group restarted from now on stops at once
+        (``others_finished``) instead of training alone from an older state."""
+        if self._launcher_store is not None:
+            self._launcher_store.set(FINISHED_KEY, str(self.group))
+
+    def others_finished(self) -> bool:
+        """Whether another group has trained to the end of the run (``finish``)."""
+        return self._launcher_store is not None and self._launcher_store.check([FINISHED_KEY])
 
     def _wait_for_the_other_groups(self) -> None:
         """Every group's manager is up (heartbeating) before any asks for a quorum: the first quorum then holds
@@ -266,6 +300,7 @@ def _optimizer_class():
                                "again with the groups that answer")
                 return
             participants = manager.num_participants()
+            self.group.last_participants, self.group.last_rank = participants, manager.participating_rank()
             if participants != self.seen:
                 healing = "" if manager.is_participating() else " (this group copied its state from them)"
                 logger.warning(f"replica group {self.group.group}: {participants} of {self.group.groups} groups "

@@ -23,6 +23,7 @@ from ddpkit.strategies.ddp import DDP
 @dataclasses.dataclass(frozen=True)
 class ZeRO(DDP):
     name: ClassVar[str] = "zero"
+    in_replica_groups: ClassVar[bool] = False  # torchft's optimizer wrapper steps a whole optimizer, not shards
     sharded_checkpoints: ClassVar[bool] = True
     shards_optimizer: ClassVar[bool] = True
     with_zero: ClassVar[str | None] = None  # it is ddp's

@@ -157,7 +157,17 @@ def epoch_line(record: dict) -> str:
             f"{record['val_acc']:.2%} ({record['val_count']} samples), {record['images_per_sec']:.0f} images/s")
     if record.get("slowest_rank") is not None:
         line += f", slowest rank {record['slowest_rank']} (+{record['slowdown_pct']:.1f}%)"
-    return line
+    words = replicas_words(record)
+    return line + (f", {words}" if words else "")
+
+
+def replicas_words(record: dict) -> str:
+    """A metrics record's replica groups (``ddpkit train --replica-groups``) when some did not take part in every
+    step of the epoch: how many did on average and at least, and the effective global batch; else ''."""
+    if "replicas" not in record or record["replicas_min"] == record["replica_groups"]:
+        return ""
+    return (f"replica groups {record['replicas']:.2f} of {record['replica_groups']} on average (at least "
+            f"{record['replicas_min']}), effective global batch {record['effective_global_batch']:.0f}")
 
 
 def describe(status: dict | None, last: dict | None, *, now: float | None = None, here: str | None = None) -> str:
