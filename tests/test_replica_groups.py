@@ -199,26 +199,30 @@ MODEL = '''
 import os, signal, time
 import torch.nn as nn
 
-def model(kill_at=0):
-    """A small classifier; group 1's first process kills itself (SIGKILL) at its kill_at-th training forward. Until
-    its second process is built and for 10 steps more, group 0 takes 0.1 s a step (up to 60 s): group 1 rejoins
-    before the run ends."""
+def model(kill_at=0, late=False):
+    """A small classifier; group 1's first process kills itself (SIGKILL) at its kill_at-th training forward.
+    late=False: group 0 then takes 0.1 s a step until group 1's second process has taken its first step (up to 60 s),
+    so that it rejoins. late=True: that process waits, before anything else, until group 0 has finished the run."""
     group, restarts = os.environ.get("DDPKIT_REPLICA_GROUP"), os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if kill_at and group == "1" and restarts == "1":
-        open("back", "w").close()
+    started = time.time()
+    if late and group == "1" and restarts == "1":
+        done = lambda: os.path.exists("out/model.pt") and os.path.getmtime("out/model.pt") > os.path.getmtime("killed")
+        while not done() and time.time() < started + 60:
+            time.sleep(0.1)
     net = nn.Sequential(nn.AdaptiveAvgPool2d(8), nn.Flatten(), nn.Linear(192, 64), nn.ReLU(), nn.Linear(64, 10))
-    forwards, after, started = [], [], time.time()
+    forwards = []
 
     def count(module, args):
         if module.training:
             forwards.append(1)
             if len(forwards) == kill_at and group == "1" and restarts == "0":
+                open("killed", "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
-            if len(forwards) > kill_at > 0 and group == "0" and time.time() < started + 60:
-                if os.path.exists("back"):
-                    after.append(1)
-                if len(after) <= 10:
-                    time.sleep(0.1)
+            if len(forwards) == 2 and group == "1" and restarts == "1":
+                open("rejoined", "w").close()  # its first step is committed
+            if (not late and len(forwards) > kill_at > 0 and group == "0" and not os.path.exists("rejoined")
+                    and time.time() < started + 60):
+                time.sleep(0.1)
 
     net.register_forward_pre_hook(count)
     return net
@@ -228,8 +232,9 @@ TRAIN_EPOCHS, KILL_AT = 8, 30  # digits, 22 steps an epoch of 2 x 32: group 1 di
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """`ddpkit train --replica-groups 2`, group 1 killed in its second epoch; then one more epoch resumed from the
-    run's checkpoint, in replica-group mode."""
+    """`ddpkit train --replica-groups 2`, group 1 killed in its second epoch; then two more epochs resumed from the
+    run's checkpoint, in replica-group mode, in which group 1 is killed again and comes back only after group 0 has
+    finished the run."""
     folder = tmp_path_factory.mktemp("replica-train")
     (folder / "groupnet.py").write_text(MODEL)
     common = ["train", "--replica-groups", "2", "--replica-heartbeat-timeout", "1", "--max-restarts", "1",
@@ -238,11 +243,13 @@ def trained(tmp_path_factory):
                        timeout=180)
     assert first.returncode == 0, first.stdout + first.stderr
     records = [json.loads(line) for line in (folder / "out" / "metrics.jsonl").read_text().splitlines()]
-    second = run_ddpkit(*common, "--epochs", str(TRAIN_EPOCHS + 1), "--resume", "auto", cwd=folder, timeout=180)
+    second = run_ddpkit(*common, "--epochs", str(TRAIN_EPOCHS + 2), "--resume", "auto", "--model-arg", "kill_at=5",
+                        "--model-arg", "late=true", cwd=folder, timeout=180)
     assert second.returncode == 0, second.stdout + second.stderr
     return folder / "out", first.stdout + first.stderr, records, second.stdout + second.stderr
 
 
+@pytest.mark.slow  # two ddpkit train runs of two groups: about 35 s, 55 s of CPU
 def test_train_goes_on_with_one_group_and_records_how_many_took_part(trained):
     out, output, records, _ = trained
     assert [r["epoch"] for r in records] == list(range(TRAIN_EPOCHS))  # every epoch once, whoever led it
@@ -258,12 +265,15 @@ def test_train_goes_on_with_one_group_and_records_how_many_took_part(trained):
     assert "replica groups 1." in status.describe(None, hit) and "effective global batch" in status.describe(None, hit)
 
 
+@pytest.mark.slow  # two ddpkit train runs of two groups: about 35 s, 55 s of CPU
 def test_train_resumes_from_its_checkpoint_in_replica_group_mode(trained):
     out, _, _, output = trained
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in records] == list(range(TRAIN_EPOCHS + 1))
-    assert records[-1]["replicas"] == 2.0 and records[-1]["replica_groups"] == 2
+    assert [r["epoch"] for r in records] == list(range(TRAIN_EPOCHS + 2))  # once each: group 1 wrote none again
+    assert records[TRAIN_EPOCHS]["replica_groups"] == 2 and records[TRAIN_EPOCHS]["replicas_min"] == 1
     assert f"continuing at epoch {TRAIN_EPOCHS + 1}" in output and "rejoined" not in output
+    # Restarted after group 0 had finished: nobody to copy from, so it stops instead of training alone again.
+    assert output.count("replica group 1: the other groups have finished the run; this one stops here") == 1
 
 
 @pytest.mark.parametrize("argv, message", [

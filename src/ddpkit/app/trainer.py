@@ -439,6 +439,8 @@ class RunState:
 def train(cfg: TrainConfig, job: Job, replica=None) -> dict:
     """The whole run in this process: build, resume, the epochs, model.pt. Returns the last epoch's metrics."""
     run_state = start(cfg, job, replica)
+    if replica is not None and replica.restarts > 0 and replica.others_finished():
+        return others_finished(replica, {})
     metrics_path = os.path.join(cfg.output_dir, METRICS_FILE)
     first = replica is None or (replica.group == 0 and replica.restarts == 0)
     if job.is_main and first:
@@ -456,9 +458,7 @@ def train(cfg: TrainConfig, job: Job, replica=None) -> dict:
                 epoch = run_state.position.epoch
                 continue
             except OthersFinished:
-                logger.info(f"replica group {replica.group}: the other groups have finished the run; this one "
-                            "stops here, writing nothing")
-                return record
+                return others_finished(replica, record)
             if run_state.leads:
                 append_record(metrics_path, record)
                 tracked.log(record)
@@ -475,6 +475,13 @@ def train(cfg: TrainConfig, job: Job, replica=None) -> dict:
         job.print(f"saved {os.path.join(cfg.output_dir, checkpoint.MODEL_FILE)} and {metrics_path}")
     # Nobody leaves (and tears the group down) before rank 0 has written the model.
     run_state.ckpt.wait()
+    return record
+
+
+def others_finished(replica, record: dict) -> dict:
+    """Say that this replica group stops because the others finished the run; ``record``."""
+    logger.info(f"replica group {replica.group}: the other groups have finished the run; this one stops here, "
+                "writing nothing")
     return record
 
 
