@@ -72,12 +72,26 @@ emit(event="end", step=group.step, checksum=checksums(bare.named_parameters()).t
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory):
+    """The run, with a lighthouse of the test's own (TORCHFT_LIGHTHOUSE; a 1 s heartbeat timeout), as one started
+    elsewhere would be: `ddpkit train`'s runs (slow) use the lighthouse ddpkit starts."""
+    from ddpkit.strategies.replica_groups import require_torchft
+
+    require_torchft()  # imports it quietly: its Rust side says every quorum at INFO otherwise
+    from torchft.coordination import LighthouseServer
+
     folder = tmp_path_factory.mktemp("replica-groups")
     (folder / "script.py").write_text(SCRIPT)
-    result = run_ddpkit("run", "--replica-groups", "2", "--replica-heartbeat-timeout", "1", "--max-restarts", "2",
-                        str(folder / "script.py"), str(folder), str(STEPS), str(DIE_AT), str(HANG_AT), str(STALL_S),
-                        timeout=180)
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=10000, quorum_tick_ms=100,
+                              heartbeat_timeout_ms=1000)
+    address = "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+    try:
+        result = run_ddpkit("run", "--replica-groups", "2", "--max-restarts", "2", str(folder / "script.py"),
+                            str(folder), str(STEPS), str(DIE_AT), str(HANG_AT), str(STALL_S), timeout=180,
+                            TORCHFT_LIGHTHOUSE=address)
+    finally:
+        server.shutdown()
     assert result.returncode == 0, result.stdout + result.stderr
+    assert f"2 replica groups, lighthouse at {address} (given)" in result.stderr
     records = {g: [json.loads(line) for line in (folder / f"group{g}.jsonl").read_text().splitlines()] for g in (0, 1)}
     return folder, result.stdout + result.stderr, records
 
@@ -150,6 +164,11 @@ def test_until_the_failure_two_groups_train_as_one_process_on_the_whole_batch(ki
     (["--replica-groups", "2", "--nnodes", "2", "--master-addr", "10.0.0.1"], "runs its groups on this machine"),
     (["--replica-groups", "2", "--replica-heartbeat-timeout", "0"], "--replica-heartbeat-timeout must be positive"),
     (["--replica-heartbeat-timeout", "1"], "--replica-heartbeat-timeout is for --replica-groups R"),
+    (["--lighthouse", "http://127.0.0.1:1"], "--lighthouse is for --replica-groups R"),
+    (["--replica-groups", "2", "--lighthouse", "127.0.0.1:29510"], "a lighthouse's address is http://HOST:PORT"),
+    (["--replica-groups", "2", "--lighthouse", "http://127.0.0.1:1"], "no lighthouse answers at http://127.0.0.1:1"),
+    (["--replica-groups", "2", "--lighthouse", "http://127.0.0.1:1", "--replica-heartbeat-timeout", "1"],
+     "--replica-heartbeat-timeout is the lighthouse's own setting"),
 ])
 def test_bad_replica_group_settings_are_one_line(argv, message, tmp_path, capsys):
     from ddpkit.app.cli import main

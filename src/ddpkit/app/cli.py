@@ -202,8 +202,9 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str], parser: argparse.Argu
         return 0
     if ns.replica_groups is not None:
         return _train_replica_groups(ns, argv, parser, cfg)
-    if ns.replica_heartbeat_timeout is not None:
-        raise UsageError("--replica-heartbeat-timeout is for --replica-groups R: add it, or drop the timeout")
+    if ns.replica_heartbeat_timeout is not None or ns.lighthouse is not None:
+        flag = "--replica-heartbeat-timeout" if ns.replica_heartbeat_timeout is not None else "--lighthouse"
+        raise UsageError(f"{flag} is for --replica-groups R: add it, or drop {flag}")
     options = _launch_options(ns, ns.launcher, one_process=trainer.strategy_for(cfg).one_process)
     _check_before_launch(cfg, options)
     warn_earlier_run(cfg.output_dir)
@@ -286,8 +287,9 @@ def cmd_run(ns: argparse.Namespace) -> int:
     script = (["-m"] if ns.module else []) + [ns.script]
     if ns.replica_groups is not None:
         return _run_replica_groups(ns, script)
-    if ns.replica_heartbeat_timeout is not None:
-        raise UsageError("--replica-heartbeat-timeout is for --replica-groups R: add it, or drop the timeout")
+    if ns.replica_heartbeat_timeout is not None or ns.lighthouse is not None:
+        flag = "--replica-heartbeat-timeout" if ns.replica_heartbeat_timeout is not None else "--lighthouse"
+        raise UsageError(f"{flag} is for --replica-groups R: add it, or drop {flag}")
     # Each worker runs the script unedited, under ddpkit's watch (--timeout and the stall watch reach a script
     # that starts its own process group too): ddpkit.app.watched.
     watched = ["-m", WATCHED]
@@ -337,8 +339,7 @@ def _train_replica_groups(ns: argparse.Namespace, argv: Sequence[str], parser, c
     os.environ[CONFIG_WRITTEN_ENV] = "1"  # the groups' processes run this command again: written once, here
     command = replica_groups.group_command(nproc_per_node=ns.nproc_per_node, max_restarts=ns.max_restarts,
                                            extra=[], script=["-m", "ddpkit", *argv])
-    heartbeat = 2.0 if ns.replica_heartbeat_timeout is None else ns.replica_heartbeat_timeout
-    return _workers_done(replica_groups.run_groups(ns.replica_groups, command, heartbeat_timeout_s=heartbeat,
+    return _workers_done(replica_groups.run_groups(ns.replica_groups, command, **_lighthouse_settings(ns),
                                                    log_dir=os.path.join(cfg.output_dir, trainer.LOGS_FOLDER)))
 
 
@@ -354,8 +355,14 @@ def _run_replica_groups(ns: argparse.Namespace, script: list[str]) -> int:
     extra += ["--find-hangs"] if getattr(ns, "find_hangs", False) else []
     command = replica_groups.group_command(nproc_per_node=ns.nproc_per_node, max_restarts=ns.max_restarts,
                                            extra=extra, script=[*script, *ns.script_args])
-    heartbeat = 2.0 if ns.replica_heartbeat_timeout is None else ns.replica_heartbeat_timeout
-    return replica_groups.run_groups(ns.replica_groups, command, heartbeat_timeout_s=heartbeat, log_dir=ns.log_dir)
+    return replica_groups.run_groups(ns.replica_groups, command, **_lighthouse_settings(ns), log_dir=ns.log_dir)
+
+
+def _lighthouse_settings(ns: argparse.Namespace) -> dict:
+    """``run_groups``' lighthouse settings: --lighthouse, else TORCHFT_LIGHTHOUSE (one started elsewhere), else
+    none (ddpkit starts one, with --replica-heartbeat-timeout)."""
+    return {"heartbeat_timeout_s": ns.replica_heartbeat_timeout,
+            "lighthouse_address": ns.lighthouse or os.environ.get(env_mod.LIGHTHOUSE) or None}
 
 
 WATCHED = "ddpkit.app.watched"  # the module each worker of `ddpkit run` runs the script under

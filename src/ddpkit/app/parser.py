@@ -95,6 +95,10 @@ def add_replica_flags(parser: argparse.ArgumentParser, how: str = "") -> None:
     parser.add_argument("--replica-heartbeat-timeout", type=float, default=None, metavar="SECONDS",
                         help="with --replica-groups: how long the others wait for a group that stopped answering "
                              "before they go on without it (default: 2)")
+    parser.add_argument("--lighthouse", default=None, metavar="URL",
+                        help="with --replica-groups: use the torchft lighthouse that serves at URL (http://HOST:PORT, "
+                             "started with torchft_lighthouse) instead of starting one (default: TORCHFT_LIGHTHOUSE "
+                             "if set)")
 
 
 def add_train_command(commands) -> None:

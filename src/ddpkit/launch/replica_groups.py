@@ -50,22 +50,54 @@ def lighthouse(*, heartbeat_timeout_s: float, join_timeout_s: float = 10.0) -> I
         server.shutdown()
 
 
-def run_groups(groups: int, group_command: Sequence[str], *, heartbeat_timeout_s: float = 2.0,
-               log_dir: str | None = None) -> int:
+def lighthouse_answering(address: str, *, timeout_s: float = 3.0) -> str:
+    """``address``, checked: an http://HOST:PORT on which something accepts connections (a lighthouse started
+    elsewhere, with ``torchft_lighthouse``)."""
+    import socket
+    import urllib.parse
+
+    parsed = urllib.parse.urlsplit(address)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.scheme != "http" or not parsed.hostname or port is None:
+        raise UsageError(f"a lighthouse's address is http://HOST:PORT, got {address!r} (--lighthouse or "
+                         "TORCHFT_LIGHTHOUSE)")
+    try:
+        socket.create_connection((parsed.hostname, port), timeout=timeout_s).close()
+    except OSError as error:
+        raise UsageError(f"no lighthouse answers at {address} ({error.strerror or error}): start one there "
+                         "(torchft_lighthouse), or leave out --lighthouse and TORCHFT_LIGHTHOUSE so that ddpkit starts "
+                         "its own") from None
+    return address
+
+
+def run_groups(groups: int, group_command: Sequence[str], *, heartbeat_timeout_s: float | None = None,
+               lighthouse_address: str | None = None, log_dir: str | None = None) -> int:
     """Start ``groups`` copies of ``group_command`` (a ``ddpkit run`` of one group, without --replica-groups),
-    told their group, the lighthouse and the barrier store; wait for all; the first failure's exit status."""
+    told their group, the lighthouse and the barrier store; wait for all; the first failure's exit status.
+
+    ``lighthouse_address``: a lighthouse that serves already (http://HOST:PORT), used instead of starting one here
+    with ``heartbeat_timeout_s`` (default 2 s; the given one has its own)."""
     from torch.distributed import TCPStore
 
     from ddpkit.core.process_group import usable_cores
 
     if groups < 1:
         raise UsageError(f"--replica-groups must be at least 1, got {groups}")
-    if not heartbeat_timeout_s > 0:
+    if heartbeat_timeout_s is not None and not heartbeat_timeout_s > 0:
         raise UsageError(f"--replica-heartbeat-timeout must be positive, got {heartbeat_timeout_s}")
-    with lighthouse(heartbeat_timeout_s=heartbeat_timeout_s) as address:
+    if lighthouse_address is not None and heartbeat_timeout_s is not None:
+        raise UsageError(f"--replica-heartbeat-timeout is the lighthouse's own setting: give it to the lighthouse at "
+                         f"{lighthouse_address}, or leave out --lighthouse (and TORCHFT_LIGHTHOUSE) so that ddpkit "
+                         "starts one")
+    serving = (contextlib.nullcontext(lighthouse_answering(lighthouse_address)) if lighthouse_address is not None
+               else lighthouse(heartbeat_timeout_s=2.0 if heartbeat_timeout_s is None else heartbeat_timeout_s))
+    with serving as address:
         store = TCPStore(host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=60))
-        logger.info(f"{groups} replica groups, lighthouse at {address}")
+        logger.info(f"{groups} replica groups, lighthouse at {address}{'' if lighthouse_address is None else ' (given)'}")
         children: list[subprocess.Popen] = []
         with _passed_on(children), _fencing(store, groups, children):
             try:
