@@ -72,24 +72,16 @@ emit(event="end", step=group.step, checksum=checksums(bare.named_parameters()).t
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory):
-    """The run, with a lighthouse of the test's own (TORCHFT_LIGHTHOUSE; a 1 s heartbeat timeout), as one started
-    elsewhere would be: `ddpkit train`'s runs (slow) use the lighthouse ddpkit starts."""
-    from ddpkit.strategies.replica_groups import require_torchft
-
-    require_torchft()  # imports it quietly: its Rust side says every quorum at INFO otherwise
-    from torchft.coordination import LighthouseServer
+    """The run, with a lighthouse served by the test's process (TORCHFT_LIGHTHOUSE; a 1 s heartbeat timeout), as one
+    started elsewhere would be: `ddpkit train`'s runs (slow) use the lighthouse ddpkit starts."""
+    from ddpkit.launch.replica_groups import lighthouse
 
     folder = tmp_path_factory.mktemp("replica-groups")
     (folder / "script.py").write_text(SCRIPT)
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=10000, quorum_tick_ms=100,
-                              heartbeat_timeout_ms=1000)
-    address = "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
-    try:
+    with lighthouse(heartbeat_timeout_s=1) as address:
         result = run_ddpkit("run", "--replica-groups", "2", "--max-restarts", "2", str(folder / "script.py"),
                             str(folder), str(STEPS), str(DIE_AT), str(HANG_AT), str(STALL_S), timeout=180,
                             TORCHFT_LIGHTHOUSE=address)
-    finally:
-        server.shutdown()
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"2 replica groups, lighthouse at {address} (given)" in result.stderr
     records = {g: [json.loads(line) for line in (folder / f"group{g}.jsonl").read_text().splitlines()] for g in (0, 1)}

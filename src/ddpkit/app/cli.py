@@ -202,9 +202,7 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str], parser: argparse.Argu
         return 0
     if ns.replica_groups is not None:
         return _train_replica_groups(ns, argv, parser, cfg)
-    if ns.replica_heartbeat_timeout is not None or ns.lighthouse is not None:
-        flag = "--replica-heartbeat-timeout" if ns.replica_heartbeat_timeout is not None else "--lighthouse"
-        raise UsageError(f"{flag} is for --replica-groups R: add it, or drop {flag}")
+    _refuse_replica_flags_alone(ns)
     options = _launch_options(ns, ns.launcher, one_process=trainer.strategy_for(cfg).one_process)
     _check_before_launch(cfg, options)
     warn_earlier_run(cfg.output_dir)
@@ -287,9 +285,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     script = (["-m"] if ns.module else []) + [ns.script]
     if ns.replica_groups is not None:
         return _run_replica_groups(ns, script)
-    if ns.replica_heartbeat_timeout is not None or ns.lighthouse is not None:
-        flag = "--replica-heartbeat-timeout" if ns.replica_heartbeat_timeout is not None else "--lighthouse"
-        raise UsageError(f"{flag} is for --replica-groups R: add it, or drop {flag}")
+    _refuse_replica_flags_alone(ns)
     # Each worker runs the script unedited, under ddpkit's watch (--timeout and the stall watch reach a script
     # that starts its own process group too): ddpkit.app.watched.
     watched = ["-m", WATCHED]
@@ -310,6 +306,13 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if status == 0 and ns.log_dir is None:
         shutil.rmtree(folder, ignore_errors=True)  # nothing failed: nothing to look at
     return _workers_done(status)
+
+
+def _refuse_replica_flags_alone(ns: argparse.Namespace) -> None:
+    """UsageError for a replica-group setting given without --replica-groups."""
+    for flag, value in (("--replica-heartbeat-timeout", ns.replica_heartbeat_timeout), ("--lighthouse", ns.lighthouse)):
+        if value is not None:
+            raise UsageError(f"{flag} is for --replica-groups R: add it, or drop {flag}")
 
 
 def _check_replica_launch(ns: argparse.Namespace) -> None:

@@ -442,8 +442,7 @@ def train(cfg: TrainConfig, job: Job, replica=None) -> dict:
     if replica is not None and replica.restarts > 0 and replica.others_finished():
         return others_finished(replica, {})
     metrics_path = os.path.join(cfg.output_dir, METRICS_FILE)
-    first = replica is None or (replica.group == 0 and replica.restarts == 0)
-    if job.is_main and first:
+    if job.is_main and opens_the_run(replica):
         keep_metrics_before(metrics_path, run_state.position.epoch)
     record: dict = {}
     loop = EpochLoop(run_state)
@@ -506,7 +505,15 @@ class Rejoined(Exception):
 
 def replicas_said(record: dict) -> str:
     """The epoch line's words on the replica groups that took part, when some did not."""
-    return f"  {status.replicas_words(record)}" if status.replicas_words(record) else ""
+    words = status.replicas_words(record)
+    return f"  {words}" if words else ""
+
+
+def opens_the_run(replica) -> bool:
+    """Whether this process prepares the output folder for a fresh run (sets the earlier run's checkpoints aside,
+    drops metrics past the resumed epoch): every process of a plain run; under replica groups group 0's first
+    process only, not a group that joins or rejoins a run under way."""
+    return replica is None or (replica.group == 0 and replica.restarts == 0)
 
 
 def start(cfg: TrainConfig, job: Job, replica=None) -> RunState:
@@ -568,7 +575,7 @@ def open_checkpoints(cfg: TrainConfig, job: Job, model: nn.Module, replica=None)
         # --resume PATH was the starting point of the first attempt only).
         source = "auto"
         logger.info(f"restart {job.env.restart_count} of the group: resuming from the newest checkpoint")
-    if source is None and job.is_main and (replica is None or (replica.group == 0 and replica.restarts == 0)):
+    if source is None and job.is_main and opens_the_run(replica):
         moved = checkpoint.set_aside(folder)
         if moved is not None:
             logger.info(f"starting fresh (no --resume); the earlier run's checkpoints were moved to {moved}")
