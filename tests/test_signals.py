@@ -112,3 +112,44 @@ def test_a_repeated_sigterm_is_the_same_stop_and_a_later_one_ends_the_process(tm
     assert (tmp_path / "finally").exists(), result.stderr  # the repeat did not end it in its finally block
     assert (tmp_path / "terminated").read_text() == str(128 + signal.SIGTERM)  # raised once, with SIGTERM's status
     assert result.returncode == -signal.SIGTERM and not (tmp_path / "survived").exists(), result.stderr
+
+
+BROKEN_DATA = textwrap.dedent(
+    """
+    import torch, ddpkit
+    from torch.utils.data import Dataset
+
+    class Broken(Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, index):
+            if index == 20:
+                raise ValueError("sample 20 is corrupt")
+            return torch.zeros(3), 0
+
+    with ddpkit.Job("single", seed=0) as job:
+        loader = job.train_loader(Broken(), batch_size=4, workers=2)
+
+        def batches():  # a suspended generator holds the loader's pass (and its workers) after the error
+            while True:
+                yield from loader
+
+        source = batches()
+        for _ in range(30):
+            next(source)
+    """
+)
+
+
+def test_an_error_in_a_loader_worker_ends_the_process_with_the_error_and_no_worker_left(tmp_path):
+    from conftest import _pids_with, run_command
+
+    (tmp_path / "broken.py").write_text(BROKEN_DATA)
+    marker = "loader-error-" + str(os.getpid())
+    # Before the fix, the process never exited: its workers ignore SIGTERM, which multiprocessing's exit sends them.
+    result = run_command([sys.executable, str(tmp_path / "broken.py")], timeout=60, DDPKIT_LOADER_TEST=marker)
+    assert result.returncode == 1, result.stderr
+    assert "ValueError: sample 20 is corrupt" in result.stderr
+    assert "killed by signal" not in result.stderr  # the workers' end at exit is not reported as a second error
+    assert _pids_with("DDPKIT_LOADER_TEST", marker) == []

@@ -20,6 +20,9 @@ Who installs what, and for how long:
 - ``ddpkit.stop_on_signal`` (``ddpkit train``'s loop): SIGTERM and SIGINT only raise a flag while the
   loop runs, so that every rank stops at the same step; restored when the loop ends.
 - DataLoader worker processes ignore SIGTERM and SIGINT (``ignore_stop_signals``): their rank stops them.
+  So at its exit a process that made such workers SIGKILLs those still running
+  (``kill_children_ignoring_sigterm_at_exit``): multiprocessing's exit handler would SIGTERM them and wait
+  forever (a loader whose pass an exception broke off, still held by the traceback).
 - A rank a launcher started (torchrun's agent, ``ddpkit train --launcher spawn``) asks Linux for SIGTERM
   when that launcher ends (``end_with_parent``): a launcher killed with SIGKILL leaves no rank training on.
 Only the main thread may install handlers (Python's rule); elsewhere these functions do nothing.
@@ -27,6 +30,7 @@ Only the main thread may install handlers (Python's rule); elsewhere these funct
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -143,3 +147,37 @@ def ignore_stop_signals(worker_id: int = 0) -> None:  # noqa: ARG001 - DataLoade
     the rank in the middle of the step it is meant to finish cleanly.
     """
     catch((signal.SIGTERM, signal.SIGINT), signal.SIG_IGN)
+
+
+@functools.cache
+def kill_children_ignoring_sigterm_at_exit() -> None:
+    """Once per process: at exit, SIGKILL this process's daemonic children that ignore SIGTERM (loader workers,
+    ``ignore_stop_signals``). multiprocessing's own exit handler ends daemonic children with SIGTERM and then
+    waits for them, forever for these. atexit runs the later registration first, so this runs before it."""
+    import atexit
+    import importlib
+
+    importlib.import_module("multiprocessing.util")  # registers that handler on import: before this one
+    atexit.register(_kill_children_ignoring_sigterm)
+
+
+def _kill_children_ignoring_sigterm() -> None:
+    import multiprocessing
+
+    doomed = [child for child in multiprocessing.active_children()
+              if child.daemon and _ignores(child.pid, signal.SIGTERM)]
+    if doomed and threading.current_thread() is threading.main_thread():
+        # DataLoader's SIGCHLD handler would raise "worker killed by signal" into this exit: the process is leaving
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in doomed:
+        child.kill()
+
+
+def _ignores(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` ignores signal ``signum`` (False where /proc cannot say: not Linux)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            mask = next(line.split()[1] for line in status if line.startswith("SigIgn:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(mask, 16) >> (signum - 1) & 1)

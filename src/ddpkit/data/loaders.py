@@ -332,6 +332,7 @@ def _settings(data: Dataset | DataLoader, batch_size: int | None, workers: int |
 
 
 def _ignoring_stop_signals(init: Callable[[int], None] | None) -> Callable[[int], None]:
+    signals.kill_children_ignoring_sigterm_at_exit()  # a loader still held at exit: its workers would not end
     if init is None or init is signals.ignore_stop_signals:
         return signals.ignore_stop_signals
     return functools.partial(_then, init)
