@@ -11,7 +11,8 @@
 # time goes), checkpoint-blocking.txt and .json (benchmarks/checkpoint_blocking.py: full, sharded
 # and sharded async saves of FSDP state from the GPU), loader-throughput.txt (benchmarks/loader_throughput.py), image-decode-cpu.txt
 # (benchmarks/image_decode.py), train-*/ (`ddpkit train` resnet18 with --amp bf16/fp16
-# under ddp, zero and fsdp: metrics.jsonl holds each rank's peak memory) and steps.txt (each step's exit
+# under ddp, zero and fsdp: metrics.jsonl holds each rank's peak memory; and as two replica groups against one
+# process on the same global batch) and steps.txt (each step's exit
 # status and seconds). `python benchmarks/gpu_tables.py RESULTS_DIR` turns them into docs/benchmarks.md's tables.
 #
 # Set-up: the project is used from this checkout. When `import ddpkit` fails, it is installed as the README
@@ -113,6 +114,11 @@ step checkpoint-blocking 150 40 ddpkit run --nproc-per-node 1 benchmarks/checkpo
     --width 4096 --layers 8 --batch 2048 --rounds 3 --json "$OUT_DIR/checkpoint-blocking.json"
 step pytest-gpu 240 70 "$PYTHON" -m pytest -m gpu -n 3 --dist load -p no:cacheprovider tests/test_gpu.py \
     tests/test_images.py
+# Replica groups (issue 31, docs/replica-groups.md): two groups of one process each, which share the GPU when
+# there is one (their all-reduce is gloo's, through host memory), against one process on the same global batch.
+# Needs torchft (pip install 'ddpkit[ft]').
+step train-replica-groups 150 45 train replica-groups --batch-size 128 --replica-groups 2
+step train-one-process 90 20 train one-process
 # What the loader alone delivers to the GPU per decoding mode (no model): the ceiling of the runs from files.
 step loader-throughput 240 60 "$PYTHON" benchmarks/loader_throughput.py --folder "$JPEGS/folder" --batch "$BATCH" \
     --batches 10 --repeats 3

@@ -185,6 +185,16 @@ def test_the_fence_ends_a_step_that_outlasts_its_limit_whether_the_process_still
     assert fence_reason(beat | {"stall_s": 0}, 1000.0) is None  # the fence is off
 
 
+def test_each_group_gets_a_gpu_of_its_own_in_turn_and_a_cpu_machine_none(monkeypatch):
+    from ddpkit.launch.replica_groups import group_gpu, visible_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 5,7")
+    gpus = visible_gpus()
+    assert [group_gpu(group, gpus) for group in range(4)] == ["2", "5", "7", "2"]  # more groups than GPUs: shared
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus() == [] and group_gpu(0, []) is None  # no GPU: the variable is left alone
+
+
 def test_a_fence_that_would_end_a_healthy_group_waiting_for_a_hung_one_is_refused(monkeypatch):
     import ddpkit
 

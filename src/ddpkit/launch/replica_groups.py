@@ -99,6 +99,7 @@ def run_groups(groups: int, group_command: Sequence[str], *, heartbeat_timeout_s
                          timeout=datetime.timedelta(seconds=60))
         logger.info(f"{groups} replica groups, lighthouse at {address}{'' if lighthouse_address is None else ' (given)'}")
         children: list[subprocess.Popen] = []
+        gpus = visible_gpus()
         with _passed_on(children), _fencing(store, groups, children):
             try:
                 for group in range(groups):
@@ -107,6 +108,9 @@ def run_groups(groups: int, group_command: Sequence[str], *, heartbeat_timeout_s
                     # The groups share this machine's cores: each launch alone would give its process all of them,
                     # and R x that many OpenMP threads spin against each other (3.4x slower steps on 2 cores).
                     environment.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // groups)))
+                    gpu = group_gpu(group, gpus)
+                    if gpu is not None:
+                        environment["CUDA_VISIBLE_DEVICES"] = gpu
                     # A session of its own (Ctrl-C reaches it once, passed on below) that ends with this process.
                     children.append(subprocess.Popen(_with_log_dir(group_command, log_dir, group), env=environment,
                                                      start_new_session=True, preexec_fn=signals.end_with_parent))
@@ -117,6 +121,24 @@ def run_groups(groups: int, group_command: Sequence[str], *, heartbeat_timeout_s
     for group, status in failed:
         logger.error(f"replica group {group} ended with exit status {status}")
     return failed[0][1] if failed else 0
+
+
+def visible_gpus() -> list[str]:
+    """The CUDA devices this process may hand out, as CUDA_VISIBLE_DEVICES names them (none on a CPU machine)."""
+    named = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if named is not None:
+        return [name.strip() for name in named.split(",") if name.strip()]
+    import torch
+
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
+def group_gpu(group: int, gpus: Sequence[str]) -> str | None:
+    """CUDA_VISIBLE_DEVICES for ``group``'s process: the groups take the GPUs in turn, one each (without it, every
+    group's local rank 0 would drive the first GPU). With fewer GPUs than groups, groups share them round robin,
+    which works (the groups' all-reduce is gloo's) but is for trials. None without GPUs: the variable is left
+    alone."""
+    return gpus[group % len(gpus)] if gpus else None
 
 
 SILENT_S = 2.0  # a process whose beats (every 0.5 s) stopped this long ago is stopped or frozen, not just busy
