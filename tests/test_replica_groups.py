@@ -25,8 +25,10 @@ import torch, torch.nn as nn, torch.nn.functional as F
 import ddpkit
 from ddpkit.watch.replicas import checksums  # the replica check's: each tensor's bits, summed
 
-out_dir, steps, die_at, hang_at, stall_s = sys.argv[1], *map(int, sys.argv[2:6])
+out_dir, steps, die_at, hang_at, stall_s, last_restart = sys.argv[1], *map(int, sys.argv[2:7])
 group = ddpkit.ReplicaGroup(timeout_s=3, stall_timeout_s=stall_s)
+if group.group == 1 and group.restarts == 1:
+    time.sleep(float(os.environ.get("REJOIN_AFTER_S", "0")))  # a restart that takes longer than the others' stall limit
 torch.manual_seed(0)
 bare = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 model, optimizer = group.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.05, momentum=0.9))
@@ -42,7 +44,7 @@ def die(grad):  # the first layer's gradient is backward's last: group 0 is in t
     os.kill(os.getpid(), signal.SIGKILL)
 
 emit(event="start", restarts=group.restarts)
-if group.group == 1 and group.restarts == 2:
+if group.group == 1 and group.restarts == last_restart:
     open(os.path.join(out_dir, "last-start"), "w").close()
 deadline, mine = time.time() + 90, 0
 # On to STEPS, and until group 1's last process (after the kill and the hang) has joined.
@@ -80,7 +82,7 @@ def killed_run(tmp_path_factory):
     (folder / "script.py").write_text(SCRIPT)
     with lighthouse(heartbeat_timeout_s=1) as address:
         result = run_ddpkit("run", "--replica-groups", "2", "--max-restarts", "2", str(folder / "script.py"),
-                            str(folder), str(STEPS), str(DIE_AT), str(HANG_AT), str(STALL_S), timeout=180,
+                            str(folder), str(STEPS), str(DIE_AT), str(HANG_AT), str(STALL_S), "2", timeout=180,
                             TORCHFT_LIGHTHOUSE=address)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"2 replica groups, lighthouse at {address} (given)" in result.stderr
@@ -150,8 +152,39 @@ def test_until_the_failure_two_groups_train_as_one_process_on_the_whole_batch(ki
         torch.testing.assert_close(grouped[name], value, rtol=0, atol=1e-5)
 
 
+def test_with_min_replicas_the_other_group_waits_for_the_dead_one_and_takes_no_step_alone(tmp_path):
+    """--min-replicas 2: group 1 dies in step DIE_AT's all-reduce; group 0 waits (longer than its stall limit, not
+    fenced) until group 1 is back, and no step is taken by one group. About 15 s, a third of it asleep."""
+    (tmp_path / "script.py").write_text(SCRIPT)
+    steps = DIE_AT + 5
+    result = run_ddpkit("run", "--replica-groups", "2", "--min-replicas", "2", "--replica-heartbeat-timeout", "1",
+                        "--max-restarts", "1", str(tmp_path / "script.py"), str(tmp_path), str(steps), str(DIE_AT),
+                        "0", str(STALL_S), "1", timeout=120, REJOIN_AFTER_S=str(STALL_S))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 replica groups, lighthouse at http://127.0.0.1:" in result.stderr
+    assert "a step waits for 2 of them" in result.stderr and "no step for" not in result.stderr
+    records = {g: [json.loads(line) for line in (tmp_path / f"group{g}.jsonl").read_text().splitlines()] for g in (0, 1)}
+    assert len({r["pid"] for r in records[0]}) == 1  # waited, never fenced or restarted
+    # Every step group 0 committed, it took with group 1. (The restarted group's first record is its jump to the
+    # others' step by copying their state, which it took no part in; the step after it, both took.)
+    assert all(r["participants"] == 2 for r in committed(records[0]))
+    steps_taken = [r["step"] for r in committed(records[0])]
+    assert steps_taken == list(range(1, len(steps_taken) + 1)) and steps_taken[-1] >= steps
+    death = next(r for r in records[1] if r["event"] == "die")
+    back = [r for r in records[1] if r["event"] == "start"][1]
+    first_after = next(r for r in committed(records[0]) if r["t"] > death["t"])
+    # It waited for the restarted group (which slept STALL_S before joining), past its own stall limit.
+    assert first_after["t"] > back["t"] and first_after["t"] - death["t"] > STALL_S
+    ends = [next(r for r in records[g] if r["event"] == "end") for g in (0, 1)]
+    assert ends[0]["step"] == ends[1]["step"] and ends[0]["checksum"] == ends[1]["checksum"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--replica-groups", "0"], "--replica-groups must be at least 1, got 0"),
+    (["--replica-groups", "2", "--min-replicas", "3"], "--min-replicas must be between 1 and --replica-groups (2), got 3"),
+    (["--min-replicas", "2"], "--min-replicas is for --replica-groups R"),
+    (["--replica-groups", "2", "--lighthouse", "http://127.0.0.1:1", "--min-replicas", "2"],
+     "--min-replicas is the lighthouse's own setting"),
     (["--replica-groups", "2", "--nproc-per-node", "2"], "replica groups of more than one process are not built yet"),
     (["--replica-groups", "2", "--nnodes", "2", "--master-addr", "10.0.0.1"], "runs its groups on this machine"),
     (["--replica-groups", "2", "--replica-heartbeat-timeout", "0"], "--replica-heartbeat-timeout must be positive"),

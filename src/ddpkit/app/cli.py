@@ -310,7 +310,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 def _refuse_replica_flags_alone(ns: argparse.Namespace) -> None:
     """UsageError for a replica-group setting given without --replica-groups."""
-    for flag, value in (("--replica-heartbeat-timeout", ns.replica_heartbeat_timeout), ("--lighthouse", ns.lighthouse)):
+    for flag, value in (("--replica-heartbeat-timeout", ns.replica_heartbeat_timeout), ("--lighthouse", ns.lighthouse),
+                        ("--min-replicas", ns.min_replicas)):
         if value is not None:
             raise UsageError(f"{flag} is for --replica-groups R: add it, or drop {flag}")
 
@@ -363,8 +364,8 @@ def _run_replica_groups(ns: argparse.Namespace, script: list[str]) -> int:
 
 def _lighthouse_settings(ns: argparse.Namespace) -> dict:
     """``run_groups``' lighthouse settings: --lighthouse, else TORCHFT_LIGHTHOUSE (one started elsewhere), else
-    none (ddpkit starts one, with --replica-heartbeat-timeout)."""
-    return {"heartbeat_timeout_s": ns.replica_heartbeat_timeout,
+    none (ddpkit starts one, with --replica-heartbeat-timeout and --min-replicas)."""
+    return {"heartbeat_timeout_s": ns.replica_heartbeat_timeout, "min_replicas": ns.min_replicas,
             "lighthouse_address": ns.lighthouse or os.environ.get(env_mod.LIGHTHOUSE) or None}
 
 

@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_replica_flags(parser: argparse.ArgumentParser, how: str = "") -> None:
-    """--replica-groups and --replica-heartbeat-timeout (``ddpkit train`` and ``ddpkit run``)."""
+    """--replica-groups and its settings (``ddpkit train`` and ``ddpkit run``)."""
     parser.add_argument("--replica-groups", type=int, default=None, metavar="R",
                         help="run R replica groups (torchft): a group that dies is restarted under --max-restarts and "
                              f"copies its state from a live one, while the others train on ({how}one process per "
@@ -95,6 +95,10 @@ def add_replica_flags(parser: argparse.ArgumentParser, how: str = "") -> None:
     parser.add_argument("--replica-heartbeat-timeout", type=float, default=None, metavar="SECONDS",
                         help="with --replica-groups: how long the others wait for a group that stopped answering "
                              "before they go on without it (default: 2)")
+    parser.add_argument("--min-replicas", type=int, default=None, metavar="K",
+                        help="with --replica-groups: the fewest groups a step may take; while fewer are alive, the "
+                             "others wait for them (up to the quorum timeout) instead of training on without them "
+                             "(default: 1)")
     parser.add_argument("--lighthouse", default=None, metavar="URL",
                         help="with --replica-groups: use the torchft lighthouse that serves at URL (http://HOST:PORT, "
                              "started with torchft_lighthouse) instead of starting one (default: TORCHFT_LIGHTHOUSE "

@@ -21,10 +21,12 @@ DEFAULT_MASTER_PORT = 29500
 
 # What `ddpkit run --replica-groups R` tells each group's processes (ddpkit.launch.replica_groups, read by
 # ddpkit.strategies.replica_groups): their group (0..R-1), R, the launcher's store (the groups' start barrier, and
-# where each process publishes its beat for the launcher's fence) and, in torchft's own name, the lighthouse.
+# where each process publishes its beat for the launcher's fence), the fewest groups a step may take, and, in
+# torchft's own name, the lighthouse.
 REPLICA_GROUP = "DDPKIT_REPLICA_GROUP"
 REPLICA_GROUPS = "DDPKIT_REPLICA_GROUPS"
 REPLICA_STORE = "DDPKIT_REPLICA_STORE"
+MIN_REPLICAS = "DDPKIT_MIN_REPLICAS"
 LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
 
 

@@ -24,24 +24,26 @@ from ddpkit.core.errors import UsageError
 from ddpkit.core.logs import logger
 
 from ddpkit.core.env import LIGHTHOUSE as LIGHTHOUSE_VARIABLE
+from ddpkit.core.env import MIN_REPLICAS as MIN_REPLICAS_VARIABLE
 from ddpkit.core.env import REPLICA_GROUP as GROUP_VARIABLE
 from ddpkit.core.env import REPLICA_GROUPS as GROUPS_VARIABLE
 from ddpkit.core.env import REPLICA_STORE as STORE_VARIABLE
 
 
 @contextlib.contextmanager
-def lighthouse(*, heartbeat_timeout_s: float, join_timeout_s: float = 10.0) -> Iterator[str]:
+def lighthouse(*, heartbeat_timeout_s: float, min_replicas: int = 1, join_timeout_s: float = 10.0) -> Iterator[str]:
     """torchft's lighthouse, serving in this process; yields its address (http://127.0.0.1:PORT).
 
     A group whose heartbeats stop for ``heartbeat_timeout_s`` is left out of the next quorum: that is how long
-    the other groups wait for a dead one. One group is quorum enough (``min_replicas`` 1), so the last one alive
-    trains on; the lighthouse only refuses a quorum of a minority of the groups it still hears from."""
+    the other groups wait for a dead one. ``min_replicas``: the fewest groups of a quorum; with 1, the last one
+    alive trains on. Beyond that, the lighthouse only refuses a quorum of a minority of the groups it still hears
+    from."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs each quorum at INFO otherwise (read at import)
     try:
         from torchft.coordination import LighthouseServer
     except ImportError as error:
         raise UsageError(f"--replica-groups needs torchft ({error}); install it with pip install 'ddpkit[ft]'") from None
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=int(join_timeout_s * 1000),
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=int(join_timeout_s * 1000),
                               quorum_tick_ms=100, heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
     try:
         port = server.address().rsplit(":", 1)[1]
@@ -74,12 +76,13 @@ def lighthouse_answering(address: str, *, timeout_s: float = 3.0) -> str:
 
 
 def run_groups(groups: int, group_command: Sequence[str], *, heartbeat_timeout_s: float | None = None,
-               lighthouse_address: str | None = None, log_dir: str | None = None) -> int:
+               min_replicas: int | None = None, lighthouse_address: str | None = None,
+               log_dir: str | None = None) -> int:
     """Start ``groups`` copies of ``group_command`` (a ``ddpkit run`` of one group, without --replica-groups),
     told their group, the lighthouse and the barrier store; wait for all; the first failure's exit status.
 
     ``lighthouse_address``: a lighthouse that serves already (http://HOST:PORT), used instead of starting one here
-    with ``heartbeat_timeout_s`` (default 2 s; the given one has its own)."""
+    with ``heartbeat_timeout_s`` (default 2 s) and ``min_replicas`` (default 1); the given one has its own."""
     from torch.distributed import TCPStore
 
     from ddpkit.core.process_group import usable_cores
@@ -88,23 +91,31 @@ def run_groups(groups: int, group_command: Sequence[str], *, heartbeat_timeout_s
         raise UsageError(f"--replica-groups must be at least 1, got {groups}")
     if heartbeat_timeout_s is not None and not heartbeat_timeout_s > 0:
         raise UsageError(f"--replica-heartbeat-timeout must be positive, got {heartbeat_timeout_s}")
-    if lighthouse_address is not None and heartbeat_timeout_s is not None:
-        raise UsageError(f"--replica-heartbeat-timeout is the lighthouse's own setting: give it to the lighthouse at "
-                         f"{lighthouse_address}, or leave out --lighthouse (and TORCHFT_LIGHTHOUSE) so that ddpkit "
-                         "starts one")
+    if min_replicas is not None and not 1 <= min_replicas <= groups:
+        raise UsageError(f"--min-replicas must be between 1 and --replica-groups ({groups}), got {min_replicas}")
+    for flag, value, own in (("--replica-heartbeat-timeout", heartbeat_timeout_s, "--heartbeat_timeout_ms"),
+                             ("--min-replicas", min_replicas, "--min_replicas")):
+        if lighthouse_address is not None and value is not None:
+            raise UsageError(f"{flag} is the lighthouse's own setting: give it to the lighthouse at {lighthouse_address} "
+                             f"(torchft_lighthouse {own}), or leave out --lighthouse (and TORCHFT_LIGHTHOUSE) so that "
+                             "ddpkit starts one")
     serving = (contextlib.nullcontext(lighthouse_answering(lighthouse_address)) if lighthouse_address is not None
-               else lighthouse(heartbeat_timeout_s=2.0 if heartbeat_timeout_s is None else heartbeat_timeout_s))
+               else lighthouse(heartbeat_timeout_s=2.0 if heartbeat_timeout_s is None else heartbeat_timeout_s,
+                               min_replicas=min_replicas or 1))
     with serving as address:
         store = TCPStore(host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=60))
-        logger.info(f"{groups} replica groups, lighthouse at {address}{'' if lighthouse_address is None else ' (given)'}")
+        waits = f"; a step waits for {min_replicas} of them" if (min_replicas or 1) > 1 else ""
+        logger.info(f"{groups} replica groups, lighthouse at {address}"
+                    f"{'' if lighthouse_address is None else ' (given)'}{waits}")
         children: list[subprocess.Popen] = []
         gpus = visible_gpus()
         with _passed_on(children), _fencing(store, groups, children):
             try:
                 for group in range(groups):
                     environment = {**os.environ, GROUP_VARIABLE: str(group), GROUPS_VARIABLE: str(groups),
-                                   STORE_VARIABLE: f"127.0.0.1:{store.port}", LIGHTHOUSE_VARIABLE: address}
+                                   STORE_VARIABLE: f"127.0.0.1:{store.port}", LIGHTHOUSE_VARIABLE: address,
+                                   MIN_REPLICAS_VARIABLE: str(min_replicas or 1)}
                     # The groups share this machine's cores: each launch alone would give its process all of them,
                     # and R x that many OpenMP threads spin against each other (3.4x slower steps on 2 cores).
                     environment.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // groups)))

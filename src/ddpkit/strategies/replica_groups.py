@@ -44,6 +44,7 @@ from ddpkit.core.errors import UsageError, first_line
 from ddpkit.core.logs import logger
 
 from ddpkit.core.env import LIGHTHOUSE as LIGHTHOUSE_VARIABLE
+from ddpkit.core.env import MIN_REPLICAS as MIN_REPLICAS_VARIABLE
 from ddpkit.core.env import REPLICA_GROUP as GROUP_VARIABLE
 from ddpkit.core.env import REPLICA_GROUPS as GROUPS_VARIABLE
 from ddpkit.core.env import REPLICA_STORE as STORE_VARIABLE
@@ -93,7 +94,9 @@ class ReplicaGroup:
     itself. It must lie between ``timeout_s`` (a healthy group waiting in a collective for the hung one gives up on
     it first) and ``quorum_timeout_s``, and the launcher's heartbeat timeout must be shorter than ``timeout_s``; 0
     turns it off. Armed at the first ``zero_grad()``: count evaluation or a checkpoint between two steps in it.
-    ``environment``: the variables to read (default: this process's).
+    ``environment``: the variables to read (default: this process's). ``min_replicas`` (the launcher's
+    ``--min-replicas``): the fewest groups a step may take; while fewer are alive, ``zero_grad()`` waits for the
+    quorum, up to ``quorum_timeout_s``, and the fence does not count that wait.
     """
 
     def __init__(self, *, timeout_s: float = 10.0, quorum_timeout_s: float = 60.0, stall_timeout_s: float = 30.0,
@@ -116,9 +119,15 @@ class ReplicaGroup:
                              f"quorum_timeout_s ({quorum_timeout_s:g}), got {stall_timeout_s:g}")
         try:
             self.group, self.groups = int(environment[GROUP_VARIABLE]), int(environment[GROUPS_VARIABLE])
+            # the fewest groups a step may take (--min-replicas); while fewer are alive, a step waits for them
+            self.min_replicas = int(environment.get(MIN_REPLICAS_VARIABLE) or 1)
         except ValueError:
-            raise UsageError(f"{GROUP_VARIABLE} and {GROUPS_VARIABLE} must be whole numbers, got "
-                             f"{environment[GROUP_VARIABLE]!r} and {environment[GROUPS_VARIABLE]!r}") from None
+            raise UsageError(f"{GROUP_VARIABLE}, {GROUPS_VARIABLE} and {MIN_REPLICAS_VARIABLE} must be whole "
+                             f"numbers, got {environment[GROUP_VARIABLE]!r}, {environment[GROUPS_VARIABLE]!r} and "
+                             f"{environment.get(MIN_REPLICAS_VARIABLE)!r}") from None
+        if not 1 <= self.min_replicas <= self.groups:
+            raise UsageError(f"{MIN_REPLICAS_VARIABLE} must be between 1 and the number of groups ({self.groups}), "
+                             f"got {self.min_replicas}")
         self.lighthouse = environment[LIGHTHOUSE_VARIABLE]
         self.restarts = int(environment.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.timeout_s, self.quorum_timeout_s, self.stall_timeout_s = timeout_s, quorum_timeout_s, stall_timeout_s
@@ -151,7 +160,7 @@ class ReplicaGroup:
         timeout = datetime.timedelta(seconds=self.timeout_s)
         self.manager = torchft.Manager(
             pg=torchft.ProcessGroupGloo(timeout=timeout),  # the gloo timeout is set here, not by timeout=
-            load_state_dict=self._load_state_dict, state_dict=self._state_dict, min_replica_size=1,
+            load_state_dict=self._load_state_dict, state_dict=self._state_dict, min_replica_size=self.min_replicas,
             replica_id=str(self.group), lighthouse_addr=self.lighthouse, store_addr=host, store_port=self._store.port,
             rank=0, world_size=1, port=0, timeout=timeout, hostname=host,  # what it tells the others to reach
             quorum_timeout=datetime.timedelta(seconds=self.quorum_timeout_s),
@@ -287,7 +296,12 @@ def _optimizer_class():
 
         def zero_grad(self, set_to_none: bool = True) -> None:
             self.group.moved()
-            super().zero_grad(set_to_none)
+            super().zero_grad(set_to_none)  # asks for the quorum, which forms in the background
+            if self.group.min_replicas > 1:
+                # The quorum forms only once enough groups are alive: waiting for a restarted one is not a stall
+                # (the fence would end this healthy process), and quorum_timeout_s bounds it.
+                with self.group.paused():
+                    self.manager.wait_quorum()
 
         def step(self, closure=None) -> None:
             self.group.moved()
