@@ -2,7 +2,7 @@
 
     python benchmarks/replica_groups.py [--steps 300] [--kill-at 125] [--width 512] [--batch 64] [--json FILE]
 
-Four launches of the same training (an MLP of 4 x Linear(width, width), SGD, batch ``--batch`` per process, each
+Six launches of the same training (an MLP of 4 x Linear(width, width), SGD, batch ``--batch`` per process, each
 process its half of one global batch per step, ``--steps`` steps):
 
 * ``ddpkit run --nproc-per-node 2``: plain DDP over 2 processes (ddpkit's Job), a full checkpoint every
@@ -10,7 +10,8 @@ process its half of one global batch per step, ``--steps`` steps):
   (by itself, between steps) after step ``--kill-at``: the agent restarts both processes, which resume from the
   newest checkpoint;
 * ``ddpkit run --replica-groups 2``: two groups of one process (ddpkit.ReplicaGroup); once without a failure,
-  once with group 1 SIGKILLed at the same step: group 0 goes on alone, group 1 restarts and copies its state.
+  once with group 1 SIGKILLed at the same step: group 0 goes on alone, group 1 restarts and copies its state;
+* the same with ``--min-replicas 2``: group 0 waits for group 1 instead of going on alone.
 
 Reported: each launch's median step time (steps 20 on, rank 0's or group 0's, never the killed one), the wall
 time from launch until that process committed step ``--steps``, and per failure the wall time it added (killed run
@@ -46,7 +47,7 @@ def data(step, part):
     return x[part * batch:(part + 1) * batch], x[part * batch:(part + 1) * batch].flip(1)
 
 log = open(os.path.join(out, f"times-{mode}-{os.environ.get('DDPKIT_REPLICA_GROUP', os.environ.get('RANK'))}.jsonl"), "a")
-if mode == "groups":
+if mode.startswith("groups"):
     group = ddpkit.ReplicaGroup(timeout_s=5)
     model, optimizer = group.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.01))
     part, victim = group.group, group.group == 1 and restarts == 0
@@ -84,12 +85,18 @@ log.close()
 '''
 
 
+MODES = ("ddp", "groups", "groups-wait")
+NAMES = {"ddp": "plain DDP, 2 processes", "groups": "2 replica groups of 1",
+         "groups-wait": "2 replica groups of 1, --min-replicas 2"}
+
+
 def launch(mode: str, folder: Path, args, kill_at: int) -> dict:
     """One launch; its wall time and its processes' step times."""
     out = folder / f"{mode}-{'killed' if kill_at >= 0 else 'clean'}"
     out.mkdir()
     script = folder / "worker.py"
-    flags = (["--replica-groups", "2", "--nproc-per-node", "1"] if mode == "groups" else ["--nproc-per-node", "2"])
+    flags = {"ddp": ["--nproc-per-node", "2"], "groups": ["--replica-groups", "2", "--nproc-per-node", "1"],
+             "groups-wait": ["--replica-groups", "2", "--min-replicas", "2", "--nproc-per-node", "1"]}[mode]
     command = [sys.executable, "-m", "ddpkit", "run", *flags, "--max-restarts", "1", str(script), mode, str(out),
                str(args.steps), str(kill_at), str(args.width), str(args.batch), str(args.checkpoint_every)]
     started = time.time()
@@ -116,22 +123,24 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="ddpkit-replica-bench-") as name:
         folder = Path(name)
         (folder / "worker.py").write_text(WORKER)
-        rows = [launch(mode, folder, args, kill_at) for mode in ("ddp", "groups") for kill_at in (-1, args.kill_at)]
+        rows = [launch(mode, folder, args, kill_at) for mode in MODES for kill_at in (-1, args.kill_at)]
     by = {(r["mode"], r["killed_at"] >= 0): r for r in rows}
     report = {"steps": args.steps, "kill_at": args.kill_at, "width": args.width, "batch": args.batch,
               "checkpoint_every": args.checkpoint_every, "cpus": os.cpu_count(), "rows": rows,
               "step_cost": by["groups", False]["step_ms"] / by["ddp", False]["step_ms"],
-              "lost_s": {mode: by[mode, True]["wall_s"] - by[mode, False]["wall_s"] for mode in ("ddp", "groups")}}
+              "step_cost_waiting": by["groups-wait", False]["step_ms"] / by["ddp", False]["step_ms"],
+              "lost_s": {mode: by[mode, True]["wall_s"] - by[mode, False]["wall_s"] for mode in MODES}}
     print(f"{args.steps} steps of 4 x Linear({args.width}) at batch {args.batch} per process; a SIGKILL after step "
           f"{args.kill_at}; plain DDP checkpoints every {args.checkpoint_every} steps")
-    print(f"{'launch':<34} {'wall s':>8} {'step ms':>8}")
+    print(f"{'launch':<50} {'wall s':>8} {'step ms':>8}")
     for r in rows:
-        name = ("plain DDP, 2 processes" if r["mode"] == "ddp" else "2 replica groups of 1") + (
-            ", one killed" if r["killed_at"] >= 0 else "")
-        print(f"{name:<34} {r['wall_s']:>8.1f} {r['step_ms']:>8.2f}")
-    print(f"step time, replica groups / plain DDP: {report['step_cost']:.2f}")
+        name = NAMES[r["mode"]] + (", one killed" if r["killed_at"] >= 0 else "")
+        print(f"{name:<50} {r['wall_s']:>8.1f} {r['step_ms']:>8.2f}")
+    print(f"step time, replica groups / plain DDP: {report['step_cost']:.2f} (--min-replicas 2: "
+          f"{report['step_cost_waiting']:.2f})")
     print(f"wall time a failure added: plain DDP (restart and resume) {report['lost_s']['ddp']:.1f} s, "
-          f"replica groups {report['lost_s']['groups']:.1f} s")
+          f"replica groups {report['lost_s']['groups']:.1f} s, with --min-replicas 2 "
+          f"{report['lost_s']['groups-wait']:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
