@@ -38,6 +38,10 @@ import ddpkit
 
 mode, out, steps, kill_at, width, batch, every = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:8])
 restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+'''
+
+# The model and the data (of WIDTH, BATCH): replica_step_phases.py's worker trains the same.
+MODEL_AND_DATA = '''
 torch.manual_seed(0)
 bare = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(4)])
 
@@ -45,7 +49,9 @@ def data(step, part):
     generator = torch.Generator().manual_seed(step)
     x = torch.randn(2 * batch, width, generator=generator)
     return x[part * batch:(part + 1) * batch], x[part * batch:(part + 1) * batch].flip(1)
+'''
 
+WORKER += MODEL_AND_DATA + '''
 log = open(os.path.join(out, f"times-{mode}-{os.environ.get('DDPKIT_REPLICA_GROUP', os.environ.get('RANK'))}.jsonl"), "a")
 if mode.startswith("groups"):
     group = ddpkit.ReplicaGroup(timeout_s=5)
@@ -111,14 +117,19 @@ def launch(mode: str, folder: Path, args, kill_at: int) -> dict:
     return {"mode": mode, "killed_at": kill_at, "wall_s": reached - started, "step_ms": statistics.median(steady) * 1e3}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300, help="training steps of each launch (default: 300)")
-    parser.add_argument("--kill-at", type=int, default=125, help="mid-way between two checkpoints (default: 125)")
+def training_flags(parser: argparse.ArgumentParser, steps: int) -> None:
+    """--steps, --width, --batch and --json: the training both replica benchmarks run, and the report file."""
+    parser.add_argument("--steps", type=int, default=steps, help=f"training steps of each launch (default: {steps})")
     parser.add_argument("--width", type=int, default=512, help="features of each of the 4 layers (default: 512)")
     parser.add_argument("--batch", type=int, default=64, help="per process (default: 64)")
-    parser.add_argument("--checkpoint-every", type=int, default=50, help="plain DDP's checkpoints (default: 50)")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    training_flags(parser, steps=300)
+    parser.add_argument("--kill-at", type=int, default=125, help="mid-way between two checkpoints (default: 125)")
+    parser.add_argument("--checkpoint-every", type=int, default=50, help="plain DDP's checkpoints (default: 50)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ddpkit-replica-bench-") as name:
         folder = Path(name)

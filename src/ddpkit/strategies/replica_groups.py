@@ -66,20 +66,35 @@ def require_torchft() -> None:
 def drop_failed_step(manager, bucket):  # no annotation: DDP checks it against the object, not a string
     """DDP communication hook: ``bucket`` averaged over the groups of this step's quorum, through ``manager``.
 
-    When the all-reduce fails (a group died or hung in the middle of it), the error is reported to the manager,
-    which then refuses to commit the step in this group; the bucket is zeroed and handed back completed, so
-    backward ends normally instead of raising in the healthy groups (torchft 0.2.0's hook asserts there)."""
+    The all-reduce runs while backward goes on (the hook returns its future at once, as DDP's own hook does; torchft
+    0.2.0's waits for each bucket, which serialises communication and computation). When it fails (a group died or
+    hung in the middle of it), the manager records the error (its ``wrap_future``) and then refuses to commit the
+    step in this group; the bucket is zeroed and handed back completed, so backward ends normally instead of
+    raising in the healthy groups (torchft 0.2.0's hook asserts there)."""
     buffer = bucket.buffer()
     try:
-        ok = manager.allreduce(buffer).wait()  # False when it failed: the manager has the error already
-    except Exception as error:  # noqa: BLE001 - any failure of the collective drops this step here
+        participants = manager.num_participants()  # of this step's quorum, which allreduce() waits for first
+        work = manager.allreduce(buffer)  # starts the sum over the groups (a no-op once the step has failed)
+        # The collective's own future. Not torchft's managed chain: built before the collective ends (by
+        # synchronize()), torchft 0.2.0's chain runs its callbacks against the wrong link (AssertionError).
+        started = getattr(work, "_work", None)
+        future = None if started is None else manager.wrap_future(started.get_future(), [buffer])
+    except Exception as error:  # noqa: BLE001 - any failure to start the collective drops this step here
         manager.report_error(error)
-        ok = False
-    if not ok or manager.errored() is not None:
-        buffer.zero_()  # never applied: should_commit() is False for this step
-    done: torch.futures.Future = torch.futures.Future()
-    done.set_result(buffer)
-    return done
+        future = None
+
+    def settled(_done) -> torch.Tensor:
+        if manager.errored() is not None:
+            buffer.zero_()  # never applied: should_commit() is False for this step
+        else:
+            buffer.div_(max(1, participants))
+        return buffer
+
+    if future is None:
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(settled(None))
+        return done
+    return future.then(settled)
 
 
 class ReplicaGroup:
