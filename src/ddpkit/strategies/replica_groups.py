@@ -73,7 +73,7 @@ def drop_failed_step(manager, bucket):  # no annotation: DDP checks it against t
     raising in the healthy groups (torchft 0.2.0's hook asserts there)."""
     buffer = bucket.buffer()
     try:
-        participants = manager.num_participants()  # of this step's quorum, which allreduce() waits for first
+        participants = manager.num_participants()  # of this step's quorum (it waits for the quorum to form)
         work = manager.allreduce(buffer)  # starts the sum over the groups (a no-op once the step has failed)
         # The collective's own future. Not torchft's managed chain: built before the collective ends (by
         # synchronize()), torchft 0.2.0's chain runs its callbacks against the wrong link (AssertionError).
