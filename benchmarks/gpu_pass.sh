@@ -12,7 +12,7 @@
 # and sharded async saves of FSDP state from the GPU), loader-throughput.txt (benchmarks/loader_throughput.py), image-decode-cpu.txt
 # (benchmarks/image_decode.py), train-*/ (`ddpkit train` resnet18 with --amp bf16/fp16
 # under ddp, zero and fsdp: metrics.jsonl holds each rank's peak memory; and as two replica groups against one
-# process on the same global batch) and steps.txt (each step's exit
+# process on the same global batch), replica-groups-job.txt (tests/test_replica_groups_job.py on the GPU) and steps.txt (each step's exit
 # status and seconds). `python benchmarks/gpu_tables.py RESULTS_DIR` turns them into docs/benchmarks.md's tables.
 #
 # Set-up: the project is used from this checkout. When `import ddpkit` fails, it is installed as the README
@@ -119,6 +119,9 @@ step pytest-gpu 240 70 "$PYTHON" -m pytest -m gpu -n 3 --dist load -p no:cachepr
 # Needs torchft (pip install 'ddpkit[ft]').
 step train-replica-groups 150 45 train replica-groups --batch-size 128 --replica-groups 2
 step train-one-process 90 20 train one-process
+# A script of one's own on ddpkit.Job as two replica groups on the GPU: a group killed in the all-reduce, restarted
+# twice, each time copying the live group's state before its loop (the join's zero buckets are CUDA tensors here).
+step replica-groups-job 150 30 "$PYTHON" -m pytest -n 0 -p no:cacheprovider tests/test_replica_groups_job.py
 # What the loader alone delivers to the GPU per decoding mode (no model): the ceiling of the runs from files.
 step loader-throughput 240 60 "$PYTHON" benchmarks/loader_throughput.py --folder "$JPEGS/folder" --batch "$BATCH" \
     --batches 10 --repeats 3

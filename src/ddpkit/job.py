@@ -25,6 +25,10 @@ Checkpoints: ``ckpt = job.checkpointer(folder, model=model, optimizer=optimizer,
 ``ckpt.resume("auto")`` before the loop and ``ckpt.save()`` at any step boundary; or the script's own dict with
 ``"job": job.state_dict()`` in it, written by ``job.save(obj, path)`` and read back with ``job.load_state_dict``.
 
+Replica groups: the same script under ``ddpkit run --replica-groups R`` trains as R groups that go on when one
+dies (``Job`` joins this process's group and wraps the model and the optimizer for it; a dropped step is tried
+again on the same batch; a restarted group copies the live groups' state before its loop). See ``replica_group``.
+
 Change ``strategy`` ("single", "ddp", "zero", "fsdp", "pipeline", "dp"), ``amp`` ("off", "bf16", "fp16")
 or ``accumulate`` and no other line changes. The job starts the process group when it is made (reading
 rank and world size from torchrun, Slurm, mp.spawn, or none) and tears it down when the ``with`` block
@@ -54,6 +58,7 @@ from ddpkit.core.logs import logger
 from ddpkit.core.precision import AMP_DTYPES, autocast
 from ddpkit.core.snapshot import snapshot
 from ddpkit.data.evaluation import evaluate, gather, sums
+from ddpkit.strategies import replica_loop
 from ddpkit.strategies.sync_bn import convert_sync_batchnorm
 
 
@@ -76,13 +81,24 @@ class Job:
     writes every rank's step, phase, last heartbeat, step time and memory there every few seconds, and how
     the job ended (``ddpkit status`` reads it from a folder's ``status.json``). Messages
     go to the ``ddpkit`` logger (``ddpkit.core.logs``): rank 0's, and every rank's warnings and errors.
+
+    ``replica_group``: under ``ddpkit run --replica-groups R`` (None, the default) the job joins this process's
+    replica group (``ddpkit.ReplicaGroup``, its timeouts from ``stall_timeout_s``), or the one given. Then
+    ``setup``/``prepare`` wrap the model and its optimizer for the groups; ``train_loader`` deals each group its
+    part of the global batch, and after a dropped step hands the same batch again; ``global_step`` and the
+    schedulers count committed steps only; a restarted group copies the live groups' state (weights, optimizer,
+    schedulers, the loaders' positions) at ``Checkpointer.resume``, where the loop reads a training loader's
+    ``epoch``, or at the loader's first pass, whichever comes first, so a loop written ``for epoch in
+    range(loader.epoch, epochs)`` starts in their epoch. ``is_main`` is rank 0 of the
+    group that led the last step: it prints and saves. A group restarted after the others finished stops
+    (``SystemExit`` 0) at once. The strategy must be ddp, with ``accumulate=1``.
     """
 
     def __init__(self, strategy: str | strategies.Strategy = "ddp", *, amp: str = "off", accumulate: int = 1,
                  seed: int | None = None, sync_bn: bool = False, clip_grad_norm: float | None = None,
                  backend: str = "auto", device: str = "auto", timeout_s: float | None = None, environment=None,
                  log_level: str | None = None, stall_timeout_s: float | None = None, check_replicas: int | None = None,
-                 status_file: str | os.PathLike | None = None, **strategy_settings):
+                 status_file: str | os.PathLike | None = None, replica_group=None, **strategy_settings):
         self.strategy = strategies.create(strategy, **strategy_settings)
         if amp not in AMP_DTYPES:
             raise UsageError(f"`amp` must be one of {', '.join(AMP_DTYPES)}, got {amp!r}")
@@ -91,6 +107,8 @@ class Job:
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise UsageError(f"`clip_grad_norm` must be positive, got {clip_grad_norm}")
         self.strategy.check_training(accumulate=accumulate, amp=amp)
+        if replica_group is not False and (replica_group is not None or in_replica_groups()):
+            check_replica_settings(self.strategy, accumulate)
         self.amp, self.accumulate, self.seed, self.sync_bn = amp, accumulate, seed, sync_bn
         self.clip_grad_norm = clip_grad_norm
         self.check_replicas = replicas.check_every(check_replicas)
@@ -111,6 +129,11 @@ class Job:
         self._backward_done = False
         self._in_step = False  # inside job.step: the optimizer's own step hook leaves the counting to it
         self.loaders: list[data.DeviceLoader] = []  # every loader made or prepared here, for state_dict
+        try:
+            self.replica = self._join_replica_groups(replica_group, stall_timeout_s)
+        except BaseException:
+            self._stack.close()
+            raise
         if seed is not None:
             torch.manual_seed(seed)
 
@@ -119,7 +142,13 @@ class Job:
     rank = property(lambda self: self.runtime.rank, doc="this process's global rank, 0 .. world_size - 1")
     local_rank = property(lambda self: self.runtime.local_rank, doc="this process's rank on its machine (its GPU)")
     world_size = property(lambda self: self.runtime.world_size, doc="how many processes the job has in all")
-    is_main = property(lambda self: self.runtime.is_main, doc="global rank 0: the one that prints and saves")
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0, the one that prints and saves; under replica groups, that of the group that led the
+        last step."""
+        return self.runtime.is_main and (self.replica is None or self.replica.leads)
+
     device = property(lambda self: self.runtime.device, doc="the torch.device this rank computes on")
     backend = property(lambda self: self.runtime.backend, doc="the process group's backend (nccl, gloo; None: none)")
     env = property(lambda self: self.runtime.env, doc="where this process stands, as its launcher said (DistEnv)")
@@ -139,7 +168,22 @@ class Job:
         return self
 
     def __exit__(self, *exc) -> bool:
+        if exc[0] is None and self.replica is not None:
+            self.replica.finish()  # a group restarted from now on stops at once instead of training alone
         return bool(self._stack.__exit__(*exc))
+
+    def _join_replica_groups(self, given, stall_timeout_s: float | None):
+        """This process's ``ReplicaGroup`` (``given``, or under ``ddpkit run --replica-groups`` one made here), its
+        settings checked; None outside replica groups, or with ``given=False`` (``ddpkit train`` drives its own)."""
+        if given is False or (given is None and not in_replica_groups()):
+            return None
+        if given is None:
+            from ddpkit.strategies.replica_groups import ReplicaGroup, settings_for
+
+            given = ReplicaGroup(**settings_for(heartbeat.stall_setting(stall_timeout_s)))
+        self._stack.callback(given.close)
+        self._loop = replica_loop.Loop(self, given)
+        return given
 
     # -- model, optimizer, data
 
@@ -150,6 +194,17 @@ class Job:
 
         ``example``: a batch of inputs on the CPU, which pipelines need to size their stages.
         """
+        wrapped = self._setup_model(model, example)
+        if optimizer_class is None:
+            if self.replica is not None:
+                raise UsageError("under replica groups the model and its optimizer are wrapped together: "
+                                 "job.setup(model, OptimizerClass, ...) or job.prepare(model, optimizer, ...)")
+            return wrapped
+        optimizer = self._counted(self.strategy.make_optimizer(optimizer_class, wrapped, **optimizer_settings))
+        return self._in_replica_groups(wrapped, optimizer)
+
+    def _setup_model(self, model: nn.Module, example: torch.Tensor | None) -> nn.Module:
+        """``model`` wrapped for the strategy, with the job's hooks (the replica groups' wrapping comes after)."""
         if self.sync_bn:
             model = convert_sync_batchnorm(model, self.runtime)
         if self.strategy.needs_group and not self.strategy.syncs_weights:
@@ -165,9 +220,13 @@ class Job:
             # Set before each forward (DDP reads it there): reduce gradients on the last micro-step only.
             wrapped.register_forward_pre_hook(lambda module, args: self.strategy.set_gradient_sync(
                 module, self.micro_step == self.accumulate - 1, first_backward=not self._backward_done))
-        if optimizer_class is None:
-            return wrapped
-        return wrapped, self._counted(self.strategy.make_optimizer(optimizer_class, wrapped, **optimizer_settings))
+        return wrapped
+
+    def _in_replica_groups(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        """``(model, optimizer)`` wrapped for the replica groups (unchanged outside them)."""
+        if self.replica is None:
+            return model, optimizer
+        return self.replica.setup(model, optimizer, state={"job": self._loop})
 
     def prepare(self, *objects, example: torch.Tensor | None = None):
         """The script's own objects, ready for this job, returned in the order given (one object: itself).
@@ -190,7 +249,7 @@ class Job:
         for index, thing in enumerate(objects):
             if isinstance(thing, nn.Module):
                 before = {id(p): name for name, p in thing.named_parameters()}
-                ready[index] = self.setup(thing, example=example)
+                ready[index] = self._setup_model(thing, example)
                 names.update(before)
                 models.update(dict.fromkeys(before, ready[index]))
         adopted = {}
@@ -205,7 +264,20 @@ class Job:
         for index, thing in enumerate(objects):
             if isinstance(thing, torch.optim.lr_scheduler.LRScheduler):
                 ready[index] = follow(thing, adopted.get(id(thing.optimizer), thing.optimizer))
+                if self.replica is not None:
+                    self._loop.follow_commits(ready[index])
+        if self.replica is not None:
+            self._prepare_for_replica_groups(ready)
         return ready[0] if len(ready) == 1 else tuple(ready)
+
+    def _prepare_for_replica_groups(self, ready: list) -> None:
+        """The one model and its optimizer among ``ready`` wrapped for the replica groups, in place."""
+        models = [index for index, thing in enumerate(ready) if isinstance(thing, nn.Module)]
+        optimizers = [index for index, thing in enumerate(ready) if isinstance(thing, torch.optim.Optimizer)]
+        if len(models) != 1 or len(optimizers) != 1:
+            raise UsageError(f"under replica groups, prepare one model with its optimizer in one call (got "
+                             f"{len(models)} model(s) and {len(optimizers)} optimizer(s))")
+        ready[models[0]], ready[optimizers[0]] = self._in_replica_groups(ready[models[0]], ready[optimizers[0]])
 
     def _adopt(self, optimizer: torch.optim.Optimizer, models: dict[int, nn.Module], names: dict[int, str]):
         owners = {id(models[id(p)]) for group in optimizer.param_groups for p in group["params"] if id(p) in models}
@@ -230,7 +302,10 @@ class Job:
 
     def _stepped(self) -> None:
         self._backward_done = True  # a step follows a backward
-        self.global_step += 1
+        if self.replica is not None:
+            self._loop.after_commit()  # the groups' step count (it jumps when this group copied their state)
+        else:
+            self.global_step += 1
         if self._weights_compared and self.check_replicas and self.global_step % self.check_replicas == 0:
             replicas.check(self._weights_compared, self.runtime, step=self.global_step)
         progress.mark("data", self.global_step)
@@ -240,11 +315,20 @@ class Job:
         the job's seed, whole accumulation steps. ``replica=(index, count)``: another split of the data than the
         ranks' (``ddpkit train --replica-groups`` splits it over the groups)."""
         seed = options.pop("seed", self.seed)
-        replica = options.pop("replica", None) or self.strategy.data_part(self.rank, self.world_size)
+        replica = options.pop("replica", None) or self._data_part()
         loader = data.train_loader(dataset, batch_size, runtime=self.runtime, seed=seed, accumulate=self.accumulate,
                                    replica=replica, **options)
         self.loaders.append(loader)
+        if self.replica is not None:  # a restarted group joins before its loop; a dropped step's batch comes again
+            loader.before_use, loader.replay = self._loop.join, self._loop.replay
+            self._loop.loaders.append(loader)
         return loader
+
+    def _data_part(self) -> tuple[int, int]:
+        """(index, count): this rank's part of the training data; under replica groups, this group's."""
+        if self.replica is not None:
+            return self.replica.group, self.replica.groups
+        return self.strategy.data_part(self.rank, self.world_size)
 
     def eval_loader(self, dataset, batch_size: int | None = None, **options) -> data.DeviceLoader:
         """``ddpkit.eval_loader`` for this job: every validation sample (of a data set, or of the script's own
@@ -294,16 +378,21 @@ class Job:
             self.scaler.unscale_(optimizer)
             params = [p for group in optimizer.param_groups for p in group["params"]]
             torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+        if self.replica is not None and scheduler is not None:
+            self._loop.follow_commits(scheduler)  # before the step: a state copied in it brings the scheduler's
         self._in_step = True
         try:
             self.scaler.step(optimizer)  # may skip the optimizer's step (fp16 overflow); the job's step counts
         finally:
             self._in_step = False
         self.scaler.update()
+        if self.replica is not None and not self._loop.committed():
+            optimizer.zero_grad(set_to_none=True)  # dropped: the loader hands the same batch again
+            return False
         if scheduler is not None:
             scheduler.step()
+        self._stepped()  # before the next step's quorum (zero_grad's): a joining group copies what it notes
         optimizer.zero_grad(set_to_none=True)
-        self._stepped()
         return True
 
     # -- evaluation, output
@@ -318,8 +407,13 @@ class Job:
         """
         progress.mark("evaluate")
         self.strategy.sync_buffers(model, self.runtime)
-        return evaluate(self.strategy.eval_module(model), loader, self.runtime, self.amp,
-                        lockstep=self.strategy.eval_lockstep, loss_fn=loss_fn, topk=topk)
+        with self._between_steps():
+            return evaluate(self.strategy.eval_module(model), loader, self.runtime, self.amp,
+                            lockstep=self.strategy.eval_lockstep, loss_fn=loss_fn, topk=topk)
+
+    def _between_steps(self):
+        """A block between two steps that the replica groups' fence does not time (evaluation, saving)."""
+        return self.replica.paused() if self.replica is not None else contextlib.nullcontext()
 
     def sum(self, *values):
         """Each value (a number, or a tensor of any shape) added over all ranks, in one all-reduce; one value
@@ -405,7 +499,7 @@ class Job:
         a torn one); the other ranks go on. Call it from every rank, or from rank 0 alone: it has no collective.
         Under fsdp a model's ``state_dict()`` is each rank's shard: save ``job.full_model_state(model)`` instead."""
         if self.is_main:
-            with progress.busy():  # working alone while the others may wait: not a stall
+            with progress.busy(), self._between_steps():  # working alone while the others may wait: not a stall
                 checkpoint.atomic_save(obj, path)
 
     def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
@@ -415,20 +509,56 @@ class Job:
     def save_model(self, model: nn.Module, path: str | os.PathLike) -> None:
         """Write the bare model's state_dict atomically from rank 0 (every rank calls it)."""
         progress.mark("checkpoint")
-        state = self.full_model_state(model)
-        if self.is_main:
-            checkpoint.atomic_save(state, path)
-        process_group.barrier(self.runtime)
+        with self._between_steps():
+            state = self.full_model_state(model)
+            if self.is_main:
+                checkpoint.atomic_save(state, path)
+            process_group.barrier(self.runtime)
 
     def checkpointer(self, folder: str | os.PathLike, *, model: nn.Module | None = None, optimizer=None, scheduler=None,
                      loader=None, **options) -> checkpoint.Checkpointer:
         """A ``ddpkit.Checkpointer`` on ``folder`` for this job's strategy, handed the (wrapped) model, the
         optimizer, scheduler and loader, the job's grad scaler and its step count: then ``save()`` and
         ``resume(source)`` take no other argument. ``options``: ``keep``, ``log``, ``writer``, ``sharded`` (None:
-        sharded under fsdp and zero), ``async_save``."""
-        return checkpoint.Checkpointer(folder, self.runtime, strategy=self.strategy, model=model, optimizer=optimizer,
-                                       scheduler=scheduler, scaler=self.scaler, loader=loader, progress=self,
-                                       **options)
+        sharded under fsdp and zero), ``async_save``. Under replica groups the group that led the last step
+        writes, and a restarted group's ``resume`` copies the live groups' state instead of reading a checkpoint
+        (it reads one when every group restarted)."""
+        kind = checkpoint.Checkpointer if self.replica is None else GroupCheckpointer
+        if self.replica is not None and scheduler is not None:
+            self._loop.follow_commits(scheduler)
+        return kind(folder, self.runtime, strategy=self.strategy, model=model, optimizer=optimizer,
+                    scheduler=scheduler, scaler=self.scaler, loader=loader, progress=self, **options)
+
+
+class GroupCheckpointer(checkpoint.Checkpointer):
+    """A ``Checkpointer`` under replica groups (``progress`` is the ``Job``): only the group that led the last step
+    writes, outside the fence's clock; ``resume`` in a restarted group copies the live groups' state instead."""
+
+    def save(self, **options):
+        if not self.progress.is_main:
+            return None
+        with self.progress.replica.paused():
+            return super().save(**options)
+
+    def resume(self, source: str | os.PathLike | None = "auto"):
+        return self.progress._loop.join(read=lambda: super(GroupCheckpointer, self).resume(source))
+
+
+def in_replica_groups() -> bool:
+    """Whether ``ddpkit run --replica-groups`` started this process."""
+    from ddpkit.core.env import REPLICA_GROUP
+
+    return REPLICA_GROUP in os.environ
+
+
+def check_replica_settings(strategy: strategies.Strategy, accumulate: int) -> None:
+    """UsageError for a job's settings that replica groups cannot train with yet."""
+    if not strategy.in_replica_groups:
+        raise UsageError(f"replica groups train with the ddp strategy (data parallel across the groups) for now, "
+                         f"not {strategy.name}")
+    if accumulate != 1:
+        raise UsageError(f"replica groups take one micro-step per optimizer step for now: `accumulate` must be 1, "
+                         f"got {accumulate}")
 
 
 def follow(scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: torch.optim.Optimizer):

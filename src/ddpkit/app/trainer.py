@@ -343,7 +343,7 @@ def run(cfg: TrainConfig, environment: DistEnv | None = None) -> dict:
     replica = replica_group(cfg)
     logs_folder = os.path.join(cfg.output_dir, LOGS_FOLDER, *([f"group{replica.group}"] if replica else []))
     with in_train_flags():  # the library's errors name its parameters; this command's user knows its flags
-        job = Job(strategy_for(cfg), amp=cfg.amp, accumulate=cfg.accumulate, seed=cfg.seed, sync_bn=cfg.sync_bn,
+        job = Job(strategy_for(cfg), replica_group=False, amp=cfg.amp, accumulate=cfg.accumulate, seed=cfg.seed, sync_bn=cfg.sync_bn,
                   backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout, stall_timeout_s=cfg.stall_timeout,
                   check_replicas=cfg.check_replicas, status_file=os.path.join(cfg.output_dir, status.STATUS_FILE),
                   environment=environment,
@@ -364,13 +364,9 @@ def replica_group(cfg: TrainConfig):
     if REPLICA_GROUP not in os.environ:
         return None
     check_replica_settings(cfg)
-    from ddpkit.strategies.replica_groups import ReplicaGroup
+    from ddpkit.strategies.replica_groups import ReplicaGroup, settings_for
 
-    # The fence ends a group's process whose step has lasted --stall-timeout; a collective across the groups waits
-    # for a lost one at most half that, then drops the step; a quorum waits twice that.
-    stall_s = heartbeat.stall_setting(cfg.stall_timeout)
-    timeout_s = min(10.0, stall_s / 2) if stall_s else 10.0
-    return ReplicaGroup(timeout_s=timeout_s, stall_timeout_s=stall_s, quorum_timeout_s=max(60.0, 2 * stall_s))
+    return ReplicaGroup(**settings_for(heartbeat.stall_setting(cfg.stall_timeout)))
 
 
 def check_replica_settings(cfg: TrainConfig) -> None:

@@ -94,7 +94,7 @@ class DeviceLoader:
         self.accumulate = accumulate
         self.sampler = sampler
         self.device = device
-        self.epoch = 0  # the epoch the next iter() runs
+        self._epoch = 0  # the epoch the next iter() runs
         self.seed = seed
         self.rank = rank
         self._start = 0  # global samples of that epoch to skip (a resumed position)
@@ -104,12 +104,26 @@ class DeviceLoader:
         self.phase = phase  # the heartbeat's phase once a batch is handed over ("forward" for training)
         # A data set that finishes its own batches (ddpkit.data.images: decoding on the GPU, normalising) moves them.
         self.finish = finish
+        # Under replica groups (set by Job): called before the script reads where the loader stands (``epoch``)
+        # and before each pass (a restarted group copies the live groups' state, their position included, before
+        # its loop begins), and after each batch, for what comes next: the next batch (0), the same one again
+        # (-1: its step was dropped), or k batches further (the groups committed k steps this group did not
+        # take part in).
+        self.before_use: Callable[[], Any] | None = None
+        self.replay: Callable[[], int] | None = None
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter()`` runs (a loop that resumes reads it: ``range(loader.epoch, epochs)``)."""
+        if self.before_use is not None:
+            self.before_use()
+        return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter()`` runs, from its start (or from a loaded position in it)."""
-        if epoch != self.epoch:
+        if epoch != self._epoch:
             self._start = 0
-        self.epoch = epoch
+        self._epoch = epoch
         self._running = None
 
     @property
@@ -148,16 +162,16 @@ class DeviceLoader:
         if self._running is not None:
             epoch, start = self._running
             return {"epoch": epoch, "samples": start + self._yielded * self.batch_samples, "seed": self.seed}
-        return {"epoch": self.epoch, "samples": self._start, "seed": self.seed}
+        return {"epoch": self._epoch, "samples": self._start, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from ``state`` (a ``state_dict()``) at the next ``iter()``."""
-        self.epoch = int(state["epoch"])
+        self._epoch = int(state["epoch"])
         self._start = int(state["samples"])
         self._running = None
 
     def __len__(self) -> int:
-        self._position_sampler(self.epoch, self._start)
+        self._position_sampler(self._epoch, self._start)
         batches = len(self.loader)
         return batches - batches % self.accumulate
 
@@ -170,10 +184,12 @@ class DeviceLoader:
             self.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
+        if self.before_use is not None:
+            self.before_use()
         if self._running is not None:
             self._warn_unfinished()
-            self.epoch, self._start = self._running  # a pass left before its end: that epoch again, from its start
-        epoch, start = self.epoch, self._start
+            self._epoch, self._start = self._running  # a pass left before its end: that epoch again, from its start
+        epoch, start = self._epoch, self._start
         self._position_sampler(epoch, start)
         # The loader draws its workers' seeds from this generator, not from the global RNG: a resumed
         # run's global RNG (dropout, augmentation) then continues exactly where it was saved.
@@ -186,13 +202,24 @@ class DeviceLoader:
         whole = len(self.loader) - len(self.loader) % self.accumulate
         batches = itertools.islice(self.loader, whole)
         moved = self._ahead_on_a_side_stream(batches) if self.device.type == "cuda" else map(self._move, batches)
+        ahead = 0  # batches still to leave out, from the next pass on where this one ends first
         for batch in moved:
             self._yielded += 1  # counted as handed over: a checkpoint taken now is past this batch
             if self.phase:
                 progress.mark(self.phase)
             yield batch
+            while (after := self.replay() if self.replay is not None else 0) < 0:
+                if self.phase:
+                    progress.mark(self.phase)
+                yield batch  # its step was dropped: tried again on the same batch
+            for ahead in range(after, 0, -1):
+                if next(moved, None) is None:
+                    break
+                self._yielded += 1
+            else:
+                ahead = 0
         self._running = None
-        self.epoch, self._start = epoch + 1, 0
+        self._epoch, self._start = epoch + 1, ahead * self.batch_samples
 
     def _move(self, batch: Any) -> Any:
         if self.finish is not None:  # a data set that finishes its own batches: decodes, normalises, moves

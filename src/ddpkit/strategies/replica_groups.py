@@ -18,7 +18,9 @@ A group that (re)joins copies the model, the optimizer and the ``state`` it is h
 checkpoint read. The groups start from the same seed and wait for each other once (``DDPKIT_REPLICA_STORE``,
 a barrier the launcher hosts), so a run without failures is the run of plain DDP over R processes.
 
-For now a group is one process (``--nproc-per-node 1``); see docs/replica-groups.md for what is not built yet.
+A script on ``ddpkit.Job`` needs none of this: the job makes its ``ReplicaGroup`` and drives it
+(``ddpkit.strategies.replica_loop``). For now a group is one process (``--nproc-per-node 1``); see
+docs/replica-groups.md for what is not built yet.
 """
 
 from __future__ import annotations
@@ -52,6 +54,15 @@ from ddpkit.core.env import replica_beat_key as beat_key
 
 BEAT_S = 0.5  # how often a group's process tells the launcher where it is (the fence reads it)
 FINISHED_KEY = "finished"  # in the launcher's store, once a group has trained to the end
+
+
+def settings_for(stall_s: float) -> dict[str, float]:
+    """``ReplicaGroup``'s timeouts for a stall timeout of ``stall_s`` (``ddpkit train --stall-timeout``, ``Job``'s
+    ``stall_timeout_s``; 0: off): the fence ends a group's process whose step has lasted that long; a collective
+    across the groups waits for a lost one at most half that (10 s at most), then drops the step; a quorum waits
+    twice that (60 s at least)."""
+    return {"timeout_s": min(10.0, stall_s / 2) if stall_s else 10.0, "stall_timeout_s": stall_s,
+            "quorum_timeout_s": max(60.0, 2 * stall_s)}
 
 
 def require_torchft() -> None:
@@ -157,6 +168,10 @@ class ReplicaGroup:
         self._store = None
         self.last_participants = self.groups  # the groups that took part in the last committed step
         self.last_rank: int | None = self.group  # this group's rank among them (None: it was healing)
+        self.last_outcome: tuple[int, int] | None = None  # (steps before, after) the last optimizer step
+        self._asked = False  # this step's quorum asked for (begin_step), not yet used by a step
+        self._ddp: nn.Module | None = None  # the model as setup wrapped it, and the optimizer
+        self._group_optimizer = None
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
               state: dict[str, Any] | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -194,7 +209,62 @@ class ReplicaGroup:
         class GroupDDP(torchft.DistributedDataParallel):  # torchft's wrapper registers cls._comm_hook
             _comm_hook = staticmethod(drop_failed_step)
 
-        return GroupDDP(self.manager, model), _optimizer_class()(self, optimizer)
+        self._ddp, self._group_optimizer = GroupDDP(self.manager, model), _optimizer_class()(self, optimizer)
+        # A training forward asks for the step's quorum if zero_grad() has not (a loop that zeroes the gradients
+        # after its step, or never: set_to_none by the step of the loop before).
+        self._ddp.register_forward_pre_hook(
+            lambda module, args: self.begin_step() if module.training and torch.is_grad_enabled() else None)
+        return self._ddp, self._group_optimizer
+
+    def begin_step(self) -> None:
+        """Ask the lighthouse for the next step's quorum (it forms in the background), once per step: the optimizer's
+        ``zero_grad()`` and the model's training forward call it, and only the first of them asks. With
+        ``min_replicas`` > 1 it waits for the quorum, which forms only once enough groups are alive: waiting for a
+        restarted one is not a stall (the fence would end this healthy process), and ``quorum_timeout_s`` bounds
+        it."""
+        if self._asked:
+            return
+        manager = self._manager()
+        self.moved()
+        manager.start_quorum()
+        self._asked = True
+        if self.min_replicas > 1:
+            with self.paused():
+                manager.wait_quorum()
+
+    def join(self) -> bool:
+        """Copy the live groups' state before the training loop starts: what a restarted process does, so that its
+        loop begins where the groups are (``Job`` calls it: ``ddpkit.strategies.replica_loop``). True when this group copied their state (``step`` is then theirs); False when nobody was ahead
+        of it (every group restarted from the same checkpoint): the quorum asked for then serves the first step.
+
+        The copy comes with a step of the others (torchft heals inside a step), whose gradient all-reduce waits for
+        every group of the quorum. This group takes part without data: it runs the communication hook on each of
+        DDP's buckets filled with zeros (a healing group contributes zeros anyway), as ``torch.distributed``'s
+        ``Join`` does for a rank out of data. It does not commit that step: the next one, its loop's first, copies
+        the others' state once more and commits with them, so the script's own code after each step (a
+        scheduler's step, a print) runs for every step this group commits."""
+        manager = self._manager()
+        self.begin_step()
+        with self.paused():  # the copy of the others' state arrives with the quorum
+            manager.wait_quorum()
+        if manager.is_participating():
+            return False
+        if manager.errored() is not None:  # the copy failed: this process ends, and its launcher starts another
+            raise RuntimeError(f"replica group {self.group} could not copy the live groups' state: "
+                               f"{first_line(manager.errored().original_exception)}")
+        with self.paused():
+            reducer = self._ddp.reducer
+            # Zeros shaped like DDP's buckets, in the order the others reduce theirs (torchft's DDP finds unused
+            # parameters, so its buckets are never rebuilt); the hook's all-reduce is theirs.
+            settled = [reducer._run_comm_hook(bucket) for bucket in reducer._get_zeros_like_grad_buckets()]
+            for future in settled:
+                future.wait()
+            manager.report_error(RuntimeError("this group joined before its loop: the step is the others' alone"))
+            manager.should_commit()  # applies the copied state; commits nothing here
+        self._asked = False
+        self.last_outcome = None
+        logger.info(f"replica group {self.group}: copied the live groups' state at step {manager.current_step()}")
+        return True
 
     def moved(self) -> None:
         """This process began or ended a step (the fence's clock)."""
@@ -310,19 +380,18 @@ def _optimizer_class():
             self.seen = group.groups  # the groups that took part in the last step
 
         def zero_grad(self, set_to_none: bool = True) -> None:
-            self.group.moved()
-            super().zero_grad(set_to_none)  # asks for the quorum, which forms in the background
-            if self.group.min_replicas > 1:
-                # The quorum forms only once enough groups are alive: waiting for a restarted one is not a stall
-                # (the fence would end this healthy process), and quorum_timeout_s bounds it.
-                with self.group.paused():
-                    self.manager.wait_quorum()
+            self.group.begin_step()  # asks for the quorum, once per step
+            self.optim.zero_grad(set_to_none)
 
         def step(self, closure=None) -> None:
             self.group.moved()
             manager, before = self.manager, self.manager.current_step()
             error = manager.errored()
-            super().step(closure)
+            try:
+                super().step(closure)  # commits (applying a copied state first) or drops the step
+            finally:
+                self.group._asked = False
+            self.group.last_outcome = (before, manager.current_step())
             if manager.current_step() == before:
                 why = _short(error.original_exception) if error is not None else "a group did not take part"
                 logger.warning(f"replica group {self.group.group}: step {before + 1} dropped ({why}); trying it "

@@ -1,0 +1,182 @@
+"""A script of one's own on ``ddpkit.Job`` under replica groups: plain PyTorch objects handed to ``job.prepare``, its
+own loop over epochs (``optimizer.zero_grad()``, ``loss.backward()``, ``optimizer.step()``, ``scheduler.step()``),
+run by ``ddpkit run --replica-groups 2`` on one machine, gloo, one process per group.
+
+One run, shared by the tests below. Group 1's first process kills itself in the gradient all-reduce of step DIE_AT
+(group 0 is inside the collective by then). Its second process (restart 1) makes no ``ckpt.resume`` call, so it
+joins where the loop reads its training loader's epoch; it SIGKILLs itself after AGAIN_AFTER steps of its own. Its
+third (restart 2) joins at ``ckpt.resume("auto")``. While alone, group 0 waits for group 1's next process to start
+(on a GPU machine that takes longer) and then trains slowly, so that the run outlasts both restarts. Every try of a step (its batch's sample indices, the loop's epoch, the weights' checksum, the learning
+rate) is in OUT/group<G>.jsonl. About 15 s."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("torchft", reason="replica groups need torchft (pip install 'ddpkit[ft]')")
+
+from conftest import run_ddpkit  # noqa: E402
+
+EPOCHS, SAMPLES, PER_GROUP = 3, 512, 8
+STEPS_PER_EPOCH = SAMPLES // (2 * PER_GROUP)
+DIE_AT, AGAIN_AFTER = 28, 12
+
+SCRIPT = '''
+import json, os, signal, sys, time
+import torch, torch.nn as nn, torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+import ddpkit
+from ddpkit.watch.replicas import checksums  # the replica check's: each tensor's bits, summed
+
+out_dir, epochs, samples, per_group, die_at, again_after = sys.argv[1], *map(int, sys.argv[2:7])
+with ddpkit.Job(seed=0) as job:                       # joins this process's replica group (ddpkit run says which)
+    group = job.replica
+    out = open(os.path.join(out_dir, f"group{group.group}.jsonl"), "a")
+
+    def emit(**record):
+        out.write(json.dumps({"group": group.group, "pid": os.getpid(), "t": time.time(), **record}) + "\\n")
+        out.flush()
+
+    generator = torch.Generator().manual_seed(7)
+    x, y = torch.randn(samples, 16, generator=generator), torch.randn(samples, 4, generator=generator)
+    torch.manual_seed(0)
+    bare = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(bare.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + 0.01 * step))
+    loader = DataLoader(TensorDataset(x, y, torch.arange(samples)), batch_size=per_group, shuffle=True)
+    model, optimizer, scheduler, loader = job.prepare(bare, optimizer, scheduler, loader)
+    ckpt = job.checkpointer(os.path.join(out_dir, "checkpoints"), model=model, optimizer=optimizer,
+                            scheduler=scheduler, loader=loader)
+    emit(event="start", restarts=group.restarts)
+    if group.restarts != 1:  # the second process joins at its loader's first pass instead
+        ckpt.resume("auto")
+
+    def die(grad):  # the first layer's gradient is backward's last: group 0 is in the all-reduce by now
+        time.sleep(0.3)
+        emit(event="die", step=job.global_step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def group1_is_down():  # its processes have died as often as they have started (a start may take seconds)
+        with open(os.path.join(out_dir, "group1.jsonl")) as records:
+            events = [json.loads(line)["event"] for line in records if line.endswith("}\\n")]
+        return events.count("die") >= events.count("start")
+
+    mine, deadline = 0, time.time() + 120
+    for epoch in range(loader.epoch, epochs):
+        for inputs, targets, index in loader:
+            before = job.global_step
+            if before + 1 == die_at and group.group == 1 and group.restarts == 0:
+                bare[0].weight.register_hook(die)
+            optimizer.zero_grad()
+            F.mse_loss(model(inputs), targets).backward()
+            optimizer.step()
+            scheduler.step()
+            emit(event="step", epoch=epoch, before=before, step=job.global_step, indices=index.tolist(),
+                 checksum=checksums(bare.named_parameters()).tolist(), lr=scheduler.get_last_lr()[0],
+                 participants=group.participants)
+            if job.global_step != before and job.global_step % 10 == 0:
+                ckpt.save()
+            mine += 1
+            if mine == again_after and group.group == 1 and group.restarts == 1:
+                emit(event="die", step=job.global_step)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if group.group == 0 and group.participants < 2:  # alone: wait for group 1's next process to start
+                while group1_is_down() and time.time() < deadline:
+                    time.sleep(0.05)
+            time.sleep(0.1 if group.participants < 2 else 0.01)  # slow while alone: the run outlasts the restarts
+        val_loss, count = job.evaluate(model, job.eval_loader(TensorDataset(x, y), 64), loss_fn=F.mse_loss, topk=())
+        job.print(f"epoch {epoch + 1}: val_loss {val_loss:.4f} over {count}")
+        emit(event="epoch", epoch=epoch, step=job.global_step)
+    ckpt.wait()
+    emit(event="end", step=job.global_step, checksum=checksums(bare.named_parameters()).tolist())
+'''
+
+
+@pytest.fixture(scope="module")
+def job_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("replica-groups-job")
+    (folder / "script.py").write_text(SCRIPT)
+    result = run_ddpkit("run", "--replica-groups", "2", "--max-restarts", "2", "--replica-heartbeat-timeout", "1",
+                        str(folder / "script.py"), str(folder), str(EPOCHS), str(SAMPLES), str(PER_GROUP),
+                        str(DIE_AT), str(AGAIN_AFTER), timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = {g: [json.loads(line) for line in (folder / f"group{g}.jsonl").read_text().splitlines()] for g in (0, 1)}
+    return folder, result.stdout + result.stderr, records
+
+
+def steps(records: list[dict], pid: int | None = None) -> list[dict]:
+    return [r for r in records if r["event"] == "step" and pid in (None, r["pid"])]
+
+
+def the_batch(step: int, group: int) -> list[int]:
+    """The sample indices group ``group`` trains on at ``step`` of a run without failures: the step's global batch
+    is the next chunk of the epoch's permutation (seed 0 + epoch), and each group takes every other sample of it."""
+    epoch, k = divmod(step - 1, STEPS_PER_EPOCH)
+    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(epoch)).tolist()
+    return order[k * 2 * PER_GROUP:(k + 1) * 2 * PER_GROUP][group::2]
+
+
+def test_each_try_of_a_step_trains_on_the_batch_and_in_the_epoch_of_a_run_without_failures(job_run):
+    _, _, records = job_run
+    tried = 0
+    for group in (0, 1):
+        for record in steps(records[group]):
+            if record["step"] > record["before"] + 1:
+                continue  # the step in which a rejoining group copied the others' state: its own batch is not used
+            step = record["before"] + 1  # tried, and committed or dropped
+            assert record["indices"] == the_batch(step, group), record
+            assert record["epoch"] == (step - 1) // STEPS_PER_EPOCH, record
+            tried += 1
+    assert tried > EPOCHS * STEPS_PER_EPOCH
+
+
+def test_a_dropped_step_is_tried_again_and_group_0_commits_every_step_once_with_its_process(job_run):
+    _, output, records = job_run
+    assert len({r["pid"] for r in records[0]}) == 1
+    committed = [r["step"] for r in steps(records[0]) if r["step"] != r["before"]]
+    assert committed == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
+    dropped = [r for r in steps(records[0]) if r["step"] == r["before"]]
+    assert [r["before"] + 1 for r in dropped] == [DIE_AT]
+    assert output.count(f"replica group 0: step {DIE_AT} dropped (") == 1
+
+
+def test_both_restarts_join_before_their_loop_in_the_groups_epoch_and_agree_with_group_0_to_the_bit(job_run):
+    _, output, records = job_run
+    starts = [r for r in records[1] if r["event"] == "start"]
+    assert [s["restarts"] for s in starts] == [0, 1, 2]
+    survivor = {r["step"]: r for r in steps(records[0]) if r["step"] != r["before"]}
+    for start in starts[1:]:
+        mine = [r for r in steps(records[1], start["pid"]) if r["step"] != r["before"]]
+        assert mine and mine[0]["before"] > 1  # the loop began at the groups' step, not at 0
+        assert mine[0]["epoch"] == mine[0]["before"] // STEPS_PER_EPOCH
+        for record in mine:  # the weights and the schedule's learning rate are group 0's at every step
+            assert record["checksum"] == survivor[record["step"]]["checksum"]
+            assert record["lr"] == survivor[record["step"]]["lr"]
+    # The second restart (after DIE_AT and AGAIN_AFTER more steps) began its loop in the groups' second epoch.
+    assert steps(records[1], starts[2]["pid"])[0]["epoch"] >= 1
+    assert output.count("replica group 1: rejoined at step") == 2
+    assert output.count("with the live groups' state (no checkpoint read)") == 1  # the one that called resume
+    ends = [next(r for r in records[g] if r["event"] == "end") for g in (0, 1)]
+    assert ends[0]["step"] == ends[1]["step"] == EPOCHS * STEPS_PER_EPOCH
+    assert ends[0]["checksum"] == ends[1]["checksum"]
+
+
+def test_only_the_leading_group_prints_and_writes_checkpoints(job_run):
+    folder, output, _ = job_run
+    assert output.count(f"epoch {EPOCHS}: val_loss") == 1
+    assert sorted(path.name for path in (folder / "checkpoints").glob("step-*.pt"))[-1] == "step-00000090.pt"
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"strategy": "zero"}, "replica groups train with the ddp strategy"),
+    ({"accumulate": 2}, "`accumulate` must be 1, got 2"),
+])
+def test_a_job_under_replica_groups_refuses_what_they_cannot_do_in_one_line(settings, message, monkeypatch):
+    import ddpkit
+    from ddpkit.core.env import REPLICA_GROUP
+    from ddpkit.core.errors import UsageError
+
+    monkeypatch.setenv(REPLICA_GROUP, "0")
+    with pytest.raises(UsageError, match=message):
+        ddpkit.Job(**settings)
