@@ -158,7 +158,7 @@ def test_until_the_failure_two_groups_train_as_one_process_on_the_whole_batch(ki
     (["--min-replicas", "2"], "--min-replicas is for --replica-groups R"),
     (["--replica-groups", "2", "--lighthouse", "http://127.0.0.1:1", "--min-replicas", "2"],
      "--min-replicas is the lighthouse's own setting"),
-    (["--replica-groups", "2", "--nproc-per-node", "2"], "replica groups of more than one process are not built yet"),
+    (["--replica-groups", "2", "--nproc-per-node", "gpu"], "--nproc-per-node with --replica-groups is the processes of each group"),
     (["--replica-groups", "2", "--nnodes", "2", "--master-addr", "10.0.0.1"], "runs its groups on this machine"),
     (["--replica-groups", "2", "--replica-heartbeat-timeout", "0"], "--replica-heartbeat-timeout must be positive"),
     (["--replica-heartbeat-timeout", "1"], "--replica-heartbeat-timeout is for --replica-groups R"),
@@ -192,13 +192,15 @@ def test_the_fence_ends_a_step_that_outlasts_its_limit_whether_the_process_still
 
 
 def test_each_group_gets_a_gpu_of_its_own_in_turn_and_a_cpu_machine_none(monkeypatch):
-    from ddpkit.launch.replica_groups import group_gpu, visible_gpus
+    from ddpkit.launch.replica_groups import group_gpus, visible_gpus
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 5,7")
     gpus = visible_gpus()
-    assert [group_gpu(group, gpus) for group in range(4)] == ["2", "5", "7", "2"]  # more groups than GPUs: shared
+    assert [group_gpus(group, gpus) for group in range(4)] == ["2", "5", "7", "2"]  # more groups than GPUs: shared
+    assert group_gpus(0, gpus + ["9"], 2, 2) == "2,5" and group_gpus(1, gpus + ["9"], 2, 2) == "7,9"  # 2 each
+    assert group_gpus(0, gpus, 2, 2) is None  # too few for 2 groups of 2: left alone
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert visible_gpus() == [] and group_gpu(0, []) is None  # no GPU: the variable is left alone
+    assert visible_gpus() == [] and group_gpus(0, []) is None  # no GPU: the variable is left alone
 
 
 def test_a_fence_that_would_end_a_healthy_group_waiting_for_a_hung_one_is_refused(monkeypatch):

@@ -1,13 +1,15 @@
 """A script of one's own on ``ddpkit.Job`` under replica groups: plain PyTorch objects handed to ``job.prepare``, its
 own loop over epochs (``optimizer.zero_grad()``, ``loss.backward()``, ``optimizer.step()``, ``scheduler.step()``),
-run by ``ddpkit run --replica-groups 2`` on one machine, gloo, one process per group.
+run by ``ddpkit run --replica-groups 2`` on one machine, gloo: groups of one process, and groups of two (DDP inside
+each group, torchft across them).
 
-One run, shared by the tests below. Group 1's first process kills itself in the gradient all-reduce of step DIE_AT
-(group 0 is inside the collective by then). Its second process (restart 1) makes no ``ckpt.resume`` call, so it
-joins where the loop reads its training loader's epoch; it SIGKILLs itself after AGAIN_AFTER steps of its own. Its
-third (restart 2) joins at ``ckpt.resume("auto")``. While alone, group 0 waits for group 1's next process to start
-(on a GPU machine that takes longer) and then trains slowly, so that the run outlasts both restarts. Every try of a step (its batch's sample indices, the loop's epoch, the weights' checksum, the learning
-rate) is in OUT/group<G>.jsonl. About 15 s."""
+One run per group size, shared by the tests below. Group 1's first processes kill themselves in the backward of
+step DIE_AT (in the gradient all-reduce across the groups, for groups of one process). Its second start (restart 1)
+makes no ``ckpt.resume`` call, so it joins where the loop reads its training loader's epoch; it SIGKILLs itself after
+AGAIN_AFTER steps of its own. Its third (restart 2) joins at ``ckpt.resume("auto")``. While alone, group 0 waits for
+group 1's next start (on a GPU machine that takes longer) and then trains slowly, so that the run outlasts both
+restarts. Every try of a step (its batch's sample indices, the loop's epoch, the weights' checksum, the learning
+rate) is in OUT/group<G>-rank<R>.jsonl. About 15 s with groups of one process, 20 s with groups of two."""
 
 import json
 
@@ -18,8 +20,7 @@ pytest.importorskip("torchft", reason="replica groups need torchft (pip install 
 
 from conftest import run_ddpkit  # noqa: E402
 
-EPOCHS, SAMPLES, PER_GROUP = 3, 512, 8
-STEPS_PER_EPOCH = SAMPLES // (2 * PER_GROUP)
+EPOCHS, SAMPLES, PER_PROCESS = 3, 512, 8
 DIE_AT, AGAIN_AFTER = 28, 12
 
 SCRIPT = '''
@@ -29,13 +30,14 @@ from torch.utils.data import DataLoader, TensorDataset
 import ddpkit
 from ddpkit.watch.replicas import checksums  # the replica check's: each tensor's bits, summed
 
-out_dir, epochs, samples, per_group, die_at, again_after = sys.argv[1], *map(int, sys.argv[2:7])
+out_dir, epochs, samples, per_process, die_at, again_after = sys.argv[1], *map(int, sys.argv[2:7])
 with ddpkit.Job(seed=0) as job:                       # joins this process's replica group (ddpkit run says which)
     group = job.replica
-    out = open(os.path.join(out_dir, f"group{group.group}.jsonl"), "a")
+    out = open(os.path.join(out_dir, f"group{group.group}-rank{job.rank}.jsonl"), "a")
 
     def emit(**record):
-        out.write(json.dumps({"group": group.group, "pid": os.getpid(), "t": time.time(), **record}) + "\\n")
+        out.write(json.dumps({"group": group.group, "rank": job.rank, "pid": os.getpid(), "t": time.time(),
+                              **record}) + "\\n")
         out.flush()
 
     generator = torch.Generator().manual_seed(7)
@@ -44,7 +46,7 @@ with ddpkit.Job(seed=0) as job:                       # joins this process's rep
     bare = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     optimizer = torch.optim.SGD(bare.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + 0.01 * step))
-    loader = DataLoader(TensorDataset(x, y, torch.arange(samples)), batch_size=per_group, shuffle=True)
+    loader = DataLoader(TensorDataset(x, y, torch.arange(samples)), batch_size=per_process, shuffle=True)
     model, optimizer, scheduler, loader = job.prepare(bare, optimizer, scheduler, loader)
     ckpt = job.checkpointer(os.path.join(out_dir, "checkpoints"), model=model, optimizer=optimizer,
                             scheduler=scheduler, loader=loader)
@@ -58,7 +60,7 @@ with ddpkit.Job(seed=0) as job:                       # joins this process's rep
         os.kill(os.getpid(), signal.SIGKILL)
 
     def group1_is_down():  # its processes have died as often as they have started (a start may take seconds)
-        with open(os.path.join(out_dir, "group1.jsonl")) as records:
+        with open(os.path.join(out_dir, f"group1-rank{job.rank}.jsonl")) as records:
             events = [json.loads(line)["event"] for line in records if line.endswith("}\\n")]
         return events.count("die") >= events.count("start")
 
@@ -93,79 +95,93 @@ with ddpkit.Job(seed=0) as job:                       # joins this process's rep
 '''
 
 
-@pytest.fixture(scope="module")
-def job_run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("replica-groups-job")
+class Run:
+    """One run: its folder, output, the group size, and each process's records by (group, rank)."""
+
+    def __init__(self, folder, output: str, nproc: int):
+        self.folder, self.output, self.nproc = folder, output, nproc
+        self.records = {(g, r): [json.loads(line) for line in (folder / f"group{g}-rank{r}.jsonl").read_text()
+                                 .splitlines()] for g in (0, 1) for r in range(nproc)}
+        self.global_batch = 2 * nproc * PER_PROCESS
+        self.steps_per_epoch = SAMPLES // self.global_batch
+
+    def the_batch(self, step: int, group: int, rank: int) -> list[int]:
+        """The sample indices that ``rank`` of ``group`` trains on at ``step`` of a run without failures: the step's
+        global batch is the next chunk of the epoch's permutation (seed 0 + epoch), and each of the 2 x nproc
+        processes takes every (2 x nproc)-th sample of it, in the order group x nproc + rank."""
+        epoch, k = divmod(step - 1, self.steps_per_epoch)
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(epoch)).tolist()
+        parts = 2 * self.nproc
+        return order[k * self.global_batch:(k + 1) * self.global_batch][group * self.nproc + rank::parts]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["groups-of-1", "groups-of-2"])
+def job_run(request, tmp_path_factory):
+    nproc = request.param
+    folder = tmp_path_factory.mktemp(f"replica-groups-job-{nproc}")
     (folder / "script.py").write_text(SCRIPT)
-    result = run_ddpkit("run", "--replica-groups", "2", "--max-restarts", "2", "--replica-heartbeat-timeout", "1",
-                        str(folder / "script.py"), str(folder), str(EPOCHS), str(SAMPLES), str(PER_GROUP),
-                        str(DIE_AT), str(AGAIN_AFTER), timeout=180)
+    result = run_ddpkit("run", "--replica-groups", "2", "--nproc-per-node", str(nproc), "--max-restarts", "2",
+                        "--replica-heartbeat-timeout", "1", str(folder / "script.py"), str(folder), str(EPOCHS),
+                        str(SAMPLES), str(PER_PROCESS), str(DIE_AT), str(AGAIN_AFTER), timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
-    records = {g: [json.loads(line) for line in (folder / f"group{g}.jsonl").read_text().splitlines()] for g in (0, 1)}
-    return folder, result.stdout + result.stderr, records
+    return Run(folder, result.stdout + result.stderr, nproc)
 
 
 def steps(records: list[dict], pid: int | None = None) -> list[dict]:
     return [r for r in records if r["event"] == "step" and pid in (None, r["pid"])]
 
 
-def the_batch(step: int, group: int) -> list[int]:
-    """The sample indices group ``group`` trains on at ``step`` of a run without failures: the step's global batch
-    is the next chunk of the epoch's permutation (seed 0 + epoch), and each group takes every other sample of it."""
-    epoch, k = divmod(step - 1, STEPS_PER_EPOCH)
-    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(epoch)).tolist()
-    return order[k * 2 * PER_GROUP:(k + 1) * 2 * PER_GROUP][group::2]
-
-
 def test_each_try_of_a_step_trains_on_the_batch_and_in_the_epoch_of_a_run_without_failures(job_run):
-    _, _, records = job_run
     tried = 0
-    for group in (0, 1):
-        for record in steps(records[group]):
+    for (group, rank), records in job_run.records.items():
+        for record in steps(records):
             if record["step"] > record["before"] + 1:
                 continue  # the step in which a rejoining group copied the others' state: its own batch is not used
             step = record["before"] + 1  # tried, and committed or dropped
-            assert record["indices"] == the_batch(step, group), record
-            assert record["epoch"] == (step - 1) // STEPS_PER_EPOCH, record
+            assert record["indices"] == job_run.the_batch(step, group, rank), record
+            assert record["epoch"] == (step - 1) // job_run.steps_per_epoch, record
             tried += 1
-    assert tried > EPOCHS * STEPS_PER_EPOCH
+    assert tried > job_run.nproc * EPOCHS * job_run.steps_per_epoch  # group 0 alone tries every step
 
 
-def test_a_dropped_step_is_tried_again_and_group_0_commits_every_step_once_with_its_process(job_run):
-    _, output, records = job_run
-    assert len({r["pid"] for r in records[0]}) == 1
-    committed = [r["step"] for r in steps(records[0]) if r["step"] != r["before"]]
-    assert committed == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
-    dropped = [r for r in steps(records[0]) if r["step"] == r["before"]]
-    assert [r["before"] + 1 for r in dropped] == [DIE_AT]
-    assert output.count(f"replica group 0: step {DIE_AT} dropped (") == 1
+def test_a_dropped_step_is_tried_again_and_group_0_commits_every_step_once_with_its_processes(job_run):
+    for rank in range(job_run.nproc):
+        records = job_run.records[0, rank]
+        assert len({r["pid"] for r in records}) == 1
+        committed = [r["step"] for r in steps(records) if r["step"] != r["before"]]
+        assert committed == list(range(1, EPOCHS * job_run.steps_per_epoch + 1))
+        dropped = [r for r in steps(records) if r["step"] == r["before"]]
+        assert [r["before"] + 1 for r in dropped] == [DIE_AT]
+    assert job_run.output.count(f"replica group 0: step {DIE_AT} dropped (") == job_run.nproc
 
 
 def test_both_restarts_join_before_their_loop_in_the_groups_epoch_and_agree_with_group_0_to_the_bit(job_run):
-    _, output, records = job_run
-    starts = [r for r in records[1] if r["event"] == "start"]
-    assert [s["restarts"] for s in starts] == [0, 1, 2]
-    survivor = {r["step"]: r for r in steps(records[0]) if r["step"] != r["before"]}
-    for start in starts[1:]:
-        mine = [r for r in steps(records[1], start["pid"]) if r["step"] != r["before"]]
-        assert mine and mine[0]["before"] > 1  # the loop began at the groups' step, not at 0
-        assert mine[0]["epoch"] == mine[0]["before"] // STEPS_PER_EPOCH
-        for record in mine:  # the weights and the schedule's learning rate are group 0's at every step
-            assert record["checksum"] == survivor[record["step"]]["checksum"]
-            assert record["lr"] == survivor[record["step"]]["lr"]
-    # The second restart (after DIE_AT and AGAIN_AFTER more steps) began its loop in the groups' second epoch.
-    assert steps(records[1], starts[2]["pid"])[0]["epoch"] >= 1
-    assert output.count("replica group 1: rejoined at step") == 2
-    assert output.count("with the live groups' state (no checkpoint read)") == 1  # the one that called resume
-    ends = [next(r for r in records[g] if r["event"] == "end") for g in (0, 1)]
-    assert ends[0]["step"] == ends[1]["step"] == EPOCHS * STEPS_PER_EPOCH
-    assert ends[0]["checksum"] == ends[1]["checksum"]
+    survivor = {r["step"]: r for r in steps(job_run.records[0, 0]) if r["step"] != r["before"]}
+    for rank in range(job_run.nproc):
+        records = job_run.records[1, rank]
+        starts = [r for r in records if r["event"] == "start"]
+        assert [s["restarts"] for s in starts] == [0, 1, 2]
+        for start in starts[1:]:
+            mine = [r for r in steps(records, start["pid"]) if r["step"] != r["before"]]
+            assert mine and mine[0]["before"] > 1  # the loop began at the groups' step, not at 0
+            assert mine[0]["epoch"] == mine[0]["before"] // job_run.steps_per_epoch
+            for record in mine:  # the weights and the schedule's learning rate are group 0's at every step
+                assert record["checksum"] == survivor[record["step"]]["checksum"]
+                assert record["lr"] == survivor[record["step"]]["lr"]
+        # The second restart (after DIE_AT and AGAIN_AFTER more steps) began its loop in a later epoch than the first.
+        assert steps(records, starts[2]["pid"])[0]["epoch"] >= 1
+    assert job_run.output.count("replica group 1: rejoined at step") == 2  # said by rank 0
+    assert job_run.output.count("with the live groups' state (no checkpoint read)") == 1  # the one that called resume
+    ends = [next(r for r in records if r["event"] == "end") for records in job_run.records.values()]
+    assert {r["step"] for r in ends} == {EPOCHS * job_run.steps_per_epoch}
+    assert len({tuple(r["checksum"]) for r in ends}) == 1  # every process of both groups
 
 
 def test_only_the_leading_group_prints_and_writes_checkpoints(job_run):
-    folder, output, _ = job_run
-    assert output.count(f"epoch {EPOCHS}: val_loss") == 1
-    assert sorted(path.name for path in (folder / "checkpoints").glob("step-*.pt"))[-1] == "step-00000090.pt"
+    assert job_run.output.count(f"epoch {EPOCHS}: val_loss") == 1
+    last = EPOCHS * job_run.steps_per_epoch // 10 * 10
+    assert sorted(path.name for path in (job_run.folder / "checkpoints").glob("step-*.pt"))[-1] == \
+        f"step-{last:08d}.pt"
 
 
 @pytest.mark.parametrize("settings, message", [

@@ -326,8 +326,8 @@ class Job:
 
     def _data_part(self) -> tuple[int, int]:
         """(index, count): this rank's part of the training data; under replica groups, this group's."""
-        if self.replica is not None:
-            return self.replica.group, self.replica.groups
+        if self.replica is not None:  # every process of every group its own part
+            return self.replica.group * self.world_size + self.rank, self.replica.groups * self.world_size
         return self.strategy.data_part(self.rank, self.world_size)
 
     def eval_loader(self, dataset, batch_size: int | None = None, **options) -> data.DeviceLoader:
@@ -535,7 +535,7 @@ class GroupCheckpointer(checkpoint.Checkpointer):
     writes, outside the fence's clock; ``resume`` in a restarted group copies the live groups' state instead."""
 
     def save(self, **options):
-        if not self.progress.is_main:
+        if not self.progress.replica.leads:  # every process of the leading group (a save is collective in it)
             return None
         with self.progress.replica.paused():
             return super().save(**options)

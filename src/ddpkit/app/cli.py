@@ -327,8 +327,9 @@ def _check_replica_launch(ns: argparse.Namespace) -> None:
 
 
 def _train_replica_groups(ns: argparse.Namespace, argv: Sequence[str], parser, cfg) -> int:
-    """``ddpkit train --replica-groups R``: R groups of one process, each ``ddpkit train`` as a rank of its own
-    launch (its restarts under --max-restarts), beside torchft's lighthouse; OUTPUT_DIR/logs/group<G>/ each."""
+    """``ddpkit train --replica-groups R``: R groups of --nproc-per-node processes, each ``ddpkit train`` as the ranks
+    of its own launch (its restarts under --max-restarts), beside torchft's lighthouse; OUTPUT_DIR/logs/group<G>/
+    each."""
     from ddpkit.app import trainer
     from ddpkit.launch import replica_groups
     from ddpkit.strategies.replica_groups import require_torchft
@@ -339,16 +340,18 @@ def _train_replica_groups(ns: argparse.Namespace, argv: Sequence[str], parser, c
     trainer.check_replica_settings(cfg)
     require_torchft()
     warn_earlier_run(cfg.output_dir)
-    _write_resolved_config(ns, parser, cfg, 1)
+    _write_resolved_config(ns, parser, cfg, replica_groups.group_nproc(ns.nproc_per_node))
     os.environ[CONFIG_WRITTEN_ENV] = "1"  # the groups' processes run this command again: written once, here
     command = replica_groups.group_command(nproc_per_node=ns.nproc_per_node, max_restarts=ns.max_restarts,
                                            extra=[], script=["-m", "ddpkit", *argv])
     return _workers_done(replica_groups.run_groups(ns.replica_groups, command, **_lighthouse_settings(ns),
-                                                   log_dir=os.path.join(cfg.output_dir, trainer.LOGS_FOLDER)))
+                                                   log_dir=os.path.join(cfg.output_dir, trainer.LOGS_FOLDER),
+                                                   nproc=replica_groups.group_nproc(ns.nproc_per_node)))
 
 
 def _run_replica_groups(ns: argparse.Namespace, script: list[str]) -> int:
-    """``ddpkit run --replica-groups R``: R launches of one process each, beside torchft's lighthouse."""
+    """``ddpkit run --replica-groups R``: R launches of --nproc-per-node processes each, beside torchft's
+    lighthouse."""
     from ddpkit.launch import replica_groups
 
     _check_replica_launch(ns)
@@ -359,7 +362,8 @@ def _run_replica_groups(ns: argparse.Namespace, script: list[str]) -> int:
     extra += ["--find-hangs"] if getattr(ns, "find_hangs", False) else []
     command = replica_groups.group_command(nproc_per_node=ns.nproc_per_node, max_restarts=ns.max_restarts,
                                            extra=extra, script=[*script, *ns.script_args])
-    return replica_groups.run_groups(ns.replica_groups, command, **_lighthouse_settings(ns), log_dir=ns.log_dir)
+    return replica_groups.run_groups(ns.replica_groups, command, **_lighthouse_settings(ns), log_dir=ns.log_dir,
+                                     nproc=replica_groups.group_nproc(ns.nproc_per_node))
 
 
 def _lighthouse_settings(ns: argparse.Namespace) -> dict:

@@ -90,8 +90,8 @@ def add_replica_flags(parser: argparse.ArgumentParser, how: str = "") -> None:
     """--replica-groups and its settings (``ddpkit train`` and ``ddpkit run``)."""
     parser.add_argument("--replica-groups", type=int, default=None, metavar="R",
                         help="run R replica groups (torchft): a group that dies is restarted under --max-restarts and "
-                             f"copies its state from a live one, while the others train on ({how}one process per "
-                             "group for now; docs/replica-groups.md)")
+                             f"copies its state from a live one, while the others train on ({how}--nproc-per-node "
+                             "processes per group, DDP among them; docs/replica-groups.md)")
     parser.add_argument("--replica-heartbeat-timeout", type=float, default=None, metavar="SECONDS",
                         help="with --replica-groups: how long the others wait for a group that stopped answering "
                              "before they go on without it (default: 2)")
@@ -133,7 +133,7 @@ def add_run_command(commands) -> None:
                      help="keep each rank's whole output in DIR/rank<N>.log; the console shows rank 0's output and "
                           "the other ranks' warnings, errors and tracebacks (--log-level debug: every rank's lines) "
                           "(default: a temporary folder, kept and named only when a rank fails)")
-    add_replica_flags(run, "the script uses ddpkit.ReplicaGroup; ")
+    add_replica_flags(run, "the script runs on ddpkit.Job or ddpkit.ReplicaGroup; ")
     run.add_argument("--local-rank-arg", action="store_true",
                      help="also pass --local-rank=N, like the old `python -m torch.distributed.launch`")
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as in `python -m`")

@@ -358,7 +358,7 @@ def run(cfg: TrainConfig, environment: DistEnv | None = None) -> dict:
 
 def replica_group(cfg: TrainConfig):
     """This process's ``ReplicaGroup`` when ``ddpkit train --replica-groups R`` started it (None otherwise), its
-    settings checked: one process per group, the ddp strategy, one micro-step per step."""
+    settings checked: the ddp strategy, one micro-step per step."""
     from ddpkit.core.env import REPLICA_GROUP
 
     if REPLICA_GROUP not in os.environ:
@@ -465,7 +465,7 @@ def train(cfg: TrainConfig, job: Job, replica=None) -> dict:
     run_state.ckpt.wait()
     if replica is not None:
         replica.finish()
-    if replica is None or run_state.leads:  # under replica groups the leading group alone writes it
+    if replica is None or replica.leads:  # under replica groups the leading group alone writes it
         job.save_model(run_state.model, os.path.join(cfg.output_dir, checkpoint.MODEL_FILE))  # a collective under fsdp, pipeline
         job.print(f"saved {os.path.join(cfg.output_dir, checkpoint.MODEL_FILE)} and {metrics_path}")
     # Nobody leaves (and tears the group down) before rank 0 has written the model.
@@ -539,7 +539,8 @@ def start(cfg: TrainConfig, job: Job, replica=None) -> RunState:
     # --workers, else a share of the cores (none for tensors already in memory).
     workers = data.default_workers(job.runtime, None, sets.train) if cfg.workers is None else cfg.workers
     # Under replica groups the training data is split over the groups: each reads its share of the global batch.
-    split = {} if replica is None else {"replica": (replica.group, replica.groups)}
+    split = {} if replica is None else {"replica": (replica.group * job.world_size + job.rank,
+                                                    replica.groups * job.world_size)}
     loader = job.train_loader(sets.train, cfg.batch_size, workers=workers, **split)
     val_loader = job.eval_loader(sets.val, cfg.batch_size, workers=workers)
     steps_per_epoch = len(loader) // cfg.accumulate
@@ -729,8 +730,8 @@ class EpochLoop:
 
     def save(self, epoch: int, samples: int, partial: list[float], *, if_idle: bool) -> None:
         run = self.run
-        if run.replica is not None and not run.leads:
-            return  # the group that led the last step writes the run's checkpoints
+        if run.replica is not None and not run.replica.leads:
+            return  # the group that led the last step writes the run's checkpoints (every process of it)
         with run.paused():
             self._save(epoch, samples, partial, if_idle=if_idle)
 
@@ -788,7 +789,7 @@ class EpochLoop:
         mean global batch they trained on, and the images per second that makes."""
         taken = self.participants or [self.run.replica.last_participants]
         mean = sum(taken) / len(taken)
-        per_group = self.run.cfg.batch_size
+        per_group = self.run.cfg.batch_size * self.run.job.data_replicas
         return {"replica_groups": self.run.replica.groups, "replicas": mean, "replicas_min": min(taken),
                 "effective_global_batch": per_group * mean, "images_per_sec": per_group * sum(taken) / elapsed}
 

@@ -30,9 +30,9 @@ MIN_REPLICAS = "DDPKIT_MIN_REPLICAS"
 LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
 
 
-def replica_beat_key(group: int) -> str:
-    """The key of the launcher's store under which ``group``'s process publishes its beat."""
-    return f"beat/{group}"
+def replica_beat_key(group: int, rank: int = 0) -> str:
+    """The key of the launcher's store under which ``group``'s process of rank ``rank`` publishes its beat."""
+    return f"beat/{group}/{rank}"
 
 
 # Slurm gives no port; derive one from the job id so that every task of a job agrees on it

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import json
 import os
 import signal
@@ -77,9 +78,10 @@ def lighthouse_answering(address: str, *, timeout_s: float = 3.0) -> str:
 
 def run_groups(groups: int, group_command: Sequence[str], *, heartbeat_timeout_s: float | None = None,
                min_replicas: int | None = None, lighthouse_address: str | None = None,
-               log_dir: str | None = None) -> int:
-    """Start ``groups`` copies of ``group_command`` (a ``ddpkit run`` of one group, without --replica-groups),
-    told their group, the lighthouse and the barrier store; wait for all; the first failure's exit status.
+               log_dir: str | None = None, nproc: int = 1) -> int:
+    """Start ``groups`` copies of ``group_command`` (a ``ddpkit run`` of one group of ``nproc`` processes, without
+    --replica-groups), told their group, the lighthouse and the barrier store; wait for all; the first failure's
+    exit status.
 
     ``lighthouse_address``: a lighthouse that serves already (http://HOST:PORT), used instead of starting one here
     with ``heartbeat_timeout_s`` (default 2 s) and ``min_replicas`` (default 1); the given one has its own."""
@@ -110,7 +112,7 @@ def run_groups(groups: int, group_command: Sequence[str], *, heartbeat_timeout_s
                     f"{'' if lighthouse_address is None else ' (given)'}{waits}")
         children: list[subprocess.Popen] = []
         gpus = visible_gpus()
-        with _passed_on(children), _fencing(store, groups, children):
+        with _passed_on(children), _fencing(store, groups, nproc, children):
             try:
                 for group in range(groups):
                     environment = {**os.environ, GROUP_VARIABLE: str(group), GROUPS_VARIABLE: str(groups),
@@ -118,8 +120,8 @@ def run_groups(groups: int, group_command: Sequence[str], *, heartbeat_timeout_s
                                    MIN_REPLICAS_VARIABLE: str(min_replicas or 1)}
                     # The groups share this machine's cores: each launch alone would give its process all of them,
                     # and R x that many OpenMP threads spin against each other (3.4x slower steps on 2 cores).
-                    environment.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // groups)))
-                    gpu = group_gpu(group, gpus)
+                    environment.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // (groups * nproc))))
+                    gpu = group_gpus(group, gpus, nproc, groups)
                     if gpu is not None:
                         environment["CUDA_VISIBLE_DEVICES"] = gpu
                     # A session of its own (Ctrl-C reaches it once, passed on below) that ends with this process.
@@ -144,12 +146,18 @@ def visible_gpus() -> list[str]:
     return [str(index) for index in range(torch.cuda.device_count())]
 
 
-def group_gpu(group: int, gpus: Sequence[str]) -> str | None:
-    """CUDA_VISIBLE_DEVICES for ``group``'s process: the groups take the GPUs in turn, one each (without it, every
-    group's local rank 0 would drive the first GPU). With fewer GPUs than groups, groups share them round robin,
-    which works (the groups' all-reduce is gloo's) but is for trials. None without GPUs: the variable is left
-    alone."""
-    return gpus[group % len(gpus)] if gpus else None
+def group_gpus(group: int, gpus: Sequence[str], nproc: int = 1, groups: int = 1) -> str | None:
+    """CUDA_VISIBLE_DEVICES for ``group``'s ``nproc`` processes (of ``groups`` groups): the groups take the GPUs in
+    turn, ``nproc`` each (without it, every group's local rank 0 would drive the first GPU). Groups of one process,
+    with fewer GPUs than groups, share them round robin, which works (the groups' all-reduce is gloo's) but is for
+    trials. None without GPUs, or with fewer than every group's processes need: the variable is left alone."""
+    if not gpus:
+        return None
+    if nproc == 1:
+        return gpus[group % len(gpus)]
+    if len(gpus) < nproc * groups:
+        return None
+    return ",".join(gpus[group * nproc:(group + 1) * nproc])
 
 
 SILENT_S = 2.0  # a process whose beats (every 0.5 s) stopped this long ago is stopped or frozen, not just busy
@@ -172,7 +180,7 @@ def fence_reason(beat: dict, now: float) -> str | None:
 
 
 @contextlib.contextmanager
-def _fencing(store, groups: int, children: list[subprocess.Popen]) -> Iterator[None]:
+def _fencing(store, groups: int, nproc: int, children: list[subprocess.Popen]) -> Iterator[None]:
     """While the groups run, a thread that ends (SIGKILL) a group's process whose step has outlasted its
     ``stall_timeout_s``: a hung process keeps torchft's heartbeats going (the others would wait for it until their
     quorum timeout), and a stopped one cannot end itself. Its launcher restarts it, and it rejoins."""
@@ -184,8 +192,8 @@ def _fencing(store, groups: int, children: list[subprocess.Popen]) -> Iterator[N
 
     def watch() -> None:
         while not stop.wait(0.25):
-            for group in range(groups):
-                key = beat_key(group)
+            for group, rank in itertools.product(range(groups), range(nproc)):
+                key = beat_key(group, rank)
                 if not store.check([key]):
                     continue
                 beat = json.loads(store.get(key))
@@ -194,8 +202,9 @@ def _fencing(store, groups: int, children: list[subprocess.Popen]) -> Iterator[N
                     continue
                 store.delete_key(key)  # once per process: its next one publishes anew
                 if _runs_under(beat["pid"], {child.pid for child in children}):
-                    logger.error(f"replica group {group}: {reason}; ending it so that the other groups go on and "
-                                 "its launcher restarts it")
+                    who = f"replica group {group}" + (f", rank {rank}" if nproc > 1 else "")
+                    logger.error(f"{who}: {reason}; ending it so that the other groups go on and its launcher "
+                                 "restarts it")
                     with contextlib.suppress(ProcessLookupError):  # it ended on its own meanwhile
                         os.kill(beat["pid"], signal.SIGKILL)
 
@@ -268,10 +277,21 @@ def _passed_on(children: list[subprocess.Popen]) -> Iterator[None]:
         signals.restore(previous)
 
 
+def group_nproc(nproc_per_node: str) -> int:
+    """The processes of each group: ``--nproc-per-node`` (a whole number; "auto" is one)."""
+    if nproc_per_node == "auto":
+        return 1
+    try:
+        nproc = int(nproc_per_node)
+    except ValueError:
+        nproc = 0
+    if nproc < 1:
+        raise UsageError(f"--nproc-per-node with --replica-groups is the processes of each group, a whole number of at "
+                         f"least 1, got {nproc_per_node!r}")
+    return nproc
+
+
 def group_command(*, nproc_per_node: str, max_restarts: int, extra: Sequence[str], script: Sequence[str]) -> list[str]:
-    """The ``ddpkit run`` command line of one group."""
-    if nproc_per_node not in ("1", "auto"):
-        raise UsageError("replica groups of more than one process are not built yet: use --nproc-per-node 1 with "
-                         "--replica-groups")
-    return [sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "1", "--max-restarts", str(max_restarts),
-            *extra, *script]
+    """The ``ddpkit run`` command line of one group (``--nproc-per-node`` processes, DDP among them)."""
+    return [sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", str(group_nproc(nproc_per_node)),
+            "--max-restarts", str(max_restarts), *extra, *script]

@@ -7,7 +7,9 @@ optimizer:
 
 * the model in torchft's ``DistributedDataParallel``, its gradients averaged over the groups that take part in
   the step, through a communication hook of ddpkit's (``drop_failed_step``): torchft 0.2.0's own hook raises
-  ``AssertionError`` in the healthy groups when a peer dies during the all-reduce;
+  ``AssertionError`` in the healthy groups when a peer dies during the all-reduce. In a group of several processes
+  (``--nproc-per-node N``) the model is the group's own DDP instead, and each process averages the gradients with
+  the same rank of the other groups in the optimizer's step (``average_gradients``);
 * the optimizer in torchft's ``Optimizer``: ``zero_grad()`` asks the lighthouse for the step's quorum, ``step()``
   applies the update only if this group's gradients were reduced over the quorum (``should_commit``); otherwise
   the step is dropped here and tried again. A group left behind that way copies the others' state at its next
@@ -16,11 +18,11 @@ optimizer:
 A group that (re)joins copies the model, the optimizer and the ``state`` it is handed (``state_dict`` and
 ``load_state_dict`` of each) from a healthy group over HTTP before it takes part: live recovery, not a
 checkpoint read. The groups start from the same seed and wait for each other once (``DDPKIT_REPLICA_STORE``,
-a barrier the launcher hosts), so a run without failures is the run of plain DDP over R processes.
+a barrier the launcher hosts), so a run without failures is the run of plain DDP over R x N processes.
 
 A script on ``ddpkit.Job`` needs none of this: the job makes its ``ReplicaGroup`` and drives it
-(``ddpkit.strategies.replica_loop``). For now a group is one process (``--nproc-per-node 1``); see
-docs/replica-groups.md for what is not built yet.
+(``ddpkit.strategies.replica_loop``). See docs/replica-groups.md for what is not built yet (FSDP inside a group,
+several machines, NCCL across the groups).
 """
 
 from __future__ import annotations
@@ -82,7 +84,12 @@ def drop_failed_step(manager, bucket):  # no annotation: DDP checks it against t
     hung in the middle of it), the manager records the error (its ``wrap_future``) and then refuses to commit the
     step in this group; the bucket is zeroed and handed back completed, so backward ends normally instead of
     raising in the healthy groups (torchft 0.2.0's hook asserts there)."""
-    buffer = bucket.buffer()
+    return average_across(manager, bucket.buffer())
+
+
+def average_across(manager, buffer: torch.Tensor) -> torch.futures.Future:
+    """``buffer`` averaged in place over the groups of this step's quorum (``manager``'s); a future of it. On a
+    failure the manager records the error (the step is not committed here) and ``buffer`` is zeroed."""
     try:
         participants = manager.num_participants()  # of this step's quorum (it waits for the quorum to form)
         work = manager.allreduce(buffer)  # starts the sum over the groups (a no-op once the step has failed)
@@ -133,9 +140,6 @@ class ReplicaGroup:
         if missing:
             raise UsageError(f"this process is not in a replica group ({', '.join(missing)} not set): start the script "
                              "with ddpkit run --replica-groups N")
-        if int(environment.get("WORLD_SIZE", "1")) != 1:
-            raise UsageError("replica groups of more than one process are not built yet: use --nproc-per-node 1 "
-                             "with --replica-groups")
         if not timeout_s > 0 or not quorum_timeout_s > 0:
             raise UsageError(f"timeout_s and quorum_timeout_s must be positive, got {timeout_s}, {quorum_timeout_s}")
         if stall_timeout_s and not timeout_s < stall_timeout_s < quorum_timeout_s:
@@ -155,6 +159,8 @@ class ReplicaGroup:
             raise UsageError(f"{MIN_REPLICAS_VARIABLE} must be between 1 and the number of groups ({self.groups}), "
                              f"got {self.min_replicas}")
         self.lighthouse = environment[LIGHTHOUSE_VARIABLE]
+        # This process's rank in its group, and the group's processes (DDP among them, torchft across the groups).
+        self.rank, self.nproc = int(environment.get("RANK", "0")), int(environment.get("WORLD_SIZE", "1"))
         self.restarts = int(environment.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.timeout_s, self.quorum_timeout_s, self.stall_timeout_s = timeout_s, quorum_timeout_s, stall_timeout_s
         self._moved: float | None = None  # when this process last began or ended a step (None: not yet)
@@ -183,16 +189,25 @@ class ReplicaGroup:
         import torchft
         from torch.distributed import TCPStore
 
-        self._model, self._optimizer, self._state = model, optimizer, dict(state or {})
         host = "127.0.0.1"  # one machine for now: every group reaches the others there
-        # The group's own store (the manager is its client); the other groups are told its address.
-        self._store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False)
+        if self.nproc > 1 and not isinstance(model, nn.parallel.DistributedDataParallel):
+            model = nn.parallel.DistributedDataParallel(model)  # averages the gradients among the group's processes
+        self._model, self._optimizer, self._state = model, optimizer, dict(state or {})
+        # The group's own store (its managers are its clients), hosted by its rank 0; the other groups are told its
+        # address. A new one at each start of the group: nothing of an earlier one's managers is left in it.
+        if self.rank == 0:
+            self._store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False)
+        store_port = self._store.port if self.rank == 0 else None
+        if self.nproc > 1:
+            told = [store_port]
+            torch.distributed.broadcast_object_list(told, src=0)
+            store_port = told[0]
         timeout = datetime.timedelta(seconds=self.timeout_s)
         self.manager = torchft.Manager(
             pg=torchft.ProcessGroupGloo(timeout=timeout),  # the gloo timeout is set here, not by timeout=
             load_state_dict=self._load_state_dict, state_dict=self._state_dict, min_replica_size=self.min_replicas,
-            replica_id=str(self.group), lighthouse_addr=self.lighthouse, store_addr=host, store_port=self._store.port,
-            rank=0, world_size=1, port=0, timeout=timeout, hostname=host,  # what it tells the others to reach
+            replica_id=str(self.group), lighthouse_addr=self.lighthouse, store_addr=host, store_port=store_port,
+            rank=self.rank, world_size=self.nproc, port=0, timeout=timeout, hostname=host,  # what it tells others
             quorum_timeout=datetime.timedelta(seconds=self.quorum_timeout_s),
             # Same seed everywhere instead of a copy at step 0: torchft's init_sync with its asynchronous quorum
             # halves the first step's gradient (the group being synced contributes zeros, counted as a member).
@@ -209,7 +224,10 @@ class ReplicaGroup:
         class GroupDDP(torchft.DistributedDataParallel):  # torchft's wrapper registers cls._comm_hook
             _comm_hook = staticmethod(drop_failed_step)
 
-        self._ddp, self._group_optimizer = GroupDDP(self.manager, model), _optimizer_class()(self, optimizer)
+        # One process per group: torchft's DDP, its all-reduce across the groups overlapping backward. Several: the
+        # group's own DDP, then the average across the groups in the optimizer's step (average_gradients).
+        self._ddp = GroupDDP(self.manager, model) if self.nproc == 1 else model
+        self._group_optimizer = _optimizer_class()(self, optimizer)
         # A training forward asks for the step's quorum if zero_grad() has not (a loop that zeroes the gradients
         # after its step, or never: set_to_none by the step of the loop before).
         self._ddp.register_forward_pre_hook(
@@ -253,10 +271,13 @@ class ReplicaGroup:
             raise RuntimeError(f"replica group {self.group} could not copy the live groups' state: "
                                f"{first_line(manager.errored().original_exception)}")
         with self.paused():
-            reducer = self._ddp.reducer
-            # Zeros shaped like DDP's buckets, in the order the others reduce theirs (torchft's DDP finds unused
-            # parameters, so its buckets are never rebuilt); the hook's all-reduce is theirs.
-            settled = [reducer._run_comm_hook(bucket) for bucket in reducer._get_zeros_like_grad_buckets()]
+            if self.nproc == 1:
+                reducer = self._ddp.reducer
+                # Zeros shaped like DDP's buckets, in the order the others reduce theirs (torchft's DDP finds unused
+                # parameters, so its buckets are never rebuilt); the hook's all-reduce is theirs.
+                settled = [reducer._run_comm_hook(bucket) for bucket in reducer._get_zeros_like_grad_buckets()]
+            else:  # zeros shaped like the others' flat gradients (average_gradients)
+                settled = [average_across(manager, torch.zeros_like(flat)) for flat, _ in self._flat_gradients()]
             for future in settled:
                 future.wait()
             manager.report_error(RuntimeError("this group joined before its loop: the step is the others' alone"))
@@ -265,6 +286,33 @@ class ReplicaGroup:
         self.last_outcome = None
         logger.info(f"replica group {self.group}: copied the live groups' state at step {manager.current_step()}")
         return True
+
+    def _flat_gradients(self) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        """The optimizer's gradients, one flat tensor per dtype and device, with the parameters in it (a missing
+        gradient counts as zeros)."""
+        parameters: dict[tuple, list[torch.Tensor]] = {}
+        for group in self._optimizer.param_groups:
+            for parameter in group["params"]:
+                parameters.setdefault((parameter.dtype, parameter.device), []).append(parameter)
+        return [(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in kept]), kept)
+                for kept in parameters.values()]
+
+    def average_gradients(self) -> None:
+        """Groups of several processes: after backward (the group's DDP averaged the gradients among its processes),
+        average them across the groups of the step's quorum, each process with the same rank of the other groups.
+        A failure leaves the step to be dropped by the commit vote, as the hook's does."""
+        flats = self._flat_gradients()
+        for future in [average_across(self.manager, flat) for flat, _ in flats]:
+            future.wait()
+        for flat, parameters in flats:
+            offset = 0
+            for parameter in parameters:
+                averaged = flat[offset:offset + parameter.numel()].view_as(parameter)
+                offset += parameter.numel()
+                if parameter.grad is None:
+                    parameter.grad = averaged.clone()
+                else:
+                    parameter.grad.copy_(averaged)
 
     def moved(self) -> None:
         """This process began or ended a step (the fence's clock)."""
@@ -304,7 +352,7 @@ class ReplicaGroup:
             moved = None if self._moved is None else time.monotonic() - self._moved
             beat = {"pid": os.getpid(), "t": time.time(), "moved_s": moved, "stall_s": self.stall_timeout_s,
                     "where": where}
-            store.set(beat_key(self.group), json.dumps(beat))
+            store.set(beat_key(self.group, self.rank), json.dumps(beat))
             if self._stopping.wait(BEAT_S):
                 return
 
@@ -314,7 +362,7 @@ class ReplicaGroup:
             self._stopping.set()
             self._beats.join()
             self._beats = None
-            self._launcher_store.delete_key(beat_key(self.group))
+            self._launcher_store.delete_key(beat_key(self.group, self.rank))
 
     def finish(self) -> None:
         """Tell the launcher that this group trained to the end: a group restarted from now on stops at once
@@ -330,7 +378,7 @@ class ReplicaGroup:
         """Every group's manager is up (heartbeating) before any asks for a quorum: the first quorum then holds
         them all, and no group starts alone only to be joined later."""
         self._launcher_store.add("ready", 1)
-        _wait_count(self._launcher_store, "ready", self.groups, self.quorum_timeout_s)
+        _wait_count(self._launcher_store, "ready", self.groups * self.nproc, self.quorum_timeout_s)
 
     def _state_dict(self) -> dict[str, Any]:
         state = {"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict()}
@@ -386,6 +434,8 @@ def _optimizer_class():
         def step(self, closure=None) -> None:
             self.group.moved()
             manager, before = self.manager, self.manager.current_step()
+            if self.group.nproc > 1:
+                self.group.average_gradients()  # across the groups; the group's DDP averaged them within it
             error = manager.errored()
             try:
                 super().step(closure)  # commits (applying a copied state first) or drops the step
