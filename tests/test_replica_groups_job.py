@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ddpkit
 from ddpkit.watch.replicas import checksums  # the replica check's: each tensor's bits, summed
 
-out_dir, epochs, samples, per_process, die_at, again_after = sys.argv[1], *map(int, sys.argv[2:7])
+out_dir, epochs, samples, per_process, die_at, again_after, late = sys.argv[1], *map(int, sys.argv[2:8])
 with ddpkit.Job(seed=0) as job:                       # joins this process's replica group (ddpkit run says which)
     group = job.replica
     out = open(os.path.join(out_dir, f"group{group.group}-rank{job.rank}.jsonl"), "a")
@@ -93,6 +93,12 @@ with ddpkit.Job(seed=0) as job:                       # joins this process's rep
         emit(event="epoch", epoch=epoch, step=job.global_step)
     ckpt.wait()
     emit(event="end", step=job.global_step, checksum=checksums(bare.named_parameters()).tolist())
+    if late and group.group == 1 and group.restarts == 2:  # dies once group 0 has left: restarted too late
+        while time.time() < deadline and not os.path.exists(os.path.join(out_dir, f"group0-rank{job.rank}.done")):
+            time.sleep(0.05)
+        emit(event="die", step=job.global_step)
+        os.kill(os.getpid(), signal.SIGKILL)
+open(os.path.join(out_dir, f"group{group.group}-rank{job.rank}.done"), "w").close()  # left the with block
 '''
 
 
@@ -122,9 +128,10 @@ def job_run(request, tmp_path_factory):
     nproc = request.param
     folder = tmp_path_factory.mktemp(f"replica-groups-job-{nproc}")
     (folder / "script.py").write_text(SCRIPT)
-    result = run_ddpkit("run", "--replica-groups", "2", "--nproc-per-node", str(nproc), "--max-restarts", "2",
+    late = nproc == 2  # the slow run also restarts group 1 once more after group 0 has finished
+    result = run_ddpkit("run", "--replica-groups", "2", "--nproc-per-node", str(nproc), "--max-restarts", "3",
                         "--replica-heartbeat-timeout", "1", str(folder / "script.py"), str(folder), str(EPOCHS),
-                        str(SAMPLES), str(PER_PROCESS), str(DIE_AT), str(AGAIN_AFTER), timeout=180)
+                        str(SAMPLES), str(PER_PROCESS), str(DIE_AT), str(AGAIN_AFTER), str(int(late)), timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     return Run(folder, result.stdout + result.stderr, nproc)
 
@@ -166,9 +173,9 @@ def test_both_restarts_join_before_their_loop_in_the_groups_epoch_and_agree_with
     for rank in range(job_run.nproc):
         records = job_run.records[1, rank]
         starts = [r for r in records if r["event"] == "start"]
-        assert [s["restarts"] for s in starts] == [0, 1, 2]
+        assert [s["restarts"] for s in starts][:3] == [0, 1, 2]
         deaths = [r for r in records if r["event"] == "die"]
-        for death, start in zip(deaths, starts[1:]):
+        for death, start in zip(deaths, starts[1:3]):  # the two restarts during the run
             mine = [r for r in steps(records, start["pid"]) if r["step"] != r["before"]]
             assert mine and mine[0]["before"] > 1  # the loop began at the groups' step, not at 0
             assert mine[0]["t"] - death["t"] < 30.0  # restarted, and training with the others, within 30 s
@@ -204,3 +211,13 @@ def test_a_job_under_replica_groups_refuses_what_they_cannot_do_in_one_line(sett
     monkeypatch.setenv(REPLICA_GROUP, "0")
     with pytest.raises(UsageError, match=message):
         ddpkit.Job(**settings)
+
+
+def test_a_group_restarted_after_the_others_finished_stops_at_once_writing_nothing(job_run):
+    if job_run.nproc == 1:
+        pytest.skip("the slow run (groups of two processes) restarts group 1 after group 0 has finished")
+    for rank in range(job_run.nproc):
+        late = [r for r in job_run.records[1, rank] if r["event"] == "start"][3]
+        assert late["restarts"] == 3
+        assert not [r for r in job_run.records[1, rank] if r["pid"] == late["pid"] and r["event"] != "start"]
+    assert "replica group 1: the other groups have finished the run; this one stops here" in job_run.output

@@ -343,7 +343,9 @@ def run(cfg: TrainConfig, environment: DistEnv | None = None) -> dict:
     replica = replica_group(cfg)
     logs_folder = os.path.join(cfg.output_dir, LOGS_FOLDER, *([f"group{replica.group}"] if replica else []))
     with in_train_flags():  # the library's errors name its parameters; this command's user knows its flags
-        job = Job(strategy_for(cfg), replica_group=False, amp=cfg.amp, accumulate=cfg.accumulate, seed=cfg.seed, sync_bn=cfg.sync_bn,
+        # replica_group=False: this command drives its ReplicaGroup itself (train's loop, not Job's).
+        job = Job(strategy_for(cfg), replica_group=False, amp=cfg.amp, accumulate=cfg.accumulate, seed=cfg.seed,
+                  sync_bn=cfg.sync_bn,
                   backend=cfg.backend, device=cfg.device, timeout_s=cfg.timeout, stall_timeout_s=cfg.stall_timeout,
                   check_replicas=cfg.check_replicas, status_file=os.path.join(cfg.output_dir, status.STATUS_FILE),
                   environment=environment,

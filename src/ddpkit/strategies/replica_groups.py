@@ -252,8 +252,9 @@ class ReplicaGroup:
 
     def join(self) -> bool:
         """Copy the live groups' state before the training loop starts: what a restarted process does, so that its
-        loop begins where the groups are (``Job`` calls it: ``ddpkit.strategies.replica_loop``). True when this group copied their state (``step`` is then theirs); False when nobody was ahead
-        of it (every group restarted from the same checkpoint): the quorum asked for then serves the first step.
+        loop begins where the groups are (``Job`` calls it: ``ddpkit.strategies.replica_loop``). True when this group
+        copied their state (``step`` is then theirs); False when nobody was ahead of it (every group restarted from
+        the same checkpoint): the quorum asked for then serves the first step.
 
         The copy comes with a step of the others (torchft heals inside a step), whose gradient all-reduce waits for
         every group of the quorum. This group takes part without data: it runs the communication hook on each of
