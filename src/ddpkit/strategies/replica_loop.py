@@ -15,6 +15,7 @@ import functools
 import weakref
 from typing import Any
 
+from ddpkit.core.errors import UsageError
 from ddpkit.core.logs import logger
 
 
@@ -56,9 +57,9 @@ class Loop:
             return  # copied inside the loop (a group left behind): the loaders move on by replay()
         positions = state["loaders"]
         if len(positions) != len(self.loaders):
-            raise RuntimeError(f"the live groups have {len(positions)} training loader(s) and this one "
-                               f"{len(self.loaders)}: every group must run the same script, which makes its "
-                               "training loaders before its loop")
+            raise UsageError(f"the live groups have {len(positions)} training loader(s) and this one "
+                             f"{len(self.loaders)}: every group must run the same script, and make its training "
+                             "loaders before ckpt.resume and the loop")
         for loader, position in zip(self.loaders, positions):
             loader.load_state_dict(position)
             if position["samples"] >= loader.steps_per_epoch * loader.global_batch:  # at an epoch's end: the next
