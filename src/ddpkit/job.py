@@ -326,8 +326,8 @@ class Job:
 
     def _data_part(self) -> tuple[int, int]:
         """(index, count): this rank's part of the training data; under replica groups, this group's."""
-        if self.replica is not None:  # every process of every group its own part
-            return self.replica.group * self.world_size + self.rank, self.replica.groups * self.world_size
+        if self.replica is not None:
+            return self.replica.data_part
         return self.strategy.data_part(self.rank, self.world_size)
 
     def eval_loader(self, dataset, batch_size: int | None = None, **options) -> data.DeviceLoader:

@@ -340,13 +340,14 @@ def _train_replica_groups(ns: argparse.Namespace, argv: Sequence[str], parser, c
     trainer.check_replica_settings(cfg)
     require_torchft()
     warn_earlier_run(cfg.output_dir)
-    _write_resolved_config(ns, parser, cfg, replica_groups.group_nproc(ns.nproc_per_node))
+    nproc = replica_groups.group_nproc(ns.nproc_per_node)
+    _write_resolved_config(ns, parser, cfg, nproc)
     os.environ[CONFIG_WRITTEN_ENV] = "1"  # the groups' processes run this command again: written once, here
     command = replica_groups.group_command(nproc_per_node=ns.nproc_per_node, max_restarts=ns.max_restarts,
                                            extra=[], script=["-m", "ddpkit", *argv])
     return _workers_done(replica_groups.run_groups(ns.replica_groups, command, **_lighthouse_settings(ns),
                                                    log_dir=os.path.join(cfg.output_dir, trainer.LOGS_FOLDER),
-                                                   nproc=replica_groups.group_nproc(ns.nproc_per_node)))
+                                                   nproc=nproc))
 
 
 def _run_replica_groups(ns: argparse.Namespace, script: list[str]) -> int:

@@ -541,8 +541,7 @@ def start(cfg: TrainConfig, job: Job, replica=None) -> RunState:
     # --workers, else a share of the cores (none for tensors already in memory).
     workers = data.default_workers(job.runtime, None, sets.train) if cfg.workers is None else cfg.workers
     # Under replica groups the training data is split over the groups: each reads its share of the global batch.
-    split = {} if replica is None else {"replica": (replica.group * job.world_size + job.rank,
-                                                    replica.groups * job.world_size)}
+    split = {} if replica is None else {"replica": replica.data_part}
     loader = job.train_loader(sets.train, cfg.batch_size, workers=workers, **split)
     val_loader = job.eval_loader(sets.val, cfg.batch_size, workers=workers)
     steps_per_epoch = len(loader) // cfg.accumulate

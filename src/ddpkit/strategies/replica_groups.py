@@ -398,6 +398,13 @@ class ReplicaGroup:
         return self._manager().current_step()
 
     @property
+    def data_part(self) -> tuple[int, int]:
+        """(index, count): this process's part of each global batch. Every process of every group reads its own,
+        in the order group x processes per group + rank, so R groups of N train on the batches of plain DDP over
+        R x N processes."""
+        return self.group * self.nproc + self.rank, self.groups * self.nproc
+
+    @property
     def participants(self) -> int:
         """Groups that took part in the last quorum."""
         return self._manager().num_participants()
