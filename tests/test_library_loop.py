@@ -44,14 +44,17 @@ def runs(tmp_path_factory):
     return done
 
 
-@pytest.mark.slow  # one launch of 2 replica groups beside the fixture's runs: about 7 s
-def test_the_script_unchanged_as_two_replica_groups_equals_one_process_with_the_global_batch(runs, tmp_path):
+@pytest.mark.slow  # one launch of 2 replica groups beside the fixture's runs: about 7 s, 12 s for groups of two
+@pytest.mark.parametrize("strategy, nproc, batch", [("ddp", "1", "32"), ("fsdp", "2", "16")], ids=["ddp", "hsdp"])
+def test_the_script_unchanged_as_two_replica_groups_equals_one_process_with_the_global_batch(runs, tmp_path,
+                                                                                            strategy, nproc, batch):
     """The same script under ``ddpkit run --replica-groups 2`` (Job joins each process's group): fp32, 32 per group
-    without accumulation, against one process of 32 x 2 accumulated (the same 64 samples a step)."""
+    without accumulation, against one process of 32 x 2 accumulated (the same 64 samples a step). Groups of one
+    process, and HSDP: FSDP inside groups of two processes of 16 each."""
     pytest.importorskip("torchft", reason="replica groups need torchft (pip install 'ddpkit[ft]')")
     flags = COMMON[2:]  # without --accumulate 2
-    result = run_ddpkit("run", "--replica-groups", "2", SCRIPT, "--strategy", "ddp", "--batch-size", "32",
-                        "--out", str(tmp_path), *flags, timeout=240)
+    result = run_ddpkit("run", "--replica-groups", "2", "--nproc-per-node", nproc, SCRIPT, "--strategy", strategy,
+                        "--batch-size", batch, "--out", str(tmp_path), *flags, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("(359 samples)") == 2  # each epoch's line printed once, by the leading group
     grouped = torch.load(tmp_path / "model.pt", weights_only=True)

@@ -308,7 +308,7 @@ def test_train_resumes_from_its_checkpoint_in_replica_group_mode(trained):
 
 @pytest.mark.parametrize("argv, message", [
     (["--accumulate", "2"], "--replica-groups takes one micro-step per optimizer step for now"),
-    (["--strategy", "fsdp"], "--replica-groups trains with --strategy ddp"),
+    (["--strategy", "pipeline"], "--replica-groups trains with --strategy ddp or fsdp"),
     (["--launcher", "spawn"], "--replica-groups starts each group with torchrun's agent"),
 ])
 def test_bad_replica_group_training_settings_are_one_line(argv, message, tmp_path, capsys):

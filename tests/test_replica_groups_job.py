@@ -1,15 +1,15 @@
 """A script of one's own on ``ddpkit.Job`` under replica groups: plain PyTorch objects handed to ``job.prepare``, its
 own loop over epochs (``optimizer.zero_grad()``, ``loss.backward()``, ``optimizer.step()``, ``scheduler.step()``),
 run by ``ddpkit run --replica-groups 2`` on one machine, gloo: groups of one process, and groups of two (DDP inside
-each group, torchft across them).
+each group, torchft across them). tests/test_replica_groups_hsdp.py runs the same tests with FSDP inside each group.
 
 One run per group size, shared by the tests below. Group 1's first processes kill themselves in the backward of
-step DIE_AT (in the gradient all-reduce across the groups, for groups of one process). Its second start (restart 1)
+step DIE_AT (while group 0 is in the gradient all-reduce across the groups, for groups of one process). Its second start (restart 1)
 makes no ``ckpt.resume`` call, so it joins where the loop reads its training loader's epoch; it SIGKILLs itself after
 AGAIN_AFTER steps of its own. Its third (restart 2) joins at ``ckpt.resume("auto")``. While alone, group 0 waits for
 group 1's next start (on a GPU machine that takes longer) and then trains slowly, so that the run outlasts both
-restarts. Every try of a step (its batch's sample indices, the loop's epoch, the weights' checksum, the learning
-rate) is in OUT/group<G>-rank<R>.jsonl. About 17 s with groups of one process, 25 s with groups of two (in the
+restarts. Every try of a step (its batch's sample indices, the loop's epoch, the checksum of the process's weights
+or, under FSDP, of its shards, the learning rate) is in OUT/group<G>-rank<R>.jsonl. About 17 s with groups of one process, 25 s with groups of two (in the
 slow target)."""
 
 import json
@@ -32,7 +32,8 @@ import ddpkit
 from ddpkit.watch.replicas import checksums  # the replica check's: each tensor's bits, summed
 
 out_dir, epochs, samples, per_process, die_at, again_after, late = sys.argv[1], *map(int, sys.argv[2:8])
-with ddpkit.Job(seed=0) as job:                       # joins this process's replica group (ddpkit run says which)
+strategy = sys.argv[8]
+with ddpkit.Job(seed=0, strategy=strategy) as job:    # joins this process's replica group (ddpkit run says which)
     group = job.replica
     out = open(os.path.join(out_dir, f"group{group.group}-rank{job.rank}.jsonl"), "a")
 
@@ -55,7 +56,10 @@ with ddpkit.Job(seed=0) as job:                       # joins this process's rep
     if group.restarts != 1:  # the second process joins at its loader's first pass instead
         ckpt.resume("auto")
 
-    def die(grad):  # the first layer's gradient is backward's last: group 0 is in the all-reduce by now
+    def weights():  # this process's weights: under FSDP, its shards (the same rank of each group holds the same)
+        return checksums((name, getattr(p, "to_local", lambda: p)()) for name, p in bare.named_parameters()).tolist()
+
+    def die(grad):  # at the start of backward; group 0 is in the all-reduce across the groups by the time it dies
         time.sleep(0.3)
         emit(event="die", step=job.global_step)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -69,14 +73,15 @@ with ddpkit.Job(seed=0) as job:                       # joins this process's rep
     for epoch in range(loader.epoch, epochs):
         for inputs, targets, index in loader:
             before = job.global_step
-            if before + 1 == die_at and group.group == 1 and group.restarts == 0:
-                bare[0].weight.register_hook(die)
             optimizer.zero_grad()
-            F.mse_loss(model(inputs), targets).backward()
+            loss = F.mse_loss(model(inputs), targets)
+            if before + 1 == die_at and group.group == 1 and group.restarts == 0:
+                loss.register_hook(die)
+            loss.backward()
             optimizer.step()
             scheduler.step()
             emit(event="step", epoch=epoch, before=before, step=job.global_step, indices=index.tolist(),
-                 checksum=checksums(bare.named_parameters()).tolist(), lr=scheduler.get_last_lr()[0],
+                 checksum=weights(), lr=scheduler.get_last_lr()[0],
                  participants=group.participants)
             if job.global_step != before and job.global_step % 10 == 0:
                 ckpt.save()
@@ -92,7 +97,7 @@ with ddpkit.Job(seed=0) as job:                       # joins this process's rep
         job.print(f"epoch {epoch + 1}: val_loss {val_loss:.4f} over {count}")
         emit(event="epoch", epoch=epoch, step=job.global_step)
     ckpt.wait()
-    emit(event="end", step=job.global_step, checksum=checksums(bare.named_parameters()).tolist())
+    emit(event="end", step=job.global_step, checksum=weights())
     if late and group.group == 1 and group.restarts == 2:  # dies once group 0 has left: restarted too late
         while time.time() < deadline and not os.path.exists(os.path.join(out_dir, f"group0-rank{job.rank}.done")):
             time.sleep(0.05)
@@ -105,8 +110,8 @@ open(os.path.join(out_dir, f"group{group.group}-rank{job.rank}.done"), "w").clos
 class Run:
     """One run: its folder, output, the group size, and each process's records by (group, rank)."""
 
-    def __init__(self, folder, output: str, nproc: int):
-        self.folder, self.output, self.nproc = folder, output, nproc
+    def __init__(self, folder, output: str, nproc: int, strategy: str):
+        self.folder, self.output, self.nproc, self.strategy = folder, output, nproc, strategy
         self.records = {(g, r): [json.loads(line) for line in (folder / f"group{g}-rank{r}.jsonl").read_text()
                                  .splitlines()] for g in (0, 1) for r in range(nproc)}
         self.global_batch = 2 * nproc * PER_PROCESS
@@ -122,18 +127,23 @@ class Run:
         return order[k * self.global_batch:(k + 1) * self.global_batch][group * self.nproc + rank::parts]
 
 
-# Groups of two processes (four of them, on two cores: about 25 s alone, 50 s beside the suite) run in the slow target.
-@pytest.fixture(scope="module", params=[1, pytest.param(2, marks=pytest.mark.slow)], ids=["groups-of-1", "groups-of-2"])
-def job_run(request, tmp_path_factory):
-    nproc = request.param
-    folder = tmp_path_factory.mktemp(f"replica-groups-job-{nproc}")
+def launch(folder, nproc: int, strategy: str) -> Run:
+    """The run, in ``folder``: 2 groups of ``nproc`` processes, ``strategy`` inside each group. A run of groups of
+    two also restarts group 1 once more after group 0 has finished."""
     (folder / "script.py").write_text(SCRIPT)
-    late = nproc == 2  # the slow run also restarts group 1 once more after group 0 has finished
+    late = nproc == 2
     result = run_ddpkit("run", "--replica-groups", "2", "--nproc-per-node", str(nproc), "--max-restarts", "3",
                         "--replica-heartbeat-timeout", "1", str(folder / "script.py"), str(folder), str(EPOCHS),
-                        str(SAMPLES), str(PER_PROCESS), str(DIE_AT), str(AGAIN_AFTER), str(int(late)), timeout=180)
+                        str(SAMPLES), str(PER_PROCESS), str(DIE_AT), str(AGAIN_AFTER), str(int(late)), strategy,
+                        timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
-    return Run(folder, result.stdout + result.stderr, nproc)
+    return Run(folder, result.stdout + result.stderr, nproc, strategy)
+
+
+# Groups of two processes (four of them, on two cores: about 20 s alone, 50 s beside the suite) run in the slow target.
+@pytest.fixture(scope="module", params=[1, pytest.param(2, marks=pytest.mark.slow)], ids=["groups-of-1", "groups-of-2"])
+def job_run(request, tmp_path_factory):
+    return launch(tmp_path_factory.mktemp(f"replica-groups-job-{request.param}"), request.param, "ddp")
 
 
 def steps(records: list[dict], pid: int | None = None) -> list[dict]:
@@ -169,8 +179,8 @@ def test_a_dropped_step_is_tried_again_and_group_0_commits_every_step_once_with_
 
 
 def test_both_restarts_join_before_their_loop_in_the_groups_epoch_and_agree_with_group_0_to_the_bit(job_run):
-    survivor = {r["step"]: r for r in steps(job_run.records[0, 0]) if r["step"] != r["before"]}
-    for rank in range(job_run.nproc):
+    for rank in range(job_run.nproc):  # each with the same rank of group 0 (under FSDP, the same shards)
+        survivor = {r["step"]: r for r in steps(job_run.records[0, rank]) if r["step"] != r["before"]}
         records = job_run.records[1, rank]
         starts = [r for r in records if r["event"] == "start"]
         assert [s["restarts"] for s in starts][:3] == [0, 1, 2]
@@ -187,20 +197,24 @@ def test_both_restarts_join_before_their_loop_in_the_groups_epoch_and_agree_with
         assert steps(records, starts[2]["pid"])[0]["epoch"] >= 1
     assert job_run.output.count("replica group 1: rejoined at step") == 2  # said by rank 0
     assert job_run.output.count("with the live groups' state (no checkpoint read)") == 1  # the one that called resume
-    ends = [next(r for r in records if r["event"] == "end") for records in job_run.records.values()]
-    assert {r["step"] for r in ends} == {EPOCHS * job_run.steps_per_epoch}
-    assert len({tuple(r["checksum"]) for r in ends}) == 1  # every process of both groups
+    ends = {where: next(r for r in records if r["event"] == "end") for where, records in job_run.records.items()}
+    assert {r["step"] for r in ends.values()} == {EPOCHS * job_run.steps_per_epoch}
+    for rank in range(job_run.nproc):
+        assert ends[0, rank]["checksum"] == ends[1, rank]["checksum"]
+    if job_run.strategy == "ddp":  # every process of both groups holds the whole model
+        assert len({tuple(r["checksum"]) for r in ends.values()}) == 1
 
 
 def test_only_the_leading_group_prints_and_writes_checkpoints(job_run):
     assert job_run.output.count(f"epoch {EPOCHS}: val_loss") == 1
-    last = EPOCHS * job_run.steps_per_epoch // 10 * 10
-    assert sorted(path.name for path in (job_run.folder / "checkpoints").glob("step-*.pt"))[-1] == \
-        f"step-{last:08d}.pt"
+    from ddpkit import checkpoint
+
+    last = EPOCHS * job_run.steps_per_epoch // 10 * 10  # a file, or a folder of shards under FSDP
+    assert checkpoint.step_of(checkpoint.list_checkpoints(job_run.folder / "checkpoints")[0]) == last
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"strategy": "zero"}, "replica groups train with the ddp strategy"),
+    ({"strategy": "zero"}, "replica groups train with the ddp or the fsdp strategy"),
     ({"accumulate": 2}, "`accumulate` must be 1, got 2"),
 ])
 def test_a_job_under_replica_groups_refuses_what_they_cannot_do_in_one_line(settings, message, monkeypatch):

@@ -554,8 +554,8 @@ def in_replica_groups() -> bool:
 def check_replica_settings(strategy: strategies.Strategy, accumulate: int) -> None:
     """UsageError for a job's settings that replica groups cannot train with yet."""
     if not strategy.in_replica_groups:
-        raise UsageError(f"replica groups train with the ddp strategy (data parallel across the groups) for now, "
-                         f"not {strategy.name}")
+        raise UsageError(f"replica groups train with the ddp or the fsdp strategy inside each group (data parallel "
+                         f"across the groups) for now, not {strategy.name}")
     if accumulate != 1:
         raise UsageError(f"replica groups take one micro-step per optimizer step for now: `accumulate` must be 1, "
                          f"got {accumulate}")

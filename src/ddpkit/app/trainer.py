@@ -360,7 +360,7 @@ def run(cfg: TrainConfig, environment: DistEnv | None = None) -> dict:
 
 def replica_group(cfg: TrainConfig):
     """This process's ``ReplicaGroup`` when ``ddpkit train --replica-groups R`` started it (None otherwise), its
-    settings checked: the ddp strategy, one micro-step per step."""
+    settings checked: the ddp or fsdp strategy, one micro-step per step."""
     from ddpkit.core.env import REPLICA_GROUP
 
     if REPLICA_GROUP not in os.environ:
@@ -375,8 +375,8 @@ def check_replica_settings(cfg: TrainConfig) -> None:
     """UsageError for settings that replica groups do not support yet."""
     strategy = strategy_for(cfg)
     if not strategy.in_replica_groups:
-        raise UsageError(f"--replica-groups trains with --strategy ddp (data parallel across the groups) for now, "
-                         f"got {strategy.name}")
+        raise UsageError(f"--replica-groups trains with --strategy ddp or fsdp inside each group (data parallel "
+                         f"across the groups) for now, got {strategy.name}")
     if cfg.accumulate != 1:
         raise UsageError(f"--replica-groups takes one micro-step per optimizer step for now: drop --accumulate "
                          f"{cfg.accumulate}")

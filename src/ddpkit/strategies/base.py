@@ -98,7 +98,7 @@ class Strategy(Protocol):
     with_zero: ClassVar[str | None] = None
     # Wrapping gives every rank rank 0's weights (DDP's constructor does): no broadcast needed before it.
     syncs_weights: ClassVar[bool] = False
-    # Runs as one of `ddpkit train --replica-groups R`'s groups (torchft's DDP across the groups, one process each).
+    # Runs as one of `ddpkit run|train --replica-groups R`'s groups (data parallel across them through torchft).
     in_replica_groups: ClassVar[bool] = False
 
     def check(self, *, world_size: int, cuda_count: int, batch_size: int | None = None,

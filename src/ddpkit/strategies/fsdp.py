@@ -45,6 +45,7 @@ class FSDP(Strategy):
     sharded_checkpoints: ClassVar[bool] = True
     shards_optimizer: ClassVar[bool] = True
     eval_lockstep: ClassVar[bool] = True  # each forward all-gathers: every rank runs as many
+    in_replica_groups: ClassVar[bool] = True  # HSDP: sharded inside each group, each shard averaged across them
 
     def wrap(self, model: nn.Module, runtime: Runtime, *, example=None) -> nn.Module:  # noqa: ARG002
         """Shard ``model`` over every rank of the process group, block by block, then the rest at the root."""

@@ -9,7 +9,8 @@ optimizer:
   the step, through a communication hook of ddpkit's (``drop_failed_step``): torchft 0.2.0's own hook raises
   ``AssertionError`` in the healthy groups when a peer dies during the all-reduce. In a group of several processes
   (``--nproc-per-node N``) the model is the group's own DDP instead, and each process averages the gradients with
-  the same rank of the other groups in the optimizer's step (``average_gradients``);
+  the same rank of the other groups in the optimizer's step (``average_gradients``). A model sharded by FSDP
+  (HSDP) is averaged there too, each process its own shard of every gradient;
 * the optimizer in torchft's ``Optimizer``: ``zero_grad()`` asks the lighthouse for the step's quorum, ``step()``
   applies the update only if this group's gradients were reduced over the quorum (``should_commit``); otherwise
   the step is dropped here and tried again. A group left behind that way copies the others' state at its next
@@ -21,8 +22,8 @@ checkpoint read. The groups start from the same seed and wait for each other onc
 a barrier the launcher hosts), so a run without failures is the run of plain DDP over R x N processes.
 
 A script on ``ddpkit.Job`` needs none of this: the job makes its ``ReplicaGroup`` and drives it
-(``ddpkit.strategies.replica_loop``). See docs/replica-groups.md for what is not built yet (FSDP inside a group,
-several machines, NCCL across the groups).
+(``ddpkit.strategies.replica_loop``). See docs/replica-groups.md for what is not built yet (several machines, NCCL
+across the groups).
 """
 
 from __future__ import annotations
@@ -178,6 +179,8 @@ class ReplicaGroup:
         self._asked = False  # this step's quorum asked for (begin_step), not yet used by a step
         self._ddp: nn.Module | None = None  # the model as setup wrapped it, and the optimizer
         self._group_optimizer = None
+        self.sharded = False  # FSDP inside the group (HSDP): setup says
+        self._after_backward = self.nproc > 1  # the average across the groups runs after backward (setup says)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
               state: dict[str, Any] | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -190,7 +193,11 @@ class ReplicaGroup:
         from torch.distributed import TCPStore
 
         host = "127.0.0.1"  # one machine for now: every group reaches the others there
-        if self.nproc > 1 and not isinstance(model, nn.parallel.DistributedDataParallel):
+        # FSDP inside the group (HSDP), or several processes: the gradients are averaged across the groups after
+        # backward (average_gradients), each process its own shard or its copy of the group's average.
+        self.sharded = is_sharded(model)
+        self._after_backward = self.nproc > 1 or self.sharded
+        if self.nproc > 1 and not self.sharded and not isinstance(model, nn.parallel.DistributedDataParallel):
             model = nn.parallel.DistributedDataParallel(model)  # averages the gradients among the group's processes
         self._model, self._optimizer, self._state = model, optimizer, dict(state or {})
         # The group's own store (its managers are its clients), hosted by its rank 0; the other groups are told its
@@ -224,9 +231,9 @@ class ReplicaGroup:
         class GroupDDP(torchft.DistributedDataParallel):  # torchft's wrapper registers cls._comm_hook
             _comm_hook = staticmethod(drop_failed_step)
 
-        # One process per group: torchft's DDP, its all-reduce across the groups overlapping backward. Several: the
-        # group's own DDP, then the average across the groups in the optimizer's step (average_gradients).
-        self._ddp = GroupDDP(self.manager, model) if self.nproc == 1 else model
+        # One process per group: torchft's DDP, its all-reduce across the groups overlapping backward. Several, or
+        # FSDP: the group's own DDP or FSDP, then the average across the groups in the optimizer's step.
+        self._ddp = model if self._after_backward else GroupDDP(self.manager, model)
         self._group_optimizer = _optimizer_class()(self, optimizer)
         # A training forward asks for the step's quorum if zero_grad() has not (a loop that zeroes the gradients
         # after its step, or never: set_to_none by the step of the loop before).
@@ -272,12 +279,12 @@ class ReplicaGroup:
             raise RuntimeError(f"replica group {self.group} could not copy the live groups' state: "
                                f"{first_line(manager.errored().original_exception)}")
         with self.paused():
-            if self.nproc == 1:
+            if not self._after_backward:
                 reducer = self._ddp.reducer
                 # Zeros shaped like DDP's buckets, in the order the others reduce theirs (torchft's DDP finds unused
                 # parameters, so its buckets are never rebuilt); the hook's all-reduce is theirs.
                 settled = [reducer._run_comm_hook(bucket) for bucket in reducer._get_zeros_like_grad_buckets()]
-            else:  # zeros shaped like the others' flat gradients (average_gradients)
+            else:  # zeros shaped like the others' flat gradients (average_gradients): this process's shards
                 settled = [average_across(manager, torch.zeros_like(flat)) for flat, _ in self._flat_gradients()]
             for future in settled:
                 future.wait()
@@ -290,30 +297,34 @@ class ReplicaGroup:
 
     def _flat_gradients(self) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
         """The optimizer's gradients, one flat tensor per dtype and device, with the parameters in it (a missing
-        gradient counts as zeros)."""
+        gradient counts as zeros). Of a sharded parameter, this process's shard: the same rank of every group holds
+        the same one."""
         parameters: dict[tuple, list[torch.Tensor]] = {}
         for group in self._optimizer.param_groups:
             for parameter in group["params"]:
                 parameters.setdefault((parameter.dtype, parameter.device), []).append(parameter)
-        return [(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in kept]), kept)
-                for kept in parameters.values()]
+        return [(torch.cat([(local(p.grad) if p.grad is not None else torch.zeros_like(local(p))).reshape(-1)
+                            for p in kept]), kept) for kept in parameters.values()]
 
     def average_gradients(self) -> None:
-        """Groups of several processes: after backward (the group's DDP averaged the gradients among its processes),
-        average them across the groups of the step's quorum, each process with the same rank of the other groups.
-        A failure leaves the step to be dropped by the commit vote, as the hook's does."""
+        """Groups of several processes, or FSDP inside the group: after backward (the group's DDP averaged the
+        gradients among its processes, or its FSDP reduce-scattered them), average them across the groups of the
+        step's quorum, each process with the same rank of the other groups: a sharded gradient's shard only, so
+        HSDP sends 1/N of the gradients across the groups from each of N processes. A failure leaves the step to
+        be dropped by the commit vote, as the hook's does."""
         flats = self._flat_gradients()
         for future in [average_across(self.manager, flat) for flat, _ in flats]:
             future.wait()
         for flat, parameters in flats:
             offset = 0
             for parameter in parameters:
-                averaged = flat[offset:offset + parameter.numel()].view_as(parameter)
-                offset += parameter.numel()
+                size = local(parameter).numel()
+                averaged = flat[offset:offset + size].view_as(local(parameter))
+                offset += size
                 if parameter.grad is None:
-                    parameter.grad = averaged.clone()
+                    parameter.grad = like(parameter, averaged.clone())
                 else:
-                    parameter.grad.copy_(averaged)
+                    local(parameter.grad).copy_(averaged)
 
     def moved(self) -> None:
         """This process began or ended a step (the fence's clock)."""
@@ -382,12 +393,15 @@ class ReplicaGroup:
         _wait_count(self._launcher_store, "ready", self.groups * self.nproc, self.quorum_timeout_s)
 
     def _state_dict(self) -> dict[str, Any]:
-        state = {"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict()}
+        """What a joining group copies from this process (the same rank of a joining group): of sharded tensors
+        (FSDP's), this process's shards."""
+        state = {"model": shards(self._model.state_dict()), "optimizer": shards(self._optimizer.state_dict())}
         return state | {name: value.state_dict() for name, value in self._state.items()}
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
-        self._model.load_state_dict(state["model"])
+        load_shards(self._model, state["model"])
         self._optimizer.load_state_dict(state["optimizer"])
+        reshard_optimizer_state(self._optimizer)
         for name, value in self._state.items():
             value.load_state_dict(state[name])
 
@@ -442,8 +456,8 @@ def _optimizer_class():
         def step(self, closure=None) -> None:
             self.group.moved()
             manager, before = self.manager, self.manager.current_step()
-            if self.group.nproc > 1:
-                self.group.average_gradients()  # across the groups; the group's DDP averaged them within it
+            if self.group._after_backward:
+                self.group.average_gradients()  # across the groups; the group's DDP or FSDP reduced them within it
             error = manager.errored()
             try:
                 super().step(closure)  # commits (applying a copied state first) or drops the step
@@ -466,6 +480,68 @@ def _optimizer_class():
             self.group.moved()
 
     return GroupOptimizer
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded by FSDP (``fully_shard``): its parameters are DTensors."""
+    return any(local(parameter) is not parameter for parameter in model.parameters())
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``tensor``: a DTensor's local shard (a view of it), any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def like(template: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """``shard`` as this process's part of a tensor laid out as ``template`` (a DTensor, or ``shard`` itself)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(template, DTensor):
+        return shard
+    return DTensor.from_local(shard, template.device_mesh, template.placements, shape=template.shape,
+                              stride=template.stride(), run_check=False)
+
+
+def shards(state: Any) -> Any:
+    """``state`` (a nested state dict) with each DTensor replaced by this process's shard of it: what goes over
+    the wire to the same rank of a joining group, whose process group and mesh are its own."""
+    if isinstance(state, dict):
+        return {key: shards(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(shards(value) for value in state)
+    return local(state) if isinstance(state, torch.Tensor) else state
+
+
+def load_shards(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """``state`` (``shards`` of a peer's ``state_dict()``) into ``model``: a sharded model's shards copied into its
+    own, in place; any other model through ``load_state_dict``."""
+    own = model.state_dict()
+    if not any(local(tensor) is not tensor for tensor in own.values()):
+        model.load_state_dict(state)
+        return
+    missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
+    if missing or unexpected:
+        raise RuntimeError(f"the copied model state does not match this model: missing {sorted(missing)[:4]}, "
+                           f"unexpected {sorted(unexpected)[:4]}")
+    with torch.no_grad():
+        for name, tensor in own.items():
+            local(tensor).copy_(state[name])
+
+
+def reshard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """After ``load_state_dict`` of ``shards`` of a peer's state: each state tensor shaped like its sharded
+    parameter's shard made a DTensor laid out as the parameter (the optimizer's step needs it so)."""
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if local(parameter) is parameter:
+                continue
+            values = optimizer.state.get(parameter, {})
+            for key, value in values.items():
+                if (isinstance(value, torch.Tensor) and local(value) is value and value.dim() > 0
+                        and value.shape == local(parameter).shape):
+                    values[key] = like(parameter, value)
 
 
 def _short(error: BaseException) -> str:
