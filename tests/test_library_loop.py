@@ -45,12 +45,13 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.slow  # one launch of 2 replica groups beside the fixture's runs: about 7 s, 12 s for groups of two
-@pytest.mark.parametrize("strategy, nproc, batch", [("ddp", "1", "32"), ("fsdp", "2", "16")], ids=["ddp", "hsdp"])
+@pytest.mark.parametrize("strategy, nproc, batch", [("ddp", "1", "32"), ("ddp", "2", "16"), ("fsdp", "2", "16")],
+                         ids=["ddp-groups-of-1", "ddp-groups-of-2", "hsdp"])
 def test_the_script_unchanged_as_two_replica_groups_equals_one_process_with_the_global_batch(runs, tmp_path,
                                                                                             strategy, nproc, batch):
     """The same script under ``ddpkit run --replica-groups 2`` (Job joins each process's group): fp32, 32 per group
     without accumulation, against one process of 32 x 2 accumulated (the same 64 samples a step). Groups of one
-    process, and HSDP: FSDP inside groups of two processes of 16 each."""
+    process; groups of two processes of 16 each, with DDP, and with FSDP (HSDP) inside each group."""
     pytest.importorskip("torchft", reason="replica groups need torchft (pip install 'ddpkit[ft]')")
     flags = COMMON[2:]  # without --accumulate 2
     result = run_ddpkit("run", "--replica-groups", "2", "--nproc-per-node", nproc, SCRIPT, "--strategy", strategy,

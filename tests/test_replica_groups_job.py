@@ -1,7 +1,8 @@
 """A script of one's own on ``ddpkit.Job`` under replica groups: plain PyTorch objects handed to ``job.prepare``, its
 own loop over epochs (``optimizer.zero_grad()``, ``loss.backward()``, ``optimizer.step()``, ``scheduler.step()``),
-run by ``ddpkit run --replica-groups 2`` on one machine, gloo: groups of one process, and groups of two (DDP inside
-each group, torchft across them). tests/test_replica_groups_hsdp.py runs the same tests with FSDP inside each group.
+run by ``ddpkit run --replica-groups 2`` on one machine, gloo: groups of one process (DDP: torchft's, with ddpkit's
+hook), and groups of two with FSDP inside each (HSDP: each process holds half of every parameter, and torchft
+averages each shard with the same rank of the other group).
 
 One run per group size, shared by the tests below. Group 1's first processes kill themselves in the backward of
 step DIE_AT (while group 0 is in the gradient all-reduce across the groups, for groups of one process). Its second start (restart 1)
@@ -9,8 +10,9 @@ makes no ``ckpt.resume`` call, so it joins where the loop reads its training loa
 AGAIN_AFTER steps of its own. Its third (restart 2) joins at ``ckpt.resume("auto")``. While alone, group 0 waits for
 group 1's next start (on a GPU machine that takes longer) and then trains slowly, so that the run outlasts both
 restarts. Every try of a step (its batch's sample indices, the loop's epoch, the checksum of the process's weights
-or, under FSDP, of its shards, the learning rate) is in OUT/group<G>-rank<R>.jsonl. About 17 s with groups of one process, 25 s with groups of two (in the
-slow target)."""
+or, under FSDP, of its shards, the learning rate) is in OUT/group<G>-rank<R>.jsonl. About 17 s with groups of one process, 20 s with groups of two (in the
+slow target). Groups of two DDP processes share this machinery (the average after backward, the join with zeros);
+tests/test_library_loop.py checks that they train as one process."""
 
 import json
 
@@ -136,14 +138,17 @@ def launch(folder, nproc: int, strategy: str) -> Run:
                         "--replica-heartbeat-timeout", "1", str(folder / "script.py"), str(folder), str(EPOCHS),
                         str(SAMPLES), str(PER_PROCESS), str(DIE_AT), str(AGAIN_AFTER), str(int(late)), strategy,
                         timeout=180)
+    (folder / "output.txt").write_text(result.stdout + result.stderr)  # to read after a failed assertion
     assert result.returncode == 0, result.stdout + result.stderr
     return Run(folder, result.stdout + result.stderr, nproc, strategy)
 
 
 # Groups of two processes (four of them, on two cores: about 20 s alone, 50 s beside the suite) run in the slow target.
-@pytest.fixture(scope="module", params=[1, pytest.param(2, marks=pytest.mark.slow)], ids=["groups-of-1", "groups-of-2"])
+@pytest.fixture(scope="module", params=[(1, "ddp"), pytest.param((2, "fsdp"), marks=pytest.mark.slow)],
+                ids=["ddp-groups-of-1", "fsdp-groups-of-2"])
 def job_run(request, tmp_path_factory):
-    return launch(tmp_path_factory.mktemp(f"replica-groups-job-{request.param}"), request.param, "ddp")
+    nproc, strategy = request.param
+    return launch(tmp_path_factory.mktemp(f"replica-groups-job-{strategy}-{nproc}"), nproc, strategy)
 
 
 def steps(records: list[dict], pid: int | None = None) -> list[dict]:
@@ -235,3 +240,11 @@ def test_a_group_restarted_after_the_others_finished_stops_at_once_writing_nothi
         assert late["restarts"] == 3
         assert not [r for r in job_run.records[1, rank] if r["pid"] == late["pid"] and r["event"] != "start"]
     assert "replica group 1: the other groups have finished the run; this one stops here" in job_run.output
+
+
+def test_under_fsdp_each_process_of_a_group_holds_only_its_shard(job_run):
+    """The two ranks' checksums differ: each holds another half of the weights (under DDP they are equal)."""
+    if job_run.strategy != "fsdp":
+        pytest.skip("the slow run shards the model inside each group")
+    ends = {where: next(r for r in records if r["event"] == "end") for where, records in job_run.records.items()}
+    assert ends[0, 0]["checksum"] != ends[0, 1]["checksum"]

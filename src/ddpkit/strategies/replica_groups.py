@@ -220,6 +220,11 @@ class ReplicaGroup:
             # halves the first step's gradient (the group being synced contributes zeros, counted as a member).
             init_sync=False, heartbeat_interval=datetime.timedelta(milliseconds=100),
         )
+        if self.nproc > 1:
+            # Every process's manager has reached the group's store before rank 0, which hosts it, can go on: a
+            # rank 0 that stops at once (the other groups finished the run) would leave the others connecting to a
+            # store that is gone, until their timeout.
+            torch.distributed.barrier()
         if self._launcher_store is not None:
             if self.restarts == 0:
                 self._wait_for_the_other_groups()
@@ -237,9 +242,25 @@ class ReplicaGroup:
         self._group_optimizer = _optimizer_class()(self, optimizer)
         # A training forward asks for the step's quorum if zero_grad() has not (a loop that zeroes the gradients
         # after its step, or never: set_to_none by the step of the loop before).
-        self._ddp.register_forward_pre_hook(
-            lambda module, args: self.begin_step() if module.training and torch.is_grad_enabled() else None)
+        self._ddp.register_forward_pre_hook(self._before_forward)
         return self._ddp, self._group_optimizer
+
+    def _before_forward(self, module: nn.Module, args) -> None:  # noqa: ARG002
+        """A forward of the model. A training one asks for the step's quorum (once per step). Then, under FSDP, no
+        joining group may read this process's state until the optimizer's step: torchft reads it from another
+        thread, while FSDP swaps whole parameters in for the forward and the backward and frees them after (a read
+        then finds freed storage). The read waits instead; the step lets it in before its all-reduce, which the
+        joining group enters only once it has the state. (After begin_step, which with ``min_replicas`` > 1 waits
+        for the quorum, and so for the read.)"""
+        if module.training and torch.is_grad_enabled():
+            self.begin_step()
+        if self.sharded:
+            self._manager().disallow_state_dict_read()
+
+    def allow_state_reads(self) -> None:
+        """The model's parameters are this process's shards again (backward is over): a joining group may read."""
+        if self.sharded:
+            self._manager().allow_state_dict_read()
 
     def begin_step(self) -> None:
         """Ask the lighthouse for the next step's quorum (it forms in the background), once per step: the optimizer's
@@ -455,6 +476,7 @@ def _optimizer_class():
 
         def step(self, closure=None) -> None:
             self.group.moved()
+            self.group.allow_state_reads()
             manager, before = self.manager, self.manager.current_step()
             if self.group._after_backward:
                 self.group.average_gradients()  # across the groups; the group's DDP or FSDP reduced them within it
