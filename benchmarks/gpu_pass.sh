@@ -118,6 +118,8 @@ step pytest-gpu 240 70 "$PYTHON" -m pytest -m gpu -n 3 --dist load -p no:cachepr
 # there is one (their all-reduce is gloo's, through host memory), against one process on the same global batch.
 # Needs torchft (pip install 'ddpkit[ft]').
 step train-replica-groups 150 45 train replica-groups --batch-size 128 --replica-groups 2
+# The same with FSDP inside each group (HSDP's code path; with one process per group nothing is sharded).
+step train-replica-groups-fsdp 150 45 train replica-groups-fsdp --batch-size 128 --replica-groups 2 --strategy fsdp
 step train-one-process 90 20 train one-process
 # A script of one's own on ddpkit.Job as two replica groups on the GPU: a group killed in the all-reduce, restarted
 # twice, each time copying the live group's state before its loop (the join's zero buckets are CUDA tensors here).
