@@ -55,9 +55,13 @@ def is_shard(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "to_local")
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: a shard's local tensor (a view of it), any other tensor itself."""
+    return tensor.to_local() if is_shard(tensor) else tensor
+
+
 def local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if is_shard(tensor) else tensor
-    return local.numel() * tensor.element_size()
+    return local_shard(tensor).numel() * tensor.element_size()
 
 
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:

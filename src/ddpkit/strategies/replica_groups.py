@@ -47,6 +47,7 @@ import torch.nn as nn
 from ddpkit.core import progress
 from ddpkit.core.errors import UsageError, first_line
 from ddpkit.core.logs import logger
+from ddpkit.strategies.base import is_shard, local_shard
 
 from ddpkit.core.env import LIGHTHOUSE as LIGHTHOUSE_VARIABLE
 from ddpkit.core.env import MIN_REPLICAS as MIN_REPLICAS_VARIABLE
@@ -180,7 +181,6 @@ class ReplicaGroup:
         self._ddp: nn.Module | None = None  # the model as setup wrapped it, and the optimizer
         self._group_optimizer = None
         self.sharded = False  # FSDP inside the group (HSDP): setup says
-        self._after_backward = self.nproc > 1  # the average across the groups runs after backward (setup says)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
               state: dict[str, Any] | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -196,7 +196,6 @@ class ReplicaGroup:
         # FSDP inside the group (HSDP), or several processes: the gradients are averaged across the groups after
         # backward (average_gradients), each process its own shard or its copy of the group's average.
         self.sharded = is_sharded(model)
-        self._after_backward = self.nproc > 1 or self.sharded
         if self.nproc > 1 and not self.sharded and not isinstance(model, nn.parallel.DistributedDataParallel):
             model = nn.parallel.DistributedDataParallel(model)  # averages the gradients among the group's processes
         self._model, self._optimizer, self._state = model, optimizer, dict(state or {})
@@ -244,6 +243,12 @@ class ReplicaGroup:
         # after its step, or never: set_to_none by the step of the loop before).
         self._ddp.register_forward_pre_hook(self._before_forward)
         return self._ddp, self._group_optimizer
+
+    @property
+    def _after_backward(self) -> bool:
+        """Whether the average across the groups runs after backward (``average_gradients``): with several
+        processes, or FSDP, in the group; else torchft's DDP runs it during backward."""
+        return self.nproc > 1 or self.sharded
 
     def _before_forward(self, module: nn.Module, args) -> None:  # noqa: ARG002
         """A forward of the model. A training one asks for the step's quorum (once per step). Then, under FSDP, no
@@ -324,7 +329,7 @@ class ReplicaGroup:
         for group in self._optimizer.param_groups:
             for parameter in group["params"]:
                 parameters.setdefault((parameter.dtype, parameter.device), []).append(parameter)
-        return [(torch.cat([(local(p.grad) if p.grad is not None else torch.zeros_like(local(p))).reshape(-1)
+        return [(torch.cat([local_shard(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                             for p in kept]), kept) for kept in parameters.values()]
 
     def average_gradients(self) -> None:
@@ -339,13 +344,13 @@ class ReplicaGroup:
         for flat, parameters in flats:
             offset = 0
             for parameter in parameters:
-                size = local(parameter).numel()
-                averaged = flat[offset:offset + size].view_as(local(parameter))
-                offset += size
+                shard = local_shard(parameter)
+                averaged = flat[offset:offset + shard.numel()].view_as(shard)
+                offset += shard.numel()
                 if parameter.grad is None:
                     parameter.grad = like(parameter, averaged.clone())
                 else:
-                    local(parameter.grad).copy_(averaged)
+                    local_shard(parameter.grad).copy_(averaged)
 
     def moved(self) -> None:
         """This process began or ended a step (the fence's clock)."""
@@ -506,22 +511,15 @@ def _optimizer_class():
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model`` is sharded by FSDP (``fully_shard``): its parameters are DTensors."""
-    return any(local(parameter) is not parameter for parameter in model.parameters())
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's part of ``tensor``: a DTensor's local shard (a view of it), any other tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return any(is_shard(parameter) for parameter in model.parameters())
 
 
 def like(template: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
     """``shard`` as this process's part of a tensor laid out as ``template`` (a DTensor, or ``shard`` itself)."""
+    if not is_shard(template):
+        return shard
     from torch.distributed.tensor import DTensor
 
-    if not isinstance(template, DTensor):
-        return shard
     return DTensor.from_local(shard, template.device_mesh, template.placements, shape=template.shape,
                               stride=template.stride(), run_check=False)
 
@@ -533,14 +531,14 @@ def shards(state: Any) -> Any:
         return {key: shards(value) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
         return type(state)(shards(value) for value in state)
-    return local(state) if isinstance(state, torch.Tensor) else state
+    return local_shard(state) if isinstance(state, torch.Tensor) else state
 
 
 def load_shards(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """``state`` (``shards`` of a peer's ``state_dict()``) into ``model``: a sharded model's shards copied into its
     own, in place; any other model through ``load_state_dict``."""
     own = model.state_dict()
-    if not any(local(tensor) is not tensor for tensor in own.values()):
+    if not any(is_shard(tensor) for tensor in own.values()):
         model.load_state_dict(state)
         return
     missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
@@ -549,7 +547,7 @@ def load_shards(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
                            f"unexpected {sorted(unexpected)[:4]}")
     with torch.no_grad():
         for name, tensor in own.items():
-            local(tensor).copy_(state[name])
+            local_shard(tensor).copy_(state[name])
 
 
 def reshard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -557,12 +555,12 @@ def reshard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     parameter's shard made a DTensor laid out as the parameter (the optimizer's step needs it so)."""
     for group in optimizer.param_groups:
         for parameter in group["params"]:
-            if local(parameter) is parameter:
+            if not is_shard(parameter):
                 continue
             values = optimizer.state.get(parameter, {})
             for key, value in values.items():
-                if (isinstance(value, torch.Tensor) and local(value) is value and value.dim() > 0
-                        and value.shape == local(parameter).shape):
+                if (isinstance(value, torch.Tensor) and not is_shard(value) and value.dim() > 0
+                        and value.shape == local_shard(parameter).shape):
                     values[key] = like(parameter, value)
 
 
