@@ -343,8 +343,8 @@ def _train_replica_groups(ns: argparse.Namespace, argv: Sequence[str], parser, c
     nproc = replica_groups.group_nproc(ns.nproc_per_node)
     _write_resolved_config(ns, parser, cfg, nproc)
     os.environ[CONFIG_WRITTEN_ENV] = "1"  # the groups' processes run this command again: written once, here
-    command = replica_groups.group_command(nproc_per_node=ns.nproc_per_node, max_restarts=ns.max_restarts,
-                                           extra=[], script=["-m", "ddpkit", *argv])
+    command = replica_groups.group_command(nproc=nproc, max_restarts=ns.max_restarts, extra=[],
+                                           script=["-m", "ddpkit", *argv])
     return _workers_done(replica_groups.run_groups(ns.replica_groups, command, **_lighthouse_settings(ns),
                                                    log_dir=os.path.join(cfg.output_dir, trainer.LOGS_FOLDER),
                                                    nproc=nproc))
@@ -361,10 +361,11 @@ def _run_replica_groups(ns: argparse.Namespace, script: list[str]) -> int:
              if getattr(ns, name) is not None for flag in (flag, str(getattr(ns, name)))]
     extra += ["--local-rank-arg"] if ns.local_rank_arg else []
     extra += ["--find-hangs"] if getattr(ns, "find_hangs", False) else []
-    command = replica_groups.group_command(nproc_per_node=ns.nproc_per_node, max_restarts=ns.max_restarts,
-                                           extra=extra, script=[*script, *ns.script_args])
+    nproc = replica_groups.group_nproc(ns.nproc_per_node)
+    command = replica_groups.group_command(nproc=nproc, max_restarts=ns.max_restarts, extra=extra,
+                                           script=[*script, *ns.script_args])
     return replica_groups.run_groups(ns.replica_groups, command, **_lighthouse_settings(ns), log_dir=ns.log_dir,
-                                     nproc=replica_groups.group_nproc(ns.nproc_per_node))
+                                     nproc=nproc)
 
 
 def _lighthouse_settings(ns: argparse.Namespace) -> dict:

@@ -291,7 +291,8 @@ def group_nproc(nproc_per_node: str) -> int:
     return nproc
 
 
-def group_command(*, nproc_per_node: str, max_restarts: int, extra: Sequence[str], script: Sequence[str]) -> list[str]:
-    """The ``ddpkit run`` command line of one group (``--nproc-per-node`` processes, DDP among them)."""
-    return [sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", str(group_nproc(nproc_per_node)),
-            "--max-restarts", str(max_restarts), *extra, *script]
+def group_command(*, nproc: int, max_restarts: int, extra: Sequence[str], script: Sequence[str]) -> list[str]:
+    """The ``ddpkit run`` command line of one group of ``nproc`` processes (``group_nproc``; DDP or FSDP among
+    them)."""
+    return [sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+            *extra, *script]
