@@ -5,7 +5,8 @@ Each strategy trains once uninterrupted, writing checkpoints; a second run start
 step-15 checkpoint (mid-epoch) and must end bit-identical. The 2-process strategies must equal one process
 with the global batch: in fp32, because under bf16 autocast each process's weight gradients are rounded to
 bf16 before they are averaged (measured: 6e-3 relative after 44 steps, against one process's rounding of
-the whole batch's), which no strategy can make equal.
+the whole batch's), which no strategy can make equal. The same script, unchanged, as two replica groups must
+equal one process too (groups of one process, of two DDP processes, and HSDP).
 """
 
 import pytest
@@ -44,22 +45,35 @@ def runs(tmp_path_factory):
     return done
 
 
-@pytest.mark.slow  # one launch of 2 replica groups beside the fixture's runs: about 7 s, 12 s for groups of two
-@pytest.mark.parametrize("strategy, nproc, batch", [("ddp", "1", "32"), ("ddp", "2", "16"), ("fsdp", "2", "16")],
-                         ids=["ddp-groups-of-1", "ddp-groups-of-2", "hsdp"])
-def test_the_script_unchanged_as_two_replica_groups_equals_one_process_with_the_global_batch(runs, tmp_path,
-                                                                                            strategy, nproc, batch):
-    """The same script under ``ddpkit run --replica-groups 2`` (Job joins each process's group): fp32, 32 per group
-    without accumulation, against one process of 32 x 2 accumulated (the same 64 samples a step). Groups of one
-    process; groups of two processes of 16 each, with DDP, and with FSDP (HSDP) inside each group."""
+def _as_replica_groups(out, strategy: str, nproc: str, batch: str) -> dict:
+    """The same script under ``ddpkit run --replica-groups 2`` (Job joins each process's group), fp32, ``nproc``
+    processes of ``batch`` per group, without accumulation: the same 64 samples a step as one process of 32 x 2
+    accumulated. Its model.pt."""
     pytest.importorskip("torchft", reason="replica groups need torchft (pip install 'ddpkit[ft]')")
     flags = COMMON[2:]  # without --accumulate 2
     result = run_ddpkit("run", "--replica-groups", "2", "--nproc-per-node", nproc, SCRIPT, "--strategy", strategy,
-                        "--batch-size", batch, "--out", str(tmp_path), *flags, timeout=240)
+                        "--batch-size", batch, "--out", str(out), *flags, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("(359 samples)") == 2  # each epoch's line printed once, by the leading group
-    grouped = torch.load(tmp_path / "model.pt", weights_only=True)
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+@pytest.mark.slow  # one launch of 2 replica groups beside the fixture's runs: about 7 s, 12 s for groups of two
+@pytest.mark.parametrize("strategy, nproc, batch", [("ddp", "1", "32"), ("fsdp", "2", "16")],
+                         ids=["ddp-groups-of-1", "hsdp"])
+def test_the_script_unchanged_as_two_replica_groups_equals_one_process_with_the_global_batch(runs, tmp_path,
+                                                                                            strategy, nproc, batch):
+    """Groups of one process, and HSDP: FSDP inside groups of two processes of 16 each."""
+    grouped = _as_replica_groups(tmp_path, strategy, nproc, batch)
     assert max_relative_difference(grouped, runs["single"][3]) <= 1e-5
+
+
+def test_the_script_unchanged_as_two_replica_groups_of_two_ddp_processes_equals_one_process(tmp_path):
+    """Groups of two DDP processes of 16 each. In the default suite, where there is room, against a one-process run
+    of its own (the slow fixture's twelve launches are not made there): about 20 s."""
+    grouped = _as_replica_groups(tmp_path / "groups", "ddp", "2", "16")
+    one_process, _ = _run(tmp_path / "single", "single")
+    assert max_relative_difference(grouped, one_process) <= 1e-5
 
 
 @pytest.mark.slow  # 12 launches: about 3 minutes
