@@ -24,15 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DIGITS_CONVNET, _pids_with, child_env, every_sample_once, max_relative_difference
+from conftest import DIGITS_CONVNET, child_env, every_sample_once, max_relative_difference
 from listening import listening
+from nodes import SUBNET, ip as _ip, make_nodes as _make_nodes, run_on_nodes as _run_on_nodes
 
-SUBNET = "10.231.0"
 RUN = [*DIGITS_CONVNET, "--no-progress"]  # the job of conftest's shared 2-process run
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
 
 @pytest.fixture
@@ -46,70 +42,6 @@ def two_nodes_named_loopback():
     """The same two nodes, but each one's /etc/hosts maps its own name to 127.0.1.1 (as Debian and Ubuntu
     install it, and many cloud images do) and the other's to its address."""
     yield from _make_nodes(own_name_loopback=True)
-
-
-def _make_nodes(own_name_loopback: bool):
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create network namespaces (ip netns)")
-    if shutil.which("ip") is None:
-        pytest.skip("needs iproute2's `ip` command")
-    if shutil.which("unshare") is None:
-        pytest.skip("needs util-linux's `unshare` (to give each node its own hostname)")
-    tag = uuid.uuid4().hex[:6]
-    nodes = [(f"ddpk{tag}{side}", f"{SUBNET}.{index + 1}", f"v{tag}{side}") for index, side in enumerate("ab")]
-    made: list[str] = []
-    try:
-        for own, (name, _, _) in zip("ab", nodes):
-            _ip("netns", "add", name)
-            made.append(name)
-            (Path("/etc/netns") / name).mkdir(parents=True, exist_ok=True)
-            hosts = "127.0.0.1 localhost\n" + "".join(
-                f"{'127.0.1.1' if own_name_loopback and side == own else f'{SUBNET}.{index + 1}'} node-{side}\n"
-                for index, side in enumerate("ab"))
-            (Path("/etc/netns") / name / "hosts").write_text(hosts)
-        (a, _, veth_a), (b, _, veth_b) = nodes
-        _ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
-        for name, address, veth in nodes:
-            _ip("link", "set", veth, "netns", name)
-            _ip("-n", name, "addr", "add", f"{address}/24", "dev", veth)
-            _ip("-n", name, "link", "set", veth, "up")
-            _ip("-n", name, "link", "set", "lo", "up")
-        yield [(name, f"node-{side}") for (name, _, _), side in zip(nodes, "ab")]
-    finally:
-        for name in made:
-            with contextlib.suppress(subprocess.CalledProcessError):
-                _ip("netns", "delete", name)  # deletes its end of the veth pair, and with it the other
-            shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
-
-
-def _run_on_nodes(commands: list[tuple[str, str, list[str]]], timeout: float,
-                  meanwhile: Callable[[list[subprocess.Popen]], None] | None = None) -> list[subprocess.CompletedProcess]:
-    """Start each command in its namespace, under its hostname, at once; call ``meanwhile(processes)``; wait for all. On
-    a timeout, kill every process of the run (torchrun's workers have sessions of their own: found by their
-    marker)."""
-    marker = uuid.uuid4().hex
-    procs = [subprocess.Popen(["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c",
-                               f'hostname {host} && exec "$@"', "node", *argv],
-                              # One thread per process, as the one-node reference's 2 processes on 2 cores have
-                              # (ddpkit gives each process its share of the cores): the same sums, to the bit.
-                              env=child_env(DDPKIT_TEST_RUN=marker, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE,
-                              text=True) for name, host, argv in commands]
-    results = []
-    deadline = time.monotonic() + timeout  # one deadline for all nodes
-    try:
-        if meanwhile is not None:
-            meanwhile(procs)
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
-    except subprocess.TimeoutExpired:
-        for pid in _pids_with("DDPKIT_TEST_RUN", marker):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        outputs = [proc.communicate(timeout=30) for proc in procs]
-        pytest.fail(f"the nodes ran past {timeout} s:\n" + "\n".join(out + err for out, err in outputs))
-    return results
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,9 @@ too), the launcher's fence ends it, it is restarted again, and both train on to 
 checksum is in OUT/group<G>.jsonl. About 25 s."""
 
 import json
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("torchft", reason="replica groups need torchft (pip install 'ddpkit[ft]')")
 
-from conftest import run_ddpkit  # noqa: E402
+from conftest import child_env, run_ddpkit  # noqa: E402
 
 STEPS, DIE_AT, HANG_AT, STALL_S = 50, 10, 5, 4
 
@@ -160,7 +163,15 @@ def test_until_the_failure_two_groups_train_as_one_process_on_the_whole_batch(ki
      "--min-replicas is the lighthouse's own setting"),
     (["--replica-groups", "2", "--nproc-per-node", "gpu"],
      "--nproc-per-node with --replica-groups is the processes of each group"),
-    (["--replica-groups", "2", "--nnodes", "2", "--master-addr", "10.0.0.1"], "runs its groups on this machine"),
+    (["--replica-groups", "3", "--nnodes", "2", "--master-addr", "127.0.0.1"],
+     "--replica-groups 3 on --nnodes 2 machines: every machine runs as many groups, so give a multiple of 2"),
+    (["--replica-groups", "2", "--nnodes", "2"], "--nnodes 2 needs --master-addr"),
+    (["--replica-groups", "2", "--nnodes", "1:2", "--master-addr", "127.0.0.1"],
+     "--replica-groups runs on a fixed number of machines: give --nnodes 2, not 1:2"),
+    (["--replica-groups", "2", "--rdzv-endpoint", "127.0.0.1:29400"], "meets its machines at machine 0"),
+    (["--replica-groups", "2", "--master-port", "29555"], "--master-addr, --master-port and --node-rank are for"),
+    (["--replica-groups", "2", "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"],
+     "--node-rank must be in 0..1"),
     (["--replica-groups", "2", "--replica-heartbeat-timeout", "0"], "--replica-heartbeat-timeout must be positive"),
     (["--replica-heartbeat-timeout", "1"], "--replica-heartbeat-timeout is for --replica-groups R"),
     (["--lighthouse", "http://127.0.0.1:1"], "--lighthouse is for --replica-groups R"),
@@ -177,6 +188,46 @@ def test_bad_replica_group_settings_are_one_line(argv, message, tmp_path, capsys
     assert main(["run", *argv, str(script)]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def _unused_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_machine_given_other_settings_than_machine_0_is_refused_and_machine_0_stops_waiting_for_it(tmp_path,
+                                                                                                      capsys):
+    from ddpkit.app.cli import main
+
+    script = tmp_path / "script.py"
+    script.write_text("raise SystemExit('no group may start')\n")
+    machines = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(_unused_port())]
+    first = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "--replica-groups", "2", *machines, "--node-rank",
+                              "0", "--rdzv-timeout", "4", str(script)], env=child_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert main(["run", "--replica-groups", "4", "--min-replicas", "2", *machines, "--node-rank", "1",
+                     "--rdzv-timeout", "60", str(script)]) == 2
+        assert ("every machine of the replica groups takes the same settings: --replica-groups 4 here, 2 on machine 0; "
+                "--min-replicas 2 here, 1 on machine 0\n") in capsys.readouterr().err
+        _, err = first.communicate(timeout=60)
+    finally:
+        first.kill()
+    assert first.returncode == 2, err
+    assert err.strip().splitlines()[-1] == ("ddpkit: error: 1 of the other 1 machines did not join within 4 s: start ddpkit "
+                                            "with the same command and --node-rank 1..1 there (--rdzv-timeout waits longer)")
+
+
+def test_a_machine_whose_machine_0_does_not_answer_ends_in_one_line(tmp_path, capsys):
+    from ddpkit.app.cli import main
+
+    script = tmp_path / "script.py"
+    script.write_text("pass\n")
+    port = _unused_port()
+    assert main(["run", "--replica-groups", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                 "--master-port", str(port), "--rdzv-timeout", "1", str(script)]) == 2
+    assert f"machine 0's replica groups at 127.0.0.1:{port} did not answer in 1 s" in capsys.readouterr().err
 
 
 def test_the_fence_ends_a_step_that_outlasts_its_limit_whether_the_process_still_answers_or_not():
@@ -317,3 +368,37 @@ def test_bad_replica_group_training_settings_are_one_line(argv, message, tmp_pat
     assert main(["train", "--replica-groups", "2", "--output-dir", str(tmp_path / "out"), *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_machine_0_serves_while_another_machines_launcher_beats_and_not_after_it_ended_or_went_silent(monkeypatch):
+    """What machine 0 waits for after its own groups ended, on a real store: a launcher that says it is done, or one
+    whose beats stopped for MACHINE_GONE_S (its machine died), does not hold it; one that still beats does."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from ddpkit.launch import replica_groups
+
+    monkeypatch.setattr(replica_groups, "MACHINE_GONE_S", 1.5)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    machines = replica_groups.Machines(count=3)
+    store.set("machine1.done", "1")  # machine 1 ended; machine 2 beats for 3 s, then its beats stop (it died)
+
+    def beat_for_3_s() -> None:
+        for _ in range(10):
+            store.add("machine2", 1)
+            time.sleep(0.3)
+
+    beating = threading.Thread(target=beat_for_3_s)
+    start = time.monotonic()
+    beating.start()
+    replica_groups._outlive_other_machines(store, machines)
+    waited = time.monotonic() - start
+    beating.join()
+    assert 3.0 + 1.5 - 0.5 < waited < 3.0 + 1.5 + 2.0  # its last beat, then MACHINE_GONE_S, checked twice a second
+    store.set("machine2.done", "1")
+    start = time.monotonic()
+    replica_groups._outlive_other_machines(store, machines)  # every other machine done: no wait
+    assert time.monotonic() - start < 0.5

@@ -1,8 +1,9 @@
 """A script of one's own on ``ddpkit.Job`` under replica groups: plain PyTorch objects handed to ``job.prepare``, its
 own loop over epochs (``optimizer.zero_grad()``, ``loss.backward()``, ``optimizer.step()``, ``scheduler.step()``),
-run by ``ddpkit run --replica-groups 2`` on one machine, gloo: groups of one process (DDP: torchft's, with ddpkit's
-hook), and groups of two with FSDP inside each (HSDP: each process holds half of every parameter, and torchft
-averages each shard with the same rank of the other group).
+run by ``ddpkit run --replica-groups 2``, gloo: groups of one process (DDP: torchft's, with ddpkit's hook) on one
+machine and on two (network namespaces, tests/nodes.py: group 0 on node-a, group 1 on node-b, each restarted by its
+own machine's launcher), and groups of two with FSDP inside each (HSDP: each process holds half of every parameter,
+and torchft averages each shard with the same rank of the other group).
 
 One run per group size, shared by the tests below. Group 1's first processes kill themselves in the backward of
 step DIE_AT (while group 0 is in the gradient all-reduce across the groups, for groups of one process). Its second start (restart 1)
@@ -14,7 +15,9 @@ or, under FSDP, of its shards, the learning rate) is in OUT/group<G>-rank<R>.jso
 slow target). Groups of two DDP processes share this machinery (the average after backward, the join with zeros);
 tests/test_library_loop.py checks that they train as one process."""
 
+import contextlib
 import json
+import sys
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ import torch
 pytest.importorskip("torchft", reason="replica groups need torchft (pip install 'ddpkit[ft]')")
 
 from conftest import run_ddpkit  # noqa: E402
+from nodes import make_nodes, run_on_nodes  # noqa: E402
 
 EPOCHS, SAMPLES, PER_PROCESS = 3, 512, 8
 DIE_AT, AGAIN_AFTER = 28, 12
@@ -112,8 +116,8 @@ open(os.path.join(out_dir, f"group{group.group}-rank{job.rank}.done"), "w").clos
 class Run:
     """One run: its folder, output, the group size, and each process's records by (group, rank)."""
 
-    def __init__(self, folder, output: str, nproc: int, strategy: str):
-        self.folder, self.output, self.nproc, self.strategy = folder, output, nproc, strategy
+    def __init__(self, folder, output: str, nproc: int, strategy: str, machines: int = 1):
+        self.folder, self.output, self.nproc, self.strategy, self.machines = folder, output, nproc, strategy, machines
         self.records = {(g, r): [json.loads(line) for line in (folder / f"group{g}-rank{r}.jsonl").read_text()
                                  .splitlines()] for g in (0, 1) for r in range(nproc)}
         self.global_batch = 2 * nproc * PER_PROCESS
@@ -129,26 +133,38 @@ class Run:
         return order[k * self.global_batch:(k + 1) * self.global_batch][group * self.nproc + rank::parts]
 
 
-def launch(folder, nproc: int, strategy: str) -> Run:
-    """The run, in ``folder``: 2 groups of ``nproc`` processes, ``strategy`` inside each group. A run of groups of
-    two also restarts group 1 once more after group 0 has finished."""
+def launch(folder, nproc: int, strategy: str, machines: int = 1) -> Run:
+    """The run, in ``folder``: 2 groups of ``nproc`` processes, ``strategy`` inside each group; on two machines (network
+    namespaces, tests/nodes.py: group 0 on node-a, which serves the lighthouse, group 1 on node-b), or on this one.
+    A run of groups of two also restarts group 1 once more after group 0 has finished."""
     (folder / "script.py").write_text(SCRIPT)
     late = nproc == 2
-    result = run_ddpkit("run", "--replica-groups", "2", "--nproc-per-node", str(nproc), "--max-restarts", "3",
-                        "--replica-heartbeat-timeout", "1", str(folder / "script.py"), str(folder), str(EPOCHS),
-                        str(SAMPLES), str(PER_PROCESS), str(DIE_AT), str(AGAIN_AFTER), str(int(late)), strategy,
-                        timeout=180)
-    (folder / "output.txt").write_text(result.stdout + result.stderr)  # to read after a failed assertion
-    assert result.returncode == 0, result.stdout + result.stderr
-    return Run(folder, result.stdout + result.stderr, nproc, strategy)
+    flags = ["run", "--replica-groups", "2", "--nproc-per-node", str(nproc), "--max-restarts", "3",
+             "--replica-heartbeat-timeout", "1"]
+    script = [str(folder / "script.py"), str(folder), str(EPOCHS), str(SAMPLES), str(PER_PROCESS), str(DIE_AT),
+              str(AGAIN_AFTER), str(int(late)), strategy]
+    if machines == 1:
+        results = [run_ddpkit(*flags, *script, timeout=180)]
+    else:
+        with contextlib.contextmanager(make_nodes)() as nodes:
+            (_, node_0), _ = nodes
+            results = run_on_nodes([(name, host, [sys.executable, "-m", "ddpkit", *flags, "--nnodes", "2", "--node-rank",
+                                                  str(rank), "--master-addr", node_0, *script])
+                                    for rank, (name, host) in enumerate(nodes)], timeout=180)
+    output = "".join(result.stdout + result.stderr for result in results)
+    (folder / "output.txt").write_text(output)  # to read after a failed assertion
+    assert [result.returncode for result in results] == [0] * machines, output
+    return Run(folder, output, nproc, strategy, machines)
 
 
 # Groups of two processes (four of them, on two cores: about 20 s alone, 50 s beside the suite) run in the slow target.
-@pytest.fixture(scope="module", params=[(1, "ddp"), pytest.param((2, "fsdp"), marks=pytest.mark.slow)],
-                ids=["ddp-groups-of-1", "fsdp-groups-of-2"])
+@pytest.fixture(scope="module", params=[(1, "ddp", 1), pytest.param((2, "fsdp", 1), marks=pytest.mark.slow),
+                                        (1, "ddp", 2)],
+                ids=["ddp-groups-of-1", "fsdp-groups-of-2", "ddp-groups-of-1-on-two-machines"])
 def job_run(request, tmp_path_factory):
-    nproc, strategy = request.param
-    return launch(tmp_path_factory.mktemp(f"replica-groups-job-{strategy}-{nproc}"), nproc, strategy)
+    nproc, strategy, machines = request.param
+    return launch(tmp_path_factory.mktemp(f"replica-groups-job-{strategy}-{nproc}-{machines}"), nproc, strategy,
+                  machines)
 
 
 def steps(records: list[dict], pid: int | None = None) -> list[dict]:
@@ -248,3 +264,12 @@ def test_under_fsdp_each_process_of_a_group_holds_only_its_shard(job_run):
         pytest.skip("the slow run shards the model inside each group")
     ends = {where: next(r for r in records if r["event"] == "end") for where, records in job_run.records.items()}
     assert ends[0, 0]["checksum"] != ends[0, 1]["checksum"]
+
+
+def test_on_two_machines_machine_0_serves_the_lighthouse_and_each_runs_and_restarts_its_own_group(job_run):
+    if job_run.machines == 1:
+        pytest.skip("the run on two machines (network namespaces) says where its groups ran")
+    assert "2 replica groups (1 on this machine, 0 of 2), lighthouse at http://node-a:" in job_run.output
+    assert "2 replica groups (1 on this machine, 1 of 2), lighthouse at http://node-a:" in job_run.output
+    # group 1's restarts were node-b's launcher's, and it copied group 0's state from node-a (checked above)
+    assert job_run.output.count("replica group 1: rejoined at step") == 2

@@ -316,14 +316,33 @@ def _refuse_replica_flags_alone(ns: argparse.Namespace) -> None:
             raise UsageError(f"{flag} is for --replica-groups R: add it, or drop {flag}")
 
 
-def _check_replica_launch(ns: argparse.Namespace) -> None:
-    """UsageError for launch flags that --replica-groups does not take (yet)."""
-    if ns.nnodes != "1" or ns.rdzv_endpoint or ns.master_addr or ns.master_port is not None or ns.rdzv_id:
-        raise UsageError("--replica-groups runs its groups on this machine for now: drop --nnodes, --rdzv-endpoint, "
-                         "--rdzv-id, --master-addr and --master-port (each group gets a port of its own)")
+def _replica_machines(ns: argparse.Namespace):
+    """The machines the replica groups run on (--nnodes, --node-rank, --master-addr, --master-port), checked;
+    UsageError for launch flags that --replica-groups does not take."""
+    from ddpkit.launch import launcher
+    from ddpkit.launch.replica_groups import Machines
+
+    if ns.rdzv_endpoint or ns.rdzv_id:
+        raise UsageError("--replica-groups meets its machines at machine 0, not at a rendezvous: drop --rdzv-endpoint "
+                         "and --rdzv-id, and give every machine --nnodes M --node-rank K --master-addr HOST")
     if _already_a_rank():
         raise UsageError("--replica-groups starts its groups' processes itself: run it once per machine, not under "
                          "srun or mpirun (which make every task a rank already)")
+    min_nodes, nnodes = parse_nnodes(ns.nnodes)
+    if min_nodes is not None:
+        raise UsageError(f"--replica-groups runs on a fixed number of machines: give --nnodes {nnodes}, not "
+                         f"{ns.nnodes} (a group that dies is restarted by its own machine's launcher)")
+    if nnodes == 1 and (ns.master_addr or ns.master_port is not None or ns.node_rank):
+        raise UsageError("--master-addr, --master-port and --node-rank are for --replica-groups on several machines "
+                         "(--nnodes M): drop them on one (each group gets a port of its own)")
+    options = LaunchOptions(nnodes=nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
+                            master_port=ns.master_port, rdzv_timeout_s=ns.rdzv_timeout)  # their checks
+    if nnodes == 1:
+        return Machines(wait_s=options.rdzv_timeout_s)
+    launcher.check_names(options)
+    launcher.choose_gloo_interface(options)  # the groups' all-reduce across the machines is gloo's
+    return Machines(count=nnodes, rank=ns.node_rank, master_addr=ns.master_addr,
+                    master_port=ns.master_port or launcher.DEFAULT_MULTINODE_PORT, wait_s=options.rdzv_timeout_s)
 
 
 def _train_replica_groups(ns: argparse.Namespace, argv: Sequence[str], parser, cfg) -> int:
@@ -334,7 +353,7 @@ def _train_replica_groups(ns: argparse.Namespace, argv: Sequence[str], parser, c
     from ddpkit.launch import replica_groups
     from ddpkit.strategies.replica_groups import require_torchft
 
-    _check_replica_launch(ns)
+    machines = _replica_machines(ns)
     if getattr(ns, "launcher", None) not in (None, "torchrun"):
         raise UsageError(f"--replica-groups starts each group with torchrun's agent: drop --launcher {ns.launcher}")
     trainer.check_replica_settings(cfg)
@@ -347,7 +366,7 @@ def _train_replica_groups(ns: argparse.Namespace, argv: Sequence[str], parser, c
                                            script=["-m", "ddpkit", *argv])
     return _workers_done(replica_groups.run_groups(ns.replica_groups, command, **_lighthouse_settings(ns),
                                                    log_dir=os.path.join(cfg.output_dir, trainer.LOGS_FOLDER),
-                                                   nproc=nproc))
+                                                   nproc=nproc, machines=machines))
 
 
 def _run_replica_groups(ns: argparse.Namespace, script: list[str]) -> int:
@@ -355,7 +374,7 @@ def _run_replica_groups(ns: argparse.Namespace, script: list[str]) -> int:
     lighthouse."""
     from ddpkit.launch import replica_groups
 
-    _check_replica_launch(ns)
+    machines = _replica_machines(ns)
     extra = [flag for name, flag in (("timeout", "--timeout"), ("stall_timeout", "--stall-timeout"),
                                      ("log_level", "--log-level"), ("rdzv_timeout", "--rdzv-timeout"))
              if getattr(ns, name) is not None for flag in (flag, str(getattr(ns, name)))]
@@ -365,7 +384,7 @@ def _run_replica_groups(ns: argparse.Namespace, script: list[str]) -> int:
     command = replica_groups.group_command(nproc=nproc, max_restarts=ns.max_restarts, extra=extra,
                                            script=[*script, *ns.script_args])
     return replica_groups.run_groups(ns.replica_groups, command, **_lighthouse_settings(ns), log_dir=ns.log_dir,
-                                     nproc=nproc)
+                                     nproc=nproc, machines=machines)
 
 
 def _lighthouse_settings(ns: argparse.Namespace) -> dict:

@@ -91,7 +91,8 @@ def add_replica_flags(parser: argparse.ArgumentParser, how: str = "") -> None:
     parser.add_argument("--replica-groups", type=int, default=None, metavar="R",
                         help="run R replica groups (torchft): a group that dies is restarted under --max-restarts and "
                              f"copies its state from a live one, while the others train on ({how}--nproc-per-node "
-                             "processes per group, DDP or FSDP among them; docs/replica-groups.md)")
+                             "processes per group, DDP or FSDP among them; with --nnodes M, R/M groups on each "
+                             "machine, machine 0 at --master-addr serving the others; docs/replica-groups.md)")
     parser.add_argument("--replica-heartbeat-timeout", type=float, default=None, metavar="SECONDS",
                         help="with --replica-groups: how long the others wait for a group that stopped answering "
                              "before they go on without it (default: 2)")

@@ -1,6 +1,11 @@
 """``ddpkit run --replica-groups R``: torchft's lighthouse and a start barrier in this process, then R ordinary
 launches of the script, one per group, each with its own rendezvous and its own ``--max-restarts``.
 
+On several machines (``--nnodes M --node-rank K --master-addr HOST``) each machine's launcher runs R/M of the groups.
+Machine 0's serves the lighthouse and the launchers' store (at ``--master-addr``:``--master-port``); the others
+read the lighthouse's address and machine 0's settings from that store. Each fences its own groups only. Machine 0
+keeps serving until the other machines' launchers have ended.
+
 A group that fails is restarted by its own launcher while the others go on (``ddpkit.strategies.replica_groups``
 says how the script's processes take part). The command ends when every group has ended, with the first
 failure's status. Ctrl-C or SIGTERM reaches every group's launcher, which stops its workers as a plain launch does.
@@ -10,6 +15,7 @@ The fence here ends a group's process whose step outlasts its ``stall_timeout_s`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import itertools
 import json
@@ -17,12 +23,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Iterator, Sequence
 
 from ddpkit.core import signals
-from ddpkit.core.errors import UsageError
+from ddpkit.core.errors import UsageError, first_line
 from ddpkit.core.logs import logger
+from ddpkit.launch.launcher import DEFAULT_MULTINODE_PORT
 
 from ddpkit.core.env import LIGHTHOUSE as LIGHTHOUSE_VARIABLE
 from ddpkit.core.env import MIN_REPLICAS as MIN_REPLICAS_VARIABLE
@@ -32,8 +40,10 @@ from ddpkit.core.env import REPLICA_STORE as STORE_VARIABLE
 
 
 @contextlib.contextmanager
-def lighthouse(*, heartbeat_timeout_s: float, min_replicas: int = 1, join_timeout_s: float = 10.0) -> Iterator[str]:
-    """torchft's lighthouse, serving in this process; yields its address (http://127.0.0.1:PORT).
+def lighthouse(*, heartbeat_timeout_s: float, min_replicas: int = 1, join_timeout_s: float = 10.0,
+               host: str | None = None) -> Iterator[str]:
+    """torchft's lighthouse, serving in this process; yields its address: http://127.0.0.1:PORT, or with ``host``
+    (the name the other machines reach this one by) http://HOST:PORT, listening on every interface.
 
     A group whose heartbeats stop for ``heartbeat_timeout_s`` is left out of the next quorum: that is how long
     the other groups wait for a dead one. ``min_replicas``: the fewest groups of a quorum; with 1, the last one
@@ -44,13 +54,20 @@ def lighthouse(*, heartbeat_timeout_s: float, min_replicas: int = 1, join_timeou
         from torchft.coordination import LighthouseServer
     except ImportError as error:
         raise UsageError(f"--replica-groups needs torchft ({error}); install it with pip install 'ddpkit[ft]'") from None
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=int(join_timeout_s * 1000),
-                              quorum_tick_ms=100, heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+    server = LighthouseServer(bind="127.0.0.1:0" if host is None else "[::]:0", min_replicas=min_replicas,
+                              join_timeout_ms=int(join_timeout_s * 1000), quorum_tick_ms=100,
+                              heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
     try:
         port = server.address().rsplit(":", 1)[1]
-        yield f"http://127.0.0.1:{port}"  # its own address names the host by a name that need not resolve here
+        # its own address names the host by this machine's name, which need not resolve where it is read
+        yield f"http://{_url_host(host or '127.0.0.1')}:{port}"
     finally:
         server.shutdown()
+
+
+def _url_host(host: str) -> str:
+    """``host`` as a URL names it (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host else host
 
 
 def lighthouse_answering(address: str, *, timeout_s: float = 3.0) -> str:
@@ -76,17 +93,39 @@ def lighthouse_answering(address: str, *, timeout_s: float = 3.0) -> str:
     return address
 
 
+@dataclasses.dataclass(frozen=True)
+class Machines:
+    """Where the groups run: on ``count`` machines (``--nnodes``), each one's launcher running ``groups / count`` of
+    them; this one is ``rank`` (``--node-rank``). Machine 0 serves the lighthouse and the launchers' store at
+    ``master_addr``:``master_port``, which every machine reaches. ``wait_s`` (``--rdzv-timeout``): how long machine 0
+    waits for the others' launchers, and they for it."""
+    count: int = 1
+    rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_MULTINODE_PORT
+    wait_s: float = 900.0
+
+    def groups_here(self, groups: int) -> range:
+        """The groups this machine runs: the rank-th share of them, in order."""
+        share = groups // self.count
+        return range(self.rank * share, (self.rank + 1) * share)
+
+
+JOB_KEY = "job"  # in the launchers' store: machine 0's settings and the lighthouse's address, for the other machines
+MACHINE_GONE_S = 10.0  # a machine's launcher whose beats (every second) stopped this long ago has ended
+
+
 def run_groups(groups: int, group_command: Sequence[str], *, heartbeat_timeout_s: float | None = None,
                min_replicas: int | None = None, lighthouse_address: str | None = None,
-               log_dir: str | None = None, nproc: int = 1) -> int:
-    """Start ``groups`` copies of ``group_command`` (a ``ddpkit run`` of one group of ``nproc`` processes, without
-    --replica-groups), told their group, the lighthouse and the barrier store; wait for all; the first failure's
-    exit status.
+               log_dir: str | None = None, nproc: int = 1, machines: Machines = Machines()) -> int:
+    """Start this machine's copies of ``group_command`` (a ``ddpkit run`` of one group of ``nproc`` processes,
+    without --replica-groups), told their group, the lighthouse and the launchers' store; wait for all; the first
+    failure's exit status.
 
     ``lighthouse_address``: a lighthouse that serves already (http://HOST:PORT), used instead of starting one here
-    with ``heartbeat_timeout_s`` (default 2 s) and ``min_replicas`` (default 1); the given one has its own."""
-    from torch.distributed import TCPStore
-
+    with ``heartbeat_timeout_s`` (default 2 s) and ``min_replicas`` (default 1); the given one has its own.
+    ``machines``: with several, machine 0 serves the lighthouse and the store; every machine runs its share of the
+    groups, and must be given the same settings."""
     from ddpkit.core.process_group import usable_cores
 
     if groups < 1:
@@ -95,33 +134,36 @@ def run_groups(groups: int, group_command: Sequence[str], *, heartbeat_timeout_s
         raise UsageError(f"--replica-heartbeat-timeout must be positive, got {heartbeat_timeout_s}")
     if min_replicas is not None and not 1 <= min_replicas <= groups:
         raise UsageError(f"--min-replicas must be between 1 and --replica-groups ({groups}), got {min_replicas}")
+    if groups % machines.count:
+        raise UsageError(f"--replica-groups {groups} on --nnodes {machines.count} machines: every machine runs as many "
+                         f"groups, so give a multiple of {machines.count}")
     for flag, value, own in (("--replica-heartbeat-timeout", heartbeat_timeout_s, "--heartbeat_timeout_ms"),
                              ("--min-replicas", min_replicas, "--min_replicas")):
         if lighthouse_address is not None and value is not None:
             raise UsageError(f"{flag} is the lighthouse's own setting: give it to the lighthouse at {lighthouse_address} "
                              f"(torchft_lighthouse {own}), or leave out --lighthouse (and TORCHFT_LIGHTHOUSE) so that "
                              "ddpkit starts one")
-    serving = (contextlib.nullcontext(lighthouse_answering(lighthouse_address)) if lighthouse_address is not None
-               else lighthouse(heartbeat_timeout_s=2.0 if heartbeat_timeout_s is None else heartbeat_timeout_s,
-                               min_replicas=min_replicas or 1))
-    with serving as address:
-        store = TCPStore(host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=60))
+    settings = {"--replica-groups": groups, "--nproc-per-node": nproc, "--min-replicas": min_replicas or 1,
+                "--replica-heartbeat-timeout": heartbeat_timeout_s or 2.0, "--lighthouse": lighthouse_address}
+    children: list[subprocess.Popen] = []
+    # Ctrl-C while machine 0 waits for the others (before its groups start, or after they ended) ends the wait.
+    with _job(machines, settings) as (store, store_address, address), _passed_on(children):
+        here = machines.groups_here(groups)
+        on = "" if machines.count == 1 else f" ({len(here)} on this machine, {machines.rank} of {machines.count})"
         waits = f"; a step waits for {min_replicas} of them" if (min_replicas or 1) > 1 else ""
-        logger.info(f"{groups} replica groups, lighthouse at {address}"
+        logger.info(f"{groups} replica groups{on}, lighthouse at {address}"
                     f"{'' if lighthouse_address is None else ' (given)'}{waits}")
-        children: list[subprocess.Popen] = []
         gpus = visible_gpus()
-        with _passed_on(children), _fencing(store, groups, nproc, children):
+        with _fencing(store, here, nproc, children):
             try:
-                for group in range(groups):
+                for local, group in enumerate(here):
                     environment = {**os.environ, GROUP_VARIABLE: str(group), GROUPS_VARIABLE: str(groups),
-                                   STORE_VARIABLE: f"127.0.0.1:{store.port}", LIGHTHOUSE_VARIABLE: address,
+                                   STORE_VARIABLE: store_address, LIGHTHOUSE_VARIABLE: address,
                                    MIN_REPLICAS_VARIABLE: str(min_replicas or 1)}
                     # The groups share this machine's cores: each launch alone would give its process all of them,
                     # and R x that many OpenMP threads spin against each other (3.4x slower steps on 2 cores).
-                    environment.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // (groups * nproc))))
-                    gpu = group_gpus(group, gpus, nproc, groups)
+                    environment.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // (len(here) * nproc))))
+                    gpu = group_gpus(local, gpus, nproc, len(here))
                     if gpu is not None:
                         environment["CUDA_VISIBLE_DEVICES"] = gpu
                     # A session of its own (Ctrl-C reaches it once, passed on below) that ends with this process.
@@ -130,10 +172,144 @@ def run_groups(groups: int, group_command: Sequence[str], *, heartbeat_timeout_s
                 statuses = [_exit_status(child.wait()) for child in children]
             finally:
                 _end(children)
-    failed = [(group, status) for group, status in enumerate(statuses) if status != 0]
+    failed = [(group, status) for group, status in zip(here, statuses) if status != 0]
     for group, status in failed:
         logger.error(f"replica group {group} ended with exit status {status}")
     return failed[0][1] if failed else 0
+
+
+@contextlib.contextmanager
+def _job(machines: Machines, settings: dict) -> Iterator[tuple[object, str, str]]:
+    """The launchers' store and the lighthouse, for this machine's groups: (the store, its HOST:PORT for the groups,
+    the lighthouse's address). Machine 0 serves both (starting the lighthouse unless ``settings`` name one); the
+    others read machine 0's settings from its store, and refuse to run with different ones."""
+    given = settings["--lighthouse"]
+    if machines.rank > 0:
+        with _joined(machines, settings) as joined:
+            yield joined
+        return
+    several = machines.count > 1
+    serving = (contextlib.nullcontext(lighthouse_answering(given)) if given is not None
+               else lighthouse(heartbeat_timeout_s=settings["--replica-heartbeat-timeout"],
+                               min_replicas=settings["--min-replicas"], host=machines.master_addr if several else None))
+    with serving as address:
+        store = _serve_store(machines)
+        if not several:
+            yield store, f"127.0.0.1:{store.port}", address
+            return
+        store.set(JOB_KEY, json.dumps({**settings, "lighthouse": address}))
+        logger.info(f"machine 0 of {machines.count}: waiting for the other machines' launchers at "
+                    f"{machines.master_addr}:{machines.master_port} (up to {machines.wait_s:g} s: --rdzv-timeout)")
+        _wait_until(lambda: store.add("joined", 0) >= machines.count - 1, machines.wait_s,
+                    lambda: f"{machines.count - 1 - store.add('joined', 0)} of the other {machines.count - 1} "
+                            f"machines did not join within {machines.wait_s:g} s: start ddpkit with the same "
+                            f"command and --node-rank 1..{machines.count - 1} there (--rdzv-timeout waits longer)")
+        yield store, f"{machines.master_addr}:{machines.master_port}", address
+        _outlive_other_machines(store, machines)  # not after an error: this machine's groups may not have started
+
+
+def _serve_store(machines: Machines):
+    """The launchers' store: on 127.0.0.1 and a free port on one machine; on several, at --master-port, listening
+    on the address --master-addr names when it is this machine's (else on every interface, as PyTorch's)."""
+    from torch.distributed import DistNetworkError, TCPStore
+
+    from ddpkit.core import network
+
+    timeout = datetime.timedelta(seconds=60)
+    if machines.count == 1:
+        return TCPStore(host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False, timeout=timeout)
+    bind = network.bind_address(machines.master_addr, one_machine=False)
+    try:
+        if bind is not None:
+            return network.store_on(bind, port=machines.master_port, timeout_s=60, wait_for_workers=False)
+        return TCPStore(host_name=machines.master_addr, port=machines.master_port, is_master=True,
+                        wait_for_workers=False, timeout=timeout)
+    except DistNetworkError as error:
+        raise UsageError(f"machine 0 cannot serve the replica groups' store at {machines.master_addr}:"
+                         f"{machines.master_port} ({first_line(error)}): pick a free --master-port") from None
+
+
+@contextlib.contextmanager
+def _joined(machines: Machines, settings: dict) -> Iterator[tuple[object, str, str]]:
+    """Machine ``machines.rank`` > 0: machine 0's store, once it answers; its settings checked against ours; a beat
+    every second while this launcher runs, so that machine 0 waits for it before it stops serving."""
+    from torch.distributed import TCPStore
+
+    from ddpkit.launch.launcher import wait_for_node_0
+
+    where = f"{machines.master_addr}:{machines.master_port}"
+    wait_for_node_0(machines.master_addr, machines.master_port, machines.wait_s, what="machine 0's replica groups",
+                    machine="machine 0")
+    try:
+        store = TCPStore(host_name=machines.master_addr, port=machines.master_port, is_master=False,
+                         timeout=datetime.timedelta(seconds=machines.wait_s))
+        job = json.loads(store.get(JOB_KEY))
+    except (RuntimeError, ValueError) as error:
+        raise UsageError(f"what answers at {where} is not machine 0 of ddpkit's replica groups ({first_line(error)}): "
+                         "check --master-addr and --master-port") from None
+    mine = {**settings, "--lighthouse": settings["--lighthouse"] or job["--lighthouse"]}
+    differ = [f"{flag} {_said(mine[flag])} here, {_said(job[flag])} on machine 0" for flag in settings
+              if mine[flag] != job[flag]]
+    if differ:
+        raise UsageError(f"every machine of the replica groups takes the same settings: {'; '.join(differ)}")
+    beat = f"machine{machines.rank}"
+    store.add("joined", 1)
+    stop = threading.Event()
+
+    def beats() -> None:
+        own = TCPStore(host_name=machines.master_addr, port=machines.master_port, is_master=False,
+                       timeout=datetime.timedelta(seconds=10))
+        while not stop.wait(1.0):
+            with contextlib.suppress(RuntimeError):  # machine 0 has gone: nothing left to tell
+                own.add(beat, 1)
+
+    thread = threading.Thread(target=beats, name="ddpkit-machine-beats", daemon=True)
+    thread.start()
+    try:
+        yield store, where, job["lighthouse"]
+    finally:
+        stop.set()
+        thread.join()
+        with contextlib.suppress(RuntimeError):
+            store.set(f"{beat}.done", "1")
+
+
+def _said(value) -> str:
+    return "none" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _outlive_other_machines(store, machines: Machines) -> None:
+    """Machine 0, its groups ended: keep the lighthouse and the store serving while another machine's launcher
+    runs (a group of its may still train, or be restarted and ask whether the run has finished); one that stopped
+    beating for ``MACHINE_GONE_S`` has ended."""
+    others = range(1, machines.count)
+    seen = {machine: (-1, time.monotonic()) for machine in others}
+
+    def all_ended() -> bool:
+        for machine in others:
+            if store.check([f"machine{machine}.done"]):
+                continue
+            count, since = seen[machine]
+            now = store.add(f"machine{machine}", 0)
+            if now != count:
+                seen[machine] = (now, time.monotonic())
+            elif time.monotonic() - since > MACHINE_GONE_S:
+                continue
+            return False
+        return True
+
+    if not all_ended():
+        logger.info("waiting for the other machines' groups to end (this machine serves their lighthouse and store)")
+        _wait_until(all_ended, None, None)
+
+
+def _wait_until(done, timeout_s: float | None, why) -> None:
+    """Until ``done()``, checked twice a second; UsageError(``why()``) after ``timeout_s`` (None: no limit)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not done():
+        if deadline is not None and time.monotonic() > deadline:
+            raise UsageError(why())
+        time.sleep(0.5)
 
 
 def visible_gpus() -> list[str]:
@@ -180,7 +356,7 @@ def fence_reason(beat: dict, now: float) -> str | None:
 
 
 @contextlib.contextmanager
-def _fencing(store, groups: int, nproc: int, children: list[subprocess.Popen]) -> Iterator[None]:
+def _fencing(store, groups: Sequence[int], nproc: int, children: list[subprocess.Popen]) -> Iterator[None]:
     """While the groups run, a thread that ends (SIGKILL) a group's process whose step has outlasted its
     ``stall_timeout_s``: a hung process keeps torchft's heartbeats going (the others would wait for it until their
     quorum timeout), and a stopped one cannot end itself. Its launcher restarts it, and it rejoins."""
@@ -192,7 +368,7 @@ def _fencing(store, groups: int, nproc: int, children: list[subprocess.Popen]) -
 
     def watch() -> None:
         while not stop.wait(0.25):
-            for group, rank in itertools.product(range(groups), range(nproc)):
+            for group, rank in itertools.product(groups, range(nproc)):
                 key = beat_key(group, rank)
                 if not store.check([key]):
                     continue

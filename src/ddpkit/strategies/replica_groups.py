@@ -22,8 +22,8 @@ checkpoint read. The groups start from the same seed and wait for each other onc
 a barrier the launcher hosts), so a run without failures is the run of plain DDP over R x N processes.
 
 A script on ``ddpkit.Job`` needs none of this: the job makes its ``ReplicaGroup`` and drives it
-(``ddpkit.strategies.replica_loop``). See docs/replica-groups.md for what is not built yet (several machines, NCCL
-across the groups).
+(``ddpkit.strategies.replica_loop``). See docs/replica-groups.md for what is not built yet (NCCL across the groups,
+a group across machines).
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ import atexit
 import contextlib
 import datetime
 import importlib
+import ipaddress
 import json
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -192,7 +194,7 @@ class ReplicaGroup:
         import torchft
         from torch.distributed import TCPStore
 
-        host = "127.0.0.1"  # one machine for now: every group reaches the others there
+        host = advertised_host(self._store_address)  # what the other groups reach this one's store and manager by
         # FSDP inside the group (HSDP), or several processes: the gradients are averaged across the groups after
         # backward (average_gradients), each process its own shard or its copy of the group's average.
         self.sharded = is_sharded(model)
@@ -568,6 +570,18 @@ def _short(error: BaseException) -> str:
     """A collective's error in a few words: gloo's source location and its advice left out."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", first_line(error))
     return text.split(". This is typically")[0]
+
+
+def advertised_host(store_address: str | None) -> str:
+    """The name the other groups reach this process's machine by: 127.0.0.1 when the launchers' store is at a
+    loopback address (every group on this machine), else this machine's host name, which torchft's live copy
+    (its HTTP transport) names it by anyway: on several machines each one's name must resolve on the others."""
+    host = (store_address or "127.0.0.1").rpartition(":")[0].strip("[]")
+    try:
+        on_this_machine = ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: the machines' launchers meet at machine 0's
+        on_this_machine = False
+    return "127.0.0.1" if on_this_machine else socket.gethostname()
 
 
 def _client(address: str | None, *, timeout_s: float):
