@@ -204,7 +204,7 @@ def test_a_machine_given_other_settings_than_machine_0_is_refused_and_machine_0_
     script.write_text("raise SystemExit('no group may start')\n")
     machines = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(_unused_port())]
     first = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "--replica-groups", "2", *machines, "--node-rank",
-                              "0", "--rdzv-timeout", "4", str(script)], env=child_env(), stdout=subprocess.PIPE,
+                              "0", "--rdzv-timeout", "3", str(script)], env=child_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
         assert main(["run", "--replica-groups", "4", "--min-replicas", "2", *machines, "--node-rank", "1",
@@ -215,7 +215,7 @@ def test_a_machine_given_other_settings_than_machine_0_is_refused_and_machine_0_
     finally:
         first.kill()
     assert first.returncode == 2, err
-    assert err.strip().splitlines()[-1] == ("ddpkit: error: 1 of the other 1 machines did not join within 4 s: start ddpkit "
+    assert err.strip().splitlines()[-1] == ("ddpkit: error: 1 of the other 1 machines did not join within 3 s: start ddpkit "
                                             "with the same command and --node-rank 1..1 there (--rdzv-timeout waits longer)")
 
 
@@ -381,23 +381,23 @@ def test_machine_0_serves_while_another_machines_launcher_beats_and_not_after_it
 
     from ddpkit.launch import replica_groups
 
-    monkeypatch.setattr(replica_groups, "MACHINE_GONE_S", 1.5)
+    monkeypatch.setattr(replica_groups, "MACHINE_GONE_S", 1.0)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     machines = replica_groups.Machines(count=3)
-    store.set("machine1.done", "1")  # machine 1 ended; machine 2 beats for 3 s, then its beats stop (it died)
+    store.set("machine1.done", "1")  # machine 1 ended; machine 2 beats for 1.2 s, then its beats stop (it died)
 
-    def beat_for_3_s() -> None:
-        for _ in range(10):
+    def beat_for_a_while() -> None:
+        for _ in range(4):
             store.add("machine2", 1)
             time.sleep(0.3)
 
-    beating = threading.Thread(target=beat_for_3_s)
+    beating = threading.Thread(target=beat_for_a_while)
     start = time.monotonic()
     beating.start()
     replica_groups._outlive_other_machines(store, machines)
     waited = time.monotonic() - start
     beating.join()
-    assert 3.0 + 1.5 - 0.5 < waited < 3.0 + 1.5 + 2.0  # its last beat, then MACHINE_GONE_S, checked twice a second
+    assert 1.2 + 1.0 - 0.5 < waited < 1.2 + 1.0 + 2.0  # its last beat, then MACHINE_GONE_S, checked twice a second
     store.set("machine2.done", "1")
     start = time.monotonic()
     replica_groups._outlive_other_machines(store, machines)  # every other machine done: no wait

@@ -312,8 +312,9 @@ class ReplicaGroup:
                 # Zeros shaped like DDP's buckets, in the order the others reduce theirs (torchft's DDP finds unused
                 # parameters, so its buckets are never rebuilt); the hook's all-reduce is theirs.
                 settled = [reducer._run_comm_hook(bucket) for bucket in reducer._get_zeros_like_grad_buckets()]
-            else:  # zeros shaped like the others' flat gradients (average_gradients): this process's shards
-                settled = [average_across(manager, torch.zeros_like(flat)) for flat, _ in self._flat_gradients()]
+            else:  # zeros shaped like the others' pieces of their flat gradients (average_gradients)
+                settled = [average_across(manager, torch.zeros_like(self._piece(flat)[1]))
+                           for flat, _ in self._flat_gradients()]
             for future in settled:
                 future.wait()
             manager.report_error(RuntimeError("this group joined before its loop: the step is the others' alone"))
@@ -322,6 +323,18 @@ class ReplicaGroup:
         self.last_outcome = None
         logger.info(f"replica group {self.group}: copied the live groups' state at step {manager.current_step()}")
         return True
+
+    def _piece(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``flat``, or a copy padded to a multiple of N; the part of it that this process averages across the
+        groups). In a group of N DDP processes (each holds the group's average): its rank's Nth, as the same rank of
+        every group takes, so each sends 1/N of the gradients across the groups instead of all of them. Under FSDP
+        (``flat`` is this process's shards already) or alone in its group: all of ``flat``."""
+        if self.sharded or self.nproc == 1:
+            return flat, flat
+        size = -(-flat.numel() // self.nproc)
+        whole = flat if flat.numel() == size * self.nproc else torch.cat([flat, flat.new_zeros(size * self.nproc -
+                                                                                                flat.numel())])
+        return whole, whole[self.rank * size:(self.rank + 1) * size]
 
     def _flat_gradients(self) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
         """The optimizer's gradients, one flat tensor per dtype and device, with the parameters in it (a missing
@@ -337,17 +350,20 @@ class ReplicaGroup:
     def average_gradients(self) -> None:
         """Groups of several processes, or FSDP inside the group: after backward (the group's DDP averaged the
         gradients among its processes, or its FSDP reduce-scattered them), average them across the groups of the
-        step's quorum, each process with the same rank of the other groups: a sharded gradient's shard only, so
-        HSDP sends 1/N of the gradients across the groups from each of N processes. A failure leaves the step to
-        be dropped by the commit vote, as the hook's does."""
+        step's quorum, each process with the same rank of the other groups, 1/N of the gradients from each of N
+        processes: under FSDP its own shard; under DDP its Nth of the group's average (``_piece``), which the group
+        then gathers. A failure leaves the step to be dropped by the commit vote, as the hook's does."""
         flats = self._flat_gradients()
-        for future in [average_across(self.manager, flat) for flat, _ in flats]:
+        pieces = [self._piece(flat) for flat, _ in flats]
+        for future in [average_across(self.manager, piece) for _, piece in pieces]:
             future.wait()
-        for flat, parameters in flats:
+        for (_, parameters), (whole, piece) in zip(flats, pieces):
+            if piece is not whole:  # each process of the group gives the others its Nth, averaged across the groups
+                torch.distributed.all_gather(list(whole.chunk(self.nproc)), piece.clone())
             offset = 0
             for parameter in parameters:
                 shard = local_shard(parameter)
-                averaged = flat[offset:offset + shard.numel()].view_as(shard)
+                averaged = whole[offset:offset + shard.numel()].view_as(shard)
                 offset += shard.numel()
                 if parameter.grad is None:
                     parameter.grad = like(parameter, averaged.clone())
