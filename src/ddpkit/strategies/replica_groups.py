@@ -34,6 +34,7 @@ import datetime
 import importlib
 import ipaddress
 import json
+import logging
 import os
 import re
 import socket
@@ -78,6 +79,17 @@ def require_torchft() -> None:
         importlib.import_module("torchft")
     except ImportError as error:
         raise UsageError(f"replica groups need torchft ({error}); install it with pip install 'ddpkit[ft]'") from None
+    manager_log = logging.getLogger("torchft.manager")
+    if without_traceback not in manager_log.filters:
+        manager_log.addFilter(without_traceback)
+
+
+def without_traceback(record: logging.LogRecord) -> bool:
+    """torchft's manager logs a collective that failed (a group died in it) with the whole traceback, in every
+    process of every live group; its message names the error already, and ddpkit says the dropped step in one line
+    (``step N dropped (...)``). The traceback is left out; the message kept."""
+    record.exc_info, record.exc_text = None, None
+    return True
 
 
 def drop_failed_step(manager, bucket):  # no annotation: DDP checks it against the object, not a string
