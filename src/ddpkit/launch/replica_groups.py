@@ -359,9 +359,8 @@ def fence_reason(beat: dict, now: float) -> str | None:
 def _fencing(store, groups: Sequence[int], nproc: int, children: list[subprocess.Popen]) -> Iterator[None]:
     """While the groups run, a thread that ends (SIGKILL) a group's process whose step has outlasted its
     ``stall_timeout_s``: a hung process keeps torchft's heartbeats going (the others would wait for it until their
-    quorum timeout), and a stopped one cannot end itself. Its launcher restarts it, and it rejoins."""
-    import threading
-
+    quorum timeout), and a stopped one cannot end itself. Its launcher restarts it, and it rejoins. ``groups``: this
+    machine's (a beat's time is its own machine's clock, and its pid is a process here)."""
     from ddpkit.core.env import replica_beat_key as beat_key
 
     stop = threading.Event()

@@ -208,7 +208,7 @@ class ReplicaGroup:
 
         host = advertised_host(self._store_address)  # what the other groups reach this one's store and manager by
         # FSDP inside the group (HSDP), or several processes: the gradients are averaged across the groups after
-        # backward (average_gradients), each process its own shard or its copy of the group's average.
+        # backward (average_gradients), each process its own shard, or its Nth of the group's average.
         self.sharded = is_sharded(model)
         if self.nproc > 1 and not self.sharded and not isinstance(model, nn.parallel.DistributedDataParallel):
             model = nn.parallel.DistributedDataParallel(model)  # averages the gradients among the group's processes
