@@ -172,6 +172,8 @@ def test_until_the_failure_two_groups_train_as_one_process_on_the_whole_batch(ki
     (["--replica-groups", "2", "--master-port", "29555"], "--master-addr, --master-port and --node-rank are for"),
     (["--replica-groups", "2", "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"],
      "--node-rank must be in 0..1"),
+    (["--replica-groups", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--lighthouse", "http://localhost:29510"],
+     "--lighthouse http://localhost:29510 names this machine by a loopback address, which the other machines cannot"),
     (["--replica-groups", "2", "--replica-heartbeat-timeout", "0"], "--replica-heartbeat-timeout must be positive"),
     (["--replica-heartbeat-timeout", "1"], "--replica-heartbeat-timeout is for --replica-groups R"),
     (["--lighthouse", "http://127.0.0.1:1"], "--lighthouse is for --replica-groups R"),
@@ -216,7 +218,7 @@ def test_a_machine_given_other_settings_than_machine_0_is_refused_and_machine_0_
         first.kill()
     assert first.returncode == 2, err
     assert err.strip().splitlines()[-1] == ("ddpkit: error: 1 of the other 1 machines did not join within 3 s: start ddpkit "
-                                            "with the same command and --node-rank 1..1 there (--rdzv-timeout waits longer)")
+                                            "with the same command and --node-rank 1 there (--rdzv-timeout waits longer)")
 
 
 def test_a_machine_whose_machine_0_does_not_answer_ends_in_one_line(tmp_path, capsys):
@@ -402,3 +404,53 @@ def test_machine_0_serves_while_another_machines_launcher_beats_and_not_after_it
     start = time.monotonic()
     replica_groups._outlive_other_machines(store, machines)  # every other machine done: no wait
     assert time.monotonic() - start < 0.5
+
+
+def test_another_machine_starts_its_groups_on_machine_0s_word_and_a_node_rank_has_one_launcher():
+    """``_joined`` against a store made here in machine 0's place: it yields (its groups start) only once machine 0
+    says every machine has joined; a second launcher of the same --node-rank is refused in one line; one started
+    after that machine's launcher ended takes its place."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from ddpkit.core.errors import UsageError
+    from ddpkit.launch import replica_groups as rg
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    settings = {"--replica-groups": 2, "--nproc-per-node": 1, "--min-replicas": 1, "--replica-heartbeat-timeout": 2.0,
+                "--lighthouse": None}
+    # the store's own port stands in for the lighthouse: _joined only checks that it answers
+    store.set(rg.JOB_KEY, json.dumps({**settings, "lighthouse": f"http://127.0.0.1:{store.port}"}))
+    machine_1 = rg.Machines(count=2, rank=1, master_port=store.port, wait_s=10)
+    threading.Timer(1.0, store.set, (rg.START_KEY, "1")).start()
+    start = time.monotonic()
+    with rg._joined(machine_1, settings) as (_, where, lighthouse):
+        assert time.monotonic() - start > 0.9 and store.add("joined", 0) == 1
+        assert (where, lighthouse) == (f"127.0.0.1:{store.port}", f"http://127.0.0.1:{store.port}")
+        with pytest.raises(UsageError, match="^another launcher runs machine 1 of the replica groups already: give "
+                                             "each machine its own --node-rank$"):
+            with rg._joined(machine_1, settings):
+                pass
+    assert store.check(["machine1.done"])
+    with rg._joined(machine_1, settings):  # started again after its launcher ended: joins in its place, not twice
+        assert not store.check(["machine1.done"]) and store.add("joined", 0) == 1
+
+
+def test_a_group_of_n_splits_any_gradient_into_n_parts_that_make_it_up_again():
+    from ddpkit.launch.replica_groups import Machines
+    from ddpkit.strategies.replica_groups import advertised_host, part_of
+
+    for numel, parts in [(0, 2), (1, 2), (5, 2), (6, 3), (7, 3), (7, 4), (676, 2)]:
+        flat = torch.arange(1, numel + 1, dtype=torch.float32)
+        pieces = [part_of(flat, rank, parts) for rank in range(parts)]
+        whole = pieces[0][0]
+        assert whole.numel() % parts == 0 and torch.equal(whole[:numel], flat) and not whole[numel:].any()
+        assert torch.equal(torch.cat([piece for _, piece in pieces]), whole)
+        assert all(piece.data_ptr() == own[rank * piece.numel():].data_ptr() or not piece.numel()
+                   for rank, (own, piece) in enumerate(pieces))  # views: what each averages lands in its whole
+    assert list(Machines(count=2, rank=1).groups_here(6)) == [3, 4, 5]
+    assert advertised_host("127.0.0.1:29500") == "127.0.0.1" and advertised_host("[::1]:29500") == "127.0.0.1"
+    assert advertised_host("node-a:29500") == socket.gethostname()  # a name: the machines meet at machine 0's

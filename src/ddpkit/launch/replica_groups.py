@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from typing import Iterator, Sequence
 
 from ddpkit.core import signals
@@ -112,6 +113,8 @@ class Machines:
 
 
 JOB_KEY = "job"  # in the launchers' store: machine 0's settings and the lighthouse's address, for the other machines
+START_KEY = "start"  # set by machine 0 once every machine has joined: the groups start then
+STORE_TIMEOUT_S = 30.0  # a call to machine 0's store from another machine (it answers in milliseconds when up)
 MACHINE_GONE_S = 10.0  # a machine's launcher whose beats (every second) stopped this long ago has ended
 
 
@@ -189,6 +192,9 @@ def _job(machines: Machines, settings: dict) -> Iterator[tuple[object, str, str]
             yield joined
         return
     several = machines.count > 1
+    if several and given is not None and _is_loopback_url(given):
+        raise UsageError(f"--lighthouse {given} names this machine by a loopback address, which the other machines "
+                         "cannot reach: give its name or address on the network")
     serving = (contextlib.nullcontext(lighthouse_answering(given)) if given is not None
                else lighthouse(heartbeat_timeout_s=settings["--replica-heartbeat-timeout"],
                                min_replicas=settings["--min-replicas"], host=machines.master_addr if several else None))
@@ -200,10 +206,12 @@ def _job(machines: Machines, settings: dict) -> Iterator[tuple[object, str, str]
         store.set(JOB_KEY, json.dumps({**settings, "lighthouse": address}))
         logger.info(f"machine 0 of {machines.count}: waiting for the other machines' launchers at "
                     f"{machines.master_addr}:{machines.master_port} (up to {machines.wait_s:g} s: --rdzv-timeout)")
+        others = "1" if machines.count == 2 else f"1 to {machines.count - 1}"
         _wait_until(lambda: store.add("joined", 0) >= machines.count - 1, machines.wait_s,
                     lambda: f"{machines.count - 1 - store.add('joined', 0)} of the other {machines.count - 1} "
                             f"machines did not join within {machines.wait_s:g} s: start ddpkit with the same "
-                            f"command and --node-rank 1..{machines.count - 1} there (--rdzv-timeout waits longer)")
+                            f"command and --node-rank {others} there (--rdzv-timeout waits longer)")
+        store.set(START_KEY, "1")  # every machine's groups start now, and meet at their start barrier
         yield store, f"{machines.master_addr}:{machines.master_port}", address
         _outlive_other_machines(store, machines)  # not after an error: this machine's groups may not have started
 
@@ -240,9 +248,9 @@ def _joined(machines: Machines, settings: dict) -> Iterator[tuple[object, str, s
     where = f"{machines.master_addr}:{machines.master_port}"
     wait_for_node_0(machines.master_addr, machines.master_port, machines.wait_s, what="machine 0's replica groups",
                     machine="machine 0")
-    try:
+    try:  # machine 0 publishes the key as soon as its store serves: a store that lacks it is someone else's
         store = TCPStore(host_name=machines.master_addr, port=machines.master_port, is_master=False,
-                         timeout=datetime.timedelta(seconds=machines.wait_s))
+                         timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
         job = json.loads(store.get(JOB_KEY))
     except (RuntimeError, ValueError) as error:
         raise UsageError(f"what answers at {where} is not machine 0 of ddpkit's replica groups ({first_line(error)}): "
@@ -252,26 +260,56 @@ def _joined(machines: Machines, settings: dict) -> Iterator[tuple[object, str, s
               if mine[flag] != job[flag]]
     if differ:
         raise UsageError(f"every machine of the replica groups takes the same settings: {'; '.join(differ)}")
+    lighthouse_answering(job["lighthouse"])  # reachable from here too
     beat = f"machine{machines.rank}"
-    store.add("joined", 1)
+    # One launcher per machine: a second one given the same --node-rank would train the same groups' data again.
+    # A launcher that ended (done) may be started again: its groups rejoin.
+    token = uuid.uuid4().hex
+    if store.compare_set(f"{beat}.claimed", "", token) == token.encode():
+        store.add("joined", 1)
+    elif store.check([f"{beat}.done"]):  # the machine's earlier launcher ended: this one takes its place
+        store.set(f"{beat}.claimed", token)
+        store.delete_key(f"{beat}.done")
+    else:
+        raise UsageError(f"another launcher runs machine {machines.rank} of the replica groups already: give each "
+                         "machine its own --node-rank")
     stop = threading.Event()
 
     def beats() -> None:
-        own = TCPStore(host_name=machines.master_addr, port=machines.master_port, is_master=False,
-                       timeout=datetime.timedelta(seconds=10))
+        own = None
         while not stop.wait(1.0):
-            with contextlib.suppress(RuntimeError):  # machine 0 has gone: nothing left to tell
+            try:  # machine 0 may be gone, or not answering for a while: nothing to tell it then
+                own = own or TCPStore(host_name=machines.master_addr, port=machines.master_port, is_master=False,
+                                      timeout=datetime.timedelta(seconds=10))
                 own.add(beat, 1)
+            except RuntimeError:
+                own = None
 
     thread = threading.Thread(target=beats, name="ddpkit-machine-beats", daemon=True)
     thread.start()
     try:
+        # The groups start on every machine once all have joined (machine 0 says so): a group's start barrier
+        # waits only a minute for the others.
+        _wait_until(lambda: store.check([START_KEY]), machines.wait_s,
+                    lambda: f"machine 0 did not see every machine join within {machines.wait_s:g} s: start ddpkit "
+                            "on the others (--rdzv-timeout waits longer)")
         yield store, where, job["lighthouse"]
     finally:
         stop.set()
         thread.join()
         with contextlib.suppress(RuntimeError):
             store.set(f"{beat}.done", "1")
+
+
+def _is_loopback_url(address: str) -> bool:
+    import ipaddress
+    import urllib.parse
+
+    host = urllib.parse.urlsplit(address).hostname or ""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _said(value) -> str:
@@ -299,7 +337,8 @@ def _outlive_other_machines(store, machines: Machines) -> None:
         return True
 
     if not all_ended():
-        logger.info("waiting for the other machines' groups to end (this machine serves their lighthouse and store)")
+        logger.info("waiting for the other machines' groups to end (this machine serves their lighthouse and store; "
+                    "Ctrl-C leaves now, and their groups fail without them)")
         _wait_until(all_ended, None, None)
 
 
@@ -367,21 +406,29 @@ def _fencing(store, groups: Sequence[int], nproc: int, children: list[subprocess
 
     def watch() -> None:
         while not stop.wait(0.25):
-            for group, rank in itertools.product(groups, range(nproc)):
-                key = beat_key(group, rank)
-                if not store.check([key]):
-                    continue
-                beat = json.loads(store.get(key))
-                reason = fence_reason(beat, time.time())
-                if reason is None:
-                    continue
-                store.delete_key(key)  # once per process: its next one publishes anew
-                if _runs_under(beat["pid"], {child.pid for child in children}):
-                    who = f"replica group {group}" + (f", rank {rank}" if nproc > 1 else "")
-                    logger.error(f"{who}: {reason}; ending it so that the other groups go on and its launcher "
-                                 "restarts it")
-                    with contextlib.suppress(ProcessLookupError):  # it ended on its own meanwhile
-                        os.kill(beat["pid"], signal.SIGKILL)
+            try:
+                fence_once()
+            except RuntimeError as error:  # the store is gone (machine 0 ended or is unreachable)
+                logger.error(f"the replica groups' fence stops: the launchers' store does not answer "
+                             f"({first_line(error)})")
+                return
+
+    def fence_once() -> None:
+        for group, rank in itertools.product(groups, range(nproc)):
+            key = beat_key(group, rank)
+            if not store.check([key]):
+                continue
+            beat = json.loads(store.get(key))
+            reason = fence_reason(beat, time.time())
+            if reason is None:
+                continue
+            store.delete_key(key)  # once per process: its next one publishes anew
+            if _runs_under(beat["pid"], {child.pid for child in children}):
+                who = f"replica group {group}" + (f", rank {rank}" if nproc > 1 else "")
+                logger.error(f"{who}: {reason}; ending it so that the other groups go on and its launcher "
+                             "restarts it")
+                with contextlib.suppress(ProcessLookupError):  # it ended on its own meanwhile
+                    os.kill(beat["pid"], signal.SIGKILL)
 
     thread = threading.Thread(target=watch, name="ddpkit-replica-fence", daemon=True)
     thread.start()

@@ -87,8 +87,10 @@ def require_torchft() -> None:
 def without_traceback(record: logging.LogRecord) -> bool:
     """torchft's manager logs a collective that failed (a group died in it) with the whole traceback, in every
     process of every live group; its message names the error already, and ddpkit says the dropped step in one line
-    (``step N dropped (...)``). The traceback is left out; the message kept."""
-    record.exc_info, record.exc_text = None, None
+    (``step N dropped (...)``). That traceback is left out, the message kept; torchft's other records (a failed
+    recovery, say) keep theirs."""
+    if "got exception in future" in str(record.msg):
+        record.exc_info, record.exc_text = None, None
     return True
 
 
@@ -343,10 +345,7 @@ class ReplicaGroup:
         (``flat`` is this process's shards already) or alone in its group: all of ``flat``."""
         if self.sharded or self.nproc == 1:
             return flat, flat
-        size = -(-flat.numel() // self.nproc)
-        whole = flat if flat.numel() == size * self.nproc else torch.cat([flat, flat.new_zeros(size * self.nproc -
-                                                                                                flat.numel())])
-        return whole, whole[self.rank * size:(self.rank + 1) * size]
+        return part_of(flat, self.rank, self.nproc)
 
     def _flat_gradients(self) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
         """The optimizer's gradients, one flat tensor per dtype and device, with the parameters in it (a missing
@@ -598,6 +597,14 @@ def _short(error: BaseException) -> str:
     """A collective's error in a few words: gloo's source location and its advice left out."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", first_line(error))
     return text.split(". This is typically")[0]
+
+
+def part_of(flat: torch.Tensor, rank: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``flat``, padded with zeros to a multiple of ``parts`` if it is not one; ``rank``'s part of that, a view):
+    the parts of ranks 0..parts-1, in order, make up the padded tensor."""
+    size = -(-flat.numel() // parts)
+    whole = flat if flat.numel() == size * parts else torch.cat([flat, flat.new_zeros(size * parts - flat.numel())])
+    return whole, whole[rank * size:(rank + 1) * size]
 
 
 def advertised_host(store_address: str | None) -> str:
