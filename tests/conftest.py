@@ -41,6 +41,27 @@ def _locked(path: Path, mode: int):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+# pytest-xdist hands whole modules to its workers (--dist loadscope), in the order of the collection (addopts:
+# --no-loadscope-reorder). By its own default it orders them by their number of tests, which starts a module of few
+# but long tests (one shared multi-process run, a minute under the suite's load) among the last, to end the suite
+# alone. These modules, the longest in a `--durations` run of the suite, go first; the rest by their number of tests.
+LONGEST_FIRST = ("test_replica_groups_machines.py", "test_own_script.py", "test_bench.py", "test_library_loop.py",
+                 "test_replica_groups_job.py", "test_public_scripts.py", "test_replica_groups.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+
+    def order(item) -> tuple:
+        name = item.path.name
+        first = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+        return first, -counts[name], name
+
+    items.sort(key=order)  # stable: each module's tests keep their order
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Under pytest-xdist's workers, a test marked ``alone`` has the machine to itself, its fixtures' runs
