@@ -64,7 +64,14 @@ def interface_with(ip: str) -> str | None:
 
 
 def is_loopback(address: str | None) -> bool:
-    return address is not None and ipaddress.ip_address(address).is_loopback
+    """Whether ``address`` is a loopback IP address (IPv4 or IPv6, brackets allowed); a name (not resolved here) or
+    None is not."""
+    if address is None:
+        return False
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def resolve(host: str) -> str | None:

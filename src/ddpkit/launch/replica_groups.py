@@ -31,7 +31,8 @@ from typing import Iterator, Sequence
 from ddpkit.core import signals
 from ddpkit.core.errors import UsageError, first_line
 from ddpkit.core.logs import logger
-from ddpkit.launch.launcher import DEFAULT_MULTINODE_PORT
+from ddpkit.core.network import is_loopback
+from ddpkit.launch.launcher import DEFAULT_MULTINODE_PORT, wait_for_node_0
 
 from ddpkit.core.env import LIGHTHOUSE as LIGHTHOUSE_VARIABLE
 from ddpkit.core.env import MIN_REPLICAS as MIN_REPLICAS_VARIABLE
@@ -243,8 +244,6 @@ def _joined(machines: Machines, settings: dict) -> Iterator[tuple[object, str, s
     every second while this launcher runs, so that machine 0 waits for it before it stops serving."""
     from torch.distributed import TCPStore
 
-    from ddpkit.launch.launcher import wait_for_node_0
-
     where = f"{machines.master_addr}:{machines.master_port}"
     wait_for_node_0(machines.master_addr, machines.master_port, machines.wait_s, what="machine 0's replica groups",
                     machine="machine 0")
@@ -302,14 +301,10 @@ def _joined(machines: Machines, settings: dict) -> Iterator[tuple[object, str, s
 
 
 def _is_loopback_url(address: str) -> bool:
-    import ipaddress
     import urllib.parse
 
-    host = urllib.parse.urlsplit(address).hostname or ""
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    host = urllib.parse.urlsplit(address).hostname
+    return host == "localhost" or is_loopback(host)
 
 
 def _said(value) -> str:

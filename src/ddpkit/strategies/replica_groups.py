@@ -32,7 +32,6 @@ import atexit
 import contextlib
 import datetime
 import importlib
-import ipaddress
 import json
 import logging
 import os
@@ -50,6 +49,7 @@ import torch.nn as nn
 from ddpkit.core import progress
 from ddpkit.core.errors import UsageError, first_line
 from ddpkit.core.logs import logger
+from ddpkit.core.network import is_loopback
 from ddpkit.strategies.base import is_shard, local_shard
 
 from ddpkit.core.env import LIGHTHOUSE as LIGHTHOUSE_VARIABLE
@@ -566,10 +566,10 @@ def shards(state: Any) -> Any:
 def load_shards(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """``state`` (``shards`` of a peer's ``state_dict()``) into ``model``: a sharded model's shards copied into its
     own, in place; any other model through ``load_state_dict``."""
-    own = model.state_dict()
-    if not any(is_shard(tensor) for tensor in own.values()):
+    if not is_sharded(model):
         model.load_state_dict(state)
         return
+    own = model.state_dict()
     missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
     if missing or unexpected:
         raise RuntimeError(f"the copied model state does not match this model: missing {sorted(missing)[:4]}, "
@@ -611,12 +611,8 @@ def advertised_host(store_address: str | None) -> str:
     """The name the other groups reach this process's machine by: 127.0.0.1 when the launchers' store is at a
     loopback address (every group on this machine), else this machine's host name, which torchft's live copy
     (its HTTP transport) names it by anyway: on several machines each one's name must resolve on the others."""
-    host = (store_address or "127.0.0.1").rpartition(":")[0].strip("[]")
-    try:
-        on_this_machine = ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name: the machines' launchers meet at machine 0's
-        on_this_machine = False
-    return "127.0.0.1" if on_this_machine else socket.gethostname()
+    host = (store_address or "127.0.0.1").rpartition(":")[0]  # a name when the machines meet at machine 0's
+    return "127.0.0.1" if is_loopback(host) else socket.gethostname()
 
 
 def _client(address: str | None, *, timeout_s: float):
