@@ -447,4 +447,5 @@ def test_a_group_of_n_splits_any_gradient_into_n_parts_that_make_it_up_again():
                    for rank, (own, piece) in enumerate(pieces))  # views: what each averages lands in its whole
     assert list(Machines(count=2, rank=1).groups_here(6)) == [3, 4, 5]
     assert advertised_host("127.0.0.1:29500") == "127.0.0.1" and advertised_host("[::1]:29500") == "127.0.0.1"
+    assert advertised_host(None) == "127.0.0.1"  # no launchers' store: groups started by hand, on one machine
     assert advertised_host("node-a:29500") == socket.gethostname()  # a name: the machines meet at machine 0's

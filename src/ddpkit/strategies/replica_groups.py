@@ -609,9 +609,10 @@ def part_of(flat: torch.Tensor, rank: int, parts: int) -> tuple[torch.Tensor, to
 
 def advertised_host(store_address: str | None) -> str:
     """The name the other groups reach this process's machine by: 127.0.0.1 when the launchers' store is at a
-    loopback address (every group on this machine), else this machine's host name, which torchft's live copy
-    (its HTTP transport) names it by anyway: on several machines each one's name must resolve on the others."""
-    host = (store_address or "127.0.0.1").rpartition(":")[0]  # a name when the machines meet at machine 0's
+    loopback address (every group on this machine) or there is none (groups started by hand), else this machine's
+    host name, which torchft's live copy (its HTTP transport) names it by anyway: on several machines each one's
+    name must resolve on the others."""
+    host = store_address.rpartition(":")[0] if store_address else "127.0.0.1"  # a name: machines meet at machine 0's
     return "127.0.0.1" if is_loopback(host) else socket.gethostname()
 
 
