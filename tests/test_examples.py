@@ -31,7 +31,8 @@ def run_example(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def ddpkit_run(script: str, *script_args: str, cwd: Path) -> str:
-    """Rank 0's (and only rank 0's) standard output of ``ddpkit run --nproc-per-node 2 examples/SCRIPT``."""
+    """The standard output of ``ddpkit run --nproc-per-node 2 examples/SCRIPT``: rank 0's lines as they are, the other
+    ranks' prefixed ``[rank<N>]:`` (``count_lines`` of an unprefixed pattern counts rank 0's)."""
     result = run_example(["-m", "ddpkit", "run", "--nproc-per-node", "2", str(EXAMPLES / script), *script_args], cwd)
     return result.stdout
 
@@ -99,6 +100,12 @@ def test_mp_spawn_demo(tmp_path):
     assert count_lines(
         out, r"2 processes via spawn, backend gloo, device cpu: parameters identical on every rank: True"
     ) == 1, out
+
+
+def test_the_ddp_demo_without_ddpkit_shows_every_ranks_line_and_ends_well(tmp_path):
+    # A torchrun-style script with nothing of ddpkit in it: each rank's last line on the console, rank 1's prefixed.
+    out = ddpkit_run("ddp_demo.py", cwd=tmp_path)
+    assert count_lines(out, r"rank 0 of 2 done") == 1 and count_lines(out, r"\[rank1\]: rank 1 of 2 done") == 1, out
 
 
 def test_model_parallel_inside_ddp(tmp_path):

@@ -29,20 +29,30 @@ def _run(out, strategy, *extra):
     return torch.load(out / "model.pt", weights_only=True), result.stdout
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """strategy -> (bf16 uninterrupted state, bf16 resumed state, its stdout, fp32 state)."""
-    done = {}
-    for strategy in LAYOUT:
-        folder = tmp_path_factory.mktemp(strategy)
+class Runs(dict):
+    """strategy -> (bf16 uninterrupted state, bf16 resumed state, its stdout, fp32 state), each strategy's three
+    launches made when a test first asks for it: a test's time (and its timeout) covers at most two strategies' runs,
+    not all twelve launches, which on a busy machine outlasted one test's 300 s."""
+
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self.tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, strategy: str):
+        folder = self.tmp_path_factory.mktemp(strategy)
         whole, stdout = _run(folder / "whole", strategy, "--amp", "bf16")
         # A file, or a folder where the strategy's checkpoints are sharded (zero, fsdp).
         step_15 = next(str(path) for path in checkpoint.list_checkpoints(folder / "whole" / "checkpoints")
                        if checkpoint.step_of(path) == 15)
         resumed, _ = _run(folder / "resumed", strategy, "--amp", "bf16", "--resume", step_15)
         fp32, _ = _run(folder / "fp32", strategy)
-        done[strategy] = (whole, resumed, stdout, fp32)
-    return done
+        self[strategy] = (whole, resumed, stdout, fp32)
+        return self[strategy]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return Runs(tmp_path_factory)
 
 
 def _as_replica_groups(out, strategy: str, nproc: str, batch: str) -> dict:

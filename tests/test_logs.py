@@ -116,36 +116,61 @@ def test_a_rank_that_freezes_its_heap_at_exit_prints_no_leak_report():
     assert done.returncode == 0 and done.stderr == "done\n", done.stderr[-2000:]
 
 
-def test_the_console_shows_another_ranks_warnings_errors_and_tracebacks_only():
-    from ddpkit.launch.rank_logs import ConsoleLines
+class Console:
+    def __init__(self):
+        self.text = ""
 
-    lines = ConsoleLines(2)
-    text = (b"a print of its own\n"
-            b"[rank2]: ddpkit: 2 process(es) via torchrun\n"
-            b"[rank2]: ddpkit: warning: rank 2 is slow\n"
-            b"/tmp/model.py:11: UserWarning: careful\n"
-            b"  warnings.warn('careful')\n"
-            b"[W1126 03:24:38.295000 2844 ProcessGroupGloo.cpp:9] a c10d warning\n"
-            b"Traceback (most recent call last):\n"
-            b"  File \"train.py\", line 3, in <module>\n"
-            b"    main()\n"
-            b"ValueError: bad value\n"
-            b"after the traceback\n"
-            b"a line without its end")
-    # Fed in pieces that split lines: whole lines are judged.
-    shown = b"".join(lines.feed(text[i:i + 7]) for i in range(0, len(text), 7)) + lines.flush()
-    assert shown.decode().splitlines() == [
-        "[rank2]: ddpkit: warning: rank 2 is slow",
-        "[rank2]: /tmp/model.py:11: UserWarning: careful",
-        "[rank2]: [W1126 03:24:38.295000 2844 ProcessGroupGloo.cpp:9] a c10d warning",
-        "[rank2]: Traceback (most recent call last):",
-        "[rank2]:   File \"train.py\", line 3, in <module>",
-        "[rank2]:     main()",
-        "[rank2]: ValueError: bad value",
-    ]
-    # A traceback PyTorch prefixed already keeps its one prefix; at --log-level debug every line is shown.
-    prefixed = ConsoleLines(1).feed(b"[rank1]: Traceback (most recent call last):\n[rank1]:   File \"x.py\"\n"
-                                    b"[rank1]: RuntimeError: boom\n[rank1]: later\n")
-    assert prefixed.decode().splitlines() == ["[rank1]: Traceback (most recent call last):", "[rank1]:   File \"x.py\"",
-                                              "[rank1]: RuntimeError: boom"]
-    assert ConsoleLines(1, every_line=True).feed(b"a print\n") == b"[rank1]: a print\n"
+    def write(self, text):
+        self.text += text
+
+    def flush(self):
+        pass
+
+
+def test_the_console_shows_every_rank_once_and_lines_that_echo_others_once_for_all_ranks():
+    from ddpkit.launch.rank_logs import ConsoleLines, Echoes
+
+    now = [0.0]
+    echoes, console = Echoes("/runs/x/logs", clock=lambda: now[0]), Console()
+    ranks = {rank: ConsoleLines(rank, console, echoes) for rank in range(4)}
+
+    def say(rank: int, text: bytes) -> str:
+        # Fed in pieces that split lines: whole lines are judged.
+        return "".join(ranks[rank].feed(text[i:i + 7]).decode() for i in range(0, len(text), 7))
+
+    # Rank 0's bytes pass as they are (a progress bar's \r too); what it says counts as shown.
+    assert say(0, b"epoch 1: loss 0.52\rbar\n") == "epoch 1: loss 0.52\rbar\n"
+    assert say(0, b"rank 0 of 4 done\n") == "rank 0 of 4 done\n"
+    # Another rank's line that echoes nothing is shown at once, prefixed; ddpkit's own notes are rank 0's to say.
+    assert say(2, b"only rank 2 says this\n[rank2]: ddpkit: 4 process(es) via torchrun\n") == (
+        "[rank2]: only rank 2 says this\n")
+    assert say(2, b"[rank2]: ddpkit: warning: rank 2 is slow\n") == "[rank2]: ddpkit: warning: rank 2 is slow\n"
+    # Lines like one shown a moment ago, but for their numbers, are held...
+    assert say(3, b"rank 3 of 4 done\n") == "" and say(1, b"rank 1 of 4 done\n") == ""
+    assert say(2, b"rank 2 of 4 done\n") == ""
+    for step in range(3):
+        assert say(1, f"step {step}: loss 0.{step}\n".encode()) in ("[rank1]: step 0: loss 0.0\n", "")
+    echoes.show_due()
+    assert console.text == ""  # ...for a second
+    now[0] = 1.5
+    echoes.show_due()
+    # ...then shown once for the ranks that said them: the first of them, and how many where a rank repeated one.
+    assert console.text.splitlines() == ["[rank1-3]: rank 3 of 4 done", "[rank1]: step 1: loss 0.1 [×2]"]
+    assert echoes.where_it_all_is() == ("3 line(s) of rank(s) 1-3 were shown as one with others like them; every "
+                                        "rank's whole output is in /runs/x/logs/rank<N>.log")
+    assert echoes.where_it_all_is() is None  # said once
+    # A line left without its end is judged when the stream ends; --log-level debug shows every line at once.
+    assert ranks[3].feed(b"last words") == b"" and ranks[3].flush() == b"[rank3]: last words\n"
+    assert ConsoleLines(1, console, echoes, every_line=True).feed(b"rank 3 of 4 done\n") == b"[rank1]: rank 3 of 4 done\n"
+    # Another rank's line never lands inside one of rank 0's (a print writes its text, then its newline)...
+    console.text = ""
+    echoes.write(console, b"Train Epoch: 1\tLoss: 550.5", passing=True)
+    echoes.write(console, b"[rank1]: Train Epoch: 1\tLoss: 550.4\n")
+    echoes.write(console, b"\n", passing=True)
+    assert console.text == "Train Epoch: 1\tLoss: 550.5\n[rank1]: Train Epoch: 1\tLoss: 550.4\n"
+    # ...but waits a second at most for a line that does not end (a progress bar), then has a line of its own.
+    echoes.write(console, b"\r 40%", passing=True)
+    echoes.write(console, b"[rank2]: hello\n")
+    now[0] = 3.0
+    echoes.show_due()
+    assert console.text.endswith("\r 40%\n[rank2]: hello\n")

@@ -17,7 +17,7 @@ from conftest import child_env, leftover_processes, rank_pid
 from ddpkit.core import progress
 from ddpkit.core.progress import Pace
 from ddpkit.watch import pace
-from ddpkit.watch.pace import compare, slow_rank_warning
+from ddpkit.watch.pace import SlowRanks, compare, over_noise, slow_rank_warning
 
 
 def test_the_time_between_marks_goes_to_the_phase_that_was_marked(monkeypatch):
@@ -34,7 +34,21 @@ def test_the_time_between_marks_goes_to_the_phase_that_was_marked(monkeypatch):
     assert (p.seconds["data"], p.seconds["forward"], p.seconds["backward"], p.seconds["wait"],
             p.seconds["optimizer"]) == (0.5, 2.0, 0.25, 0.25, 0.25)
     assert p.steps == 1 and p.step == 1
-    assert p.per_step() == [0.5 + 5.75, 2.0, 0.25, 0.25, 0.25]  # the data phase in progress counts up to now
+    # The data phase in progress counts up to now; one step so far: no step-to-step deviation yet.
+    assert p.per_step() == [0.5 + 5.75, 2.0, 0.25, 0.25, 0.25, 0.0]
+
+
+def test_the_step_to_step_deviation_of_a_ranks_own_time(monkeypatch):
+    # Own time (data + forward + backward + optimizer, not the waits) from one step to the next: 2, 1 and 3 s.
+    marks = [("data", 1, 1.0), ("forward", None, 2.0), ("data", 2, 3.0), ("forward", None, 3.5), ("wait", None, 4.0),
+             ("data", 3, 10.0), ("forward", None, 11.0), ("data", 4, 13.0)]
+    monkeypatch.setattr(progress.time, "monotonic", iter([0.0, *(t for *_, t in marks), 13.0]).__next__)
+    p = Pace()
+    for phase, step, _ in marks:
+        p.mark(phase, step)
+    # Their median absolute deviation (median 2, deviations 0, 1, 1), scaled to a standard deviation's size.
+    assert p.per_step()[-1] == pytest.approx(1.4826)
+    assert progress.spread([1.0, 1.0, 1.0, 1.0, 9.0]) == 0.0  # one stalled step is not noise
 
 
 def test_a_backward_without_gradients_here_is_all_backward(monkeypatch):
@@ -82,6 +96,36 @@ def test_a_healthy_job_and_a_single_rank_get_no_warning():
     single = compare([[0.01, 0.02, 0.04, 0.01, 0.0]])
     assert (single["slowest_rank"], single["slowdown_pct"]) == (0, 0.0)
     assert slow_rank_warning(single) is None
+
+
+def window(times: list[float], noise: float) -> list[list[float]]:
+    """Rows of ``Pace.per_step()`` for ranks of these own step times (all in forward) and this step-to-step deviation."""
+    return [[0.0, t, 0.0, 0.0, 0.0, noise] for t in times]
+
+
+def test_a_slow_rank_is_named_once_it_stays_slow_beyond_the_noise_and_again_only_if_it_grows():
+    slow = SlowRanks()
+    said = []
+    for times, noise in [([0.10, 0.13], 0.005),   # 30% slower, 6 deviations: stands out (1 of 2 in a row)
+                         ([0.10, 0.13], 0.005),   # 2 in a row: named
+                         ([0.10, 0.14], 0.005),   # still slow, not by half more: said already
+                         ([0.10, 0.21], 0.005),   # 110%: grew by more than half: named again
+                         ([0.10, 0.25], 0.005)]:  # 150%: not 1.5 x 110
+        rows = window(times, noise)
+        said.append(slow.warning(compare(rows), rows))
+    assert [w is not None for w in said] == [False, True, False, True, False]
+    assert said[1].startswith("rank 1 is 30% slower") and said[3].startswith("rank 1 is 110% slower")
+
+
+def test_two_ranks_taking_turns_or_slow_within_their_noise_are_not_named():
+    slow = SlowRanks()
+    # What two ranks on two cores do: 25-45% apart, but the slow one changes, or the difference is within 3
+    # deviations of their step-to-step noise.
+    for times, noise in [([0.10, 0.13], 0.005), ([0.145, 0.10], 0.005), ([0.10, 0.125], 0.005),
+                         ([0.13, 0.10], 0.005), ([0.10, 0.14], 0.02), ([0.10, 0.145], 0.02), ([0.10, 0.13], 0.02)]:
+        rows = window(times, noise)
+        assert slow.warning(compare(rows), rows) is None
+    assert over_noise(compare(window([0.10, 0.14], 0.02)), window([0.10, 0.14], 0.02)) == pytest.approx(2.0)
 
 
 def _duty_cycle(pid: int, done: threading.Event, stopped_s: float = 0.08, running_s: float = 0.04) -> None:
@@ -135,6 +179,7 @@ def test_a_slowed_rank_is_named_in_metrics_and_in_a_warning(slowed_run):
         assert len(record["rank_step_time_s"]) == 2
         assert record["slowest_rank"] == 1, record
         assert record["slowdown_pct"] > pace.SLOW_PCT, record
-    assert err.count("ddpkit: warning: rank 1 is ") == 2, err  # once per epoch, from rank 0 only
+    # Named once, at the second epoch in a row it stood out (not at every epoch), from rank 0 only.
+    assert err.count("ddpkit: warning: rank 1 is ") == 1, err
     assert "slower than the median of the other ranks" in err
     assert not leftover_processes()

@@ -326,7 +326,11 @@ def test_train_goes_on_with_one_group_and_records_how_many_took_part(trained):
     hit = records[KILL_AT // 22]
     assert hit["replicas_min"] == 1 and 1 < hit["replicas"] < 2 and hit["replica_groups"] == 2
     assert 32 < hit["effective_global_batch"] < 64 and hit["global_batch"] == 64
-    assert records[0]["replicas"] == 2.0 and records[-1]["replicas"] == 2.0  # before the kill, and after the rejoin
+    # Before the kill, and after the rejoin, both groups trained: every step, but for one or two on a busy machine
+    # (the slow suite's three workers on two cores), where a group starved of CPU for a second misses a quorum's
+    # heartbeat (--replica-heartbeat-timeout 1): seen once, 20 of 22 steps in epoch 1.
+    assert records[0]["replicas"] > 1.8 and records[-1]["replicas"] > 1.8
+    assert records[0]["replicas_min"] >= 1 and max(r["replicas"] for r in records) == 2.0
     assert "replica group 0: 1 of 2 groups took part in step" in output
     assert output.count("replica group 1 rejoined at step") == 1
     assert "saved out/model.pt" in output and (out / "model.pt").exists()
@@ -342,8 +346,11 @@ def test_train_resumes_from_its_checkpoint_in_replica_group_mode(trained):
     assert [r["epoch"] for r in records] == list(range(TRAIN_EPOCHS + 2))  # once each: group 1 wrote none again
     assert records[TRAIN_EPOCHS]["replica_groups"] == 2 and records[TRAIN_EPOCHS]["replicas_min"] == 1
     assert f"continuing at epoch {TRAIN_EPOCHS + 1}" in output and "rejoined" not in output
-    # Restarted after group 0 had finished: nobody to copy from, so it stops instead of training alone again.
+    # Restarted after group 0 had finished: nobody to copy from, so it stops instead of training alone again, asking
+    # nothing of the finished group (before: a quorum whose set-up spent seconds on group 0's store, gone, and
+    # printed torchft's and c10d's tracebacks of it).
     assert output.count("replica group 1: the other groups have finished the run; this one stops here") == 1
+    assert "Traceback" not in output and "socket.cpp" not in output and "exception in pg configure" not in output, output
 
 
 @pytest.mark.parametrize("argv, message", [

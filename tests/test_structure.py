@@ -53,14 +53,15 @@ def private_uses(path: Path) -> list[str]:
 
 
 def edges() -> dict[str, set[str]]:
-    """Module -> the ddpkit modules it imports (``from ddpkit.strategies import split`` is the module split).
-    The top package, which re-exports the library, is left out: every module is below it."""
+    """Module -> the ddpkit modules it imports (``from ddpkit.strategies import split`` is the module split). An
+    import of a name from the top package (``from ddpkit import __version__``) is an edge to it, the facade above
+    every module, which none may import."""
     graph = {}
     for name, path in MODULES.items():
         targets = set()
         for module, imported, _ in imports(path):
             target = f"{module}.{imported}" if imported and f"{module}.{imported}" in MODULES else module
-            if target not in (name, "ddpkit"):
+            if target != name:
                 targets.add(target)
         graph[name] = targets
     return graph
@@ -83,7 +84,10 @@ ALLOWED = {
 
 
 def package_of(module: str) -> str:
-    """``ddpkit.core.env`` -> core; ``ddpkit.job`` -> job; ``ddpkit.__main__`` (the command) -> app."""
+    """``ddpkit.core.env`` -> core; ``ddpkit.job`` -> job; ``ddpkit.__main__`` (the command) -> app; ``ddpkit`` (the
+    public facade) -> facade."""
+    if module == "ddpkit":
+        return "facade"
     part = module.split(".")[1]
     return "app" if part == "__main__" else part
 
@@ -206,6 +210,14 @@ def test_the_checks_find_what_they_look_for(tmp_path):
              "ddpkit.app.cli": {"ddpkit.job", "ddpkit.launch.launcher"}}
     assert upward_imports(graph) == ["ddpkit.core.env -> ddpkit.launch.launcher",
                                      "ddpkit.core.errors -> ddpkit.app.cli", "ddpkit.job -> ddpkit.launch.nccl"]
+    # A name taken from the top package (the facade that imports everything) by a module below it: up, whatever
+    # the module (checkpoint/format.py once took __version__ from there).
+    (tmp_path / "format.py").write_text("def versions():\n    from ddpkit import __version__\n")
+    MODULES["ddpkit.checkpoint.bad_format"] = tmp_path / "format.py"
+    try:
+        assert "ddpkit.checkpoint.bad_format -> ddpkit" in upward_imports(edges())
+    finally:
+        del MODULES["ddpkit.checkpoint.bad_format"]
     bad.write_text('if job.strategy.name == "ddp":\n    pass\nok = kind in ("single", "dp")\nfine = name == "sweep"\n'
                    'also_fine = s.name\n')
     assert name_comparisons(bad) == ["bad.py:1", "bad.py:3"]

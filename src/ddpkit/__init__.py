@@ -30,7 +30,7 @@ from ddpkit.strategies import STRATEGIES, Strategy, create, model_parallel, stra
 from ddpkit.strategies.replica_groups import ReplicaGroup
 from ddpkit.strategies.sync_bn import convert_sync_batchnorm
 
-__version__ = "0.1.0"
+from ddpkit.core.version import __version__
 
 
 def prepare_model(model, runtime: Runtime, strategy: str | Strategy = "ddp", *, sync_bn: bool = False, **settings):

@@ -33,7 +33,11 @@ Change ``strategy`` ("single", "ddp", "zero", "fsdp", "pipeline", "dp"), ``amp``
 or ``accumulate`` and no other line changes. The job starts the process group when it is made (reading
 rank and world size from torchrun, Slurm, mp.spawn, or none) and tears it down when the ``with`` block
 ends, whatever ends it: an error (a collective's timeout is explained, naming the ranks that never
-arrived), Ctrl-C or SIGTERM. Without ``with``, call ``job.close()`` at the end (it also runs at exit).
+arrived), Ctrl-C or SIGTERM. Without ``with``, call ``job.close()`` at the end (it also runs at exit). A mistake
+ddpkit finds (a ``UsageError``) is one line and exit status 2, inside ``with`` or not. Before the first step a
+SIGTERM or Ctrl-C ends the process at once (status 143 or 130: nothing to save yet, and the wait for the other ranks
+is a call Python cannot interrupt); from the first step on, the script's own handling (``ddpkit.stop_on_signal``)
+stops at a step's end.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from torch.utils.data import DataLoader
 from ddpkit import checkpoint, data, strategies
 from ddpkit.core import progress
 from ddpkit.watch import heartbeat, pace, replicas
-from ddpkit.core import process_group
+from ddpkit.core import process_group, signals
 from ddpkit.core.errors import UsageError
 from ddpkit.core.logs import logger
 from ddpkit.core.precision import AMP_DTYPES, autocast
@@ -117,6 +121,11 @@ class Job:
         self.runtime = self._stack.enter_context(process_group.distributed(
             backend=backend, device=device, timeout_s=timeout_s, force_group=self.strategy.needs_group,
             environment=environment, log_level=log_level))
+        # Until the first step a stop ends this rank at once (nothing to save yet; DDP's first broadcast and the
+        # replica groups' start wait in C++ for ranks that may never come); from then on, at a step boundary.
+        signals.starting(f"setting up rank {self.rank} of {self.world_size}, before its first step",
+                         quiet=process_group.under_launcher_agent())
+        self._stack.callback(signals.started)
         # This rank's phases and steps, marked as it trains: each rank's own step time, and its heartbeat.
         self.pace = self._stack.enter_context(progress.kept(progress.Pace()))
         self.heartbeat = self._stack.enter_context(heartbeat.watch(
@@ -129,6 +138,8 @@ class Job:
         self._backward_done = False
         self._in_step = False  # inside job.step: the optimizer's own step hook leaves the counting to it
         self.loaders: list[data.DeviceLoader] = []  # every loader made or prepared here, for state_dict
+        self._models: list[nn.Module] = []  # every model wrapped here (whether a pass is an evaluation)
+        self._slow_ranks = pace.SlowRanks()  # when compare_ranks warns of a slow rank
         try:
             self.replica = self._join_replica_groups(replica_group, stall_timeout_s)
         except BaseException:
@@ -210,6 +221,7 @@ class Job:
         if self.strategy.needs_group and not self.strategy.syncs_weights:
             process_group.broadcast_state(model, self.runtime)  # every rank starts from rank 0's weights
         wrapped = self.strategy.wrap(model, self.runtime, example=example)
+        self._models.append(wrapped)
         # Any forward of the model, the bare module's too (an evaluation of one's own), is this rank at work.
         strategies.unwrap(wrapped).register_forward_pre_hook(lambda module, args: progress.touch())
         if self.strategy.replicated and self.world_size > 1:
@@ -239,9 +251,12 @@ class Job:
         collate_fn, batch size (now per process), workers, pin_memory, drop_last, worker_init_fn and the rest: one
         that shuffles is a training loader (``train_loader``), one that does not an evaluation loader, every sample
         on exactly one rank (``eval_loader``); give a loader that must not shuffle for training to
-        ``job.train_loader(loader, shuffle=False)``. Then ``loss.backward()`` and ``optimizer.step()`` work as
-        before (``job.backward`` and ``job.step`` add amp scaling and accumulation), and ``job.global_step``
-        counts the optimizer's steps.
+        ``job.train_loader(loader, shuffle=False)``. A pass over a shuffling one that begins with the model in eval
+        mode or under ``torch.no_grad()`` is an evaluation, and reads every sample once (one helper often makes a
+        script's training and test loaders alike). None comes back as None (an optional scheduler, say). Then
+        ``loss.backward()`` and ``optimizer.step()`` work as before (``job.backward`` and ``job.step`` add amp scaling
+        and accumulation), and ``job.global_step`` counts the optimizer's steps. A wrapped model's ``state_dict()``
+        is the bare model's (no ``module.`` prefix), and its ``load_state_dict`` takes either.
         """
         ready = list(objects)
         names: dict[int, str] = {}
@@ -258,9 +273,9 @@ class Job:
                 ready[index] = adopted[id(thing)] = self._adopt(thing, models, names)
             elif isinstance(thing, (DataLoader, data.DeviceLoader)):
                 ready[index] = self._loader_for(thing)
-            elif not isinstance(thing, (nn.Module, torch.optim.lr_scheduler.LRScheduler)):
-                raise UsageError(f"`prepare` takes models, optimizers, LR schedulers and DataLoaders, not "
-                                 f"{type(thing).__name__}")
+            elif thing is not None and not isinstance(thing, (nn.Module, torch.optim.lr_scheduler.LRScheduler)):
+                raise UsageError(f"`prepare` takes models, optimizers, LR schedulers and DataLoaders (and None, handed "
+                                 f"back as it is), not {type(thing).__name__}")
         for index, thing in enumerate(objects):
             if isinstance(thing, torch.optim.lr_scheduler.LRScheduler):
                 ready[index] = follow(thing, adopted.get(id(thing.optimizer), thing.optimizer))
@@ -292,7 +307,19 @@ class Job:
                 self.loaders.append(loader)
             return loader
         shuffles, _ = data.loaders.sampling_of(loader)
-        return self.train_loader(loader) if shuffles else self.eval_loader(loader)
+        if not shuffles:
+            return self.eval_loader(loader)
+        # Taken for training because it shuffles, which an evaluation loader may do too (one helper makes both): a
+        # pass begun with the model in eval mode, or without gradients, is an evaluation, every sample once.
+        prepared = self.train_loader(loader)
+        prepared.is_evaluation = self._evaluating
+        return prepared
+
+    def _evaluating(self) -> bool:
+        """Whether a pass begun now over a loader ``prepare`` took for training is an evaluation: gradients are off,
+        or every model this job wrapped is in eval mode."""
+        return not torch.is_grad_enabled() or (bool(self._models) and not any(
+            strategies.unwrap(model).training for model in self._models))
 
     def _counted(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``optimizer``, whose every step (``job.step``'s or the script's own ``optimizer.step()``) counts in
@@ -302,6 +329,14 @@ class Job:
 
     def _stepped(self) -> None:
         self._backward_done = True  # a step follows a backward
+        signals.started()  # from the first step on, a stop waits for the step's end (ddpkit.stop_on_signal)
+        for loader in self.loaders:
+            if loader.in_evaluation_pass:
+                raise UsageError(
+                    "the optimizer stepped in a pass over a training loader that was dealt as an evaluation, each "
+                    "sample on one rank (the pass began with the model in eval mode, or without gradients): call "
+                    "model.train() before a training loop, or, for a model that trains in eval mode (frozen "
+                    "BatchNorm), make the loader with job.train_loader(loader) rather than job.prepare")
         if self.replica is not None:
             self._loop.after_commit()  # the groups' step count (it jumps when this group copied their state)
         else:
@@ -319,6 +354,14 @@ class Job:
         loader = data.train_loader(dataset, batch_size, runtime=self.runtime, seed=seed, accumulate=self.accumulate,
                                    replica=replica, **options)
         self.loaders.append(loader)
+        # An evaluation over it (job.evaluate, or a pass begun without gradients) reads every sample once, not the
+        # training pass's padded one; a padded pass that took no optimizer step is said once in a warning.
+        eval_options = {key: value for key, value in options.items() if key not in ("shuffle", "drop_last")}
+        loader.evaluation_twin = lambda: data.eval_loader(
+            dataset, batch_size, runtime=self.runtime, replica=self.strategy.data_part(self.rank, self.world_size),
+            lockstep=self.strategy.eval_lockstep, **eval_options)
+        loader.is_evaluation = lambda: not torch.is_grad_enabled()
+        loader.steps = lambda: self.global_step
         if self.replica is not None:  # a restarted group joins before its loop; a dropped step's batch comes again
             loader.before_use, loader.replay = self._loop.join, self._loop.replay
             self._loop.loaders.append(loader)
@@ -334,7 +377,8 @@ class Job:
         """``ddpkit.eval_loader`` for this job: every validation sample (of a data set, or of the script's own
         DataLoader) on exactly one data replica."""
         loader = data.eval_loader(dataset, batch_size, runtime=self.runtime,
-                                  replica=self.strategy.data_part(self.rank, self.world_size), **options)
+                                  replica=self.strategy.data_part(self.rank, self.world_size),
+                                  lockstep=self.strategy.eval_lockstep, **options)
         self.loaders.append(loader)
         return loader
 
@@ -407,6 +451,8 @@ class Job:
         """
         progress.mark("evaluate")
         self.strategy.sync_buffers(model, self.runtime)
+        if isinstance(loader, data.DeviceLoader):
+            loader = loader.for_evaluation()  # a training loader's data, each sample once (not its padded pass)
         with self._between_steps():
             return evaluate(self.strategy.eval_module(model), loader, self.runtime, self.amp,
                             lockstep=self.strategy.eval_lockstep, loss_fn=loss_fn, topk=topk)
@@ -443,13 +489,19 @@ class Job:
         """Each rank's own step time since the last call (its data, forward, backward and optimizer time,
         without its waits for the others) side by side: ``rank_step_time_s`` (one per rank), ``slowest_rank``,
         its ``slowdown_pct`` against the median of the other ranks, and ``slow_phase``, where its extra time
-        goes (``ddpkit.watch.pace.compare``). Rank 0 warns when the slowdown is over 20%. Every rank calls it (one
-        small all_gather), at the end of an epoch say; counting starts again."""
-        compared = pace.compare(pace.gather_rows(self.pace, self.runtime))
+        goes (``ddpkit.watch.pace.compare``). Rank 0 warns when the same rank has stood out over the last two calls
+        (more than 20% slower, and by more than the step-to-step noise of the others' step times), once, and again
+        only if its slowdown grows by half (``ddpkit.watch.pace.SlowRanks``). Every rank calls it (one small
+        all_gather), at the end of an epoch say; counting starts again."""
+        rows = pace.gather_rows(self.pace, self.runtime)
+        compared = pace.compare(rows)
         self.pace.reset()
-        warning = pace.slow_rank_warning(compared)
-        if warning is not None and self.is_main:
-            logger.warning(warning)
+        warning = self._slow_ranks.warning(compared, rows)
+        if self.is_main:
+            logger.debug(f"slowest rank {compared['slowest_rank']}: {compared['slowdown_pct']}% slower, its extra time "
+                         f"{pace.over_noise(compared, rows):.1f} times the spread of the others' step times")
+            if warning is not None:
+                logger.warning(warning)
         return compared
 
     def print(self, *args, **kwargs) -> None:

@@ -416,6 +416,8 @@ class RunState:
     steps_per_epoch: int
     position: Position
     replica: Any = None  # this process's ReplicaGroup under --replica-groups
+    # A replica group restarted after the others finished the run: it stops, having asked nobody for anything.
+    too_late: bool = False
 
     @property
     def global_batch(self) -> int:
@@ -437,7 +439,7 @@ class RunState:
 def train(cfg: TrainConfig, job: Job, replica=None) -> dict:
     """The whole run in this process: build, resume, the epochs, model.pt. Returns the last epoch's metrics."""
     run_state = start(cfg, job, replica)
-    if replica is not None and replica.restarts > 0 and replica.others_finished():
+    if run_state.too_late:
         return others_finished(replica, {})
     metrics_path = os.path.join(cfg.output_dir, METRICS_FILE)
     if job.is_main and opens_the_run(replica):
@@ -556,7 +558,11 @@ def start(cfg: TrainConfig, job: Job, replica=None) -> RunState:
     job.global_step = run_state.position.global_step
     if replica is not None:
         replica.resume_at(job.global_step)
-        optimizer.zero_grad()  # asks for the first step's quorum (job.step asks for each next one as it ends)
+        # Restarted after the others finished: no quorum, whose background configuration would spend seconds on the
+        # finished groups' stores, gone, and print torchft's tracebacks of it.
+        run_state.too_late = replica.restarts > 0 and replica.others_finished()
+        if not run_state.too_late:
+            optimizer.zero_grad()  # asks for the first step's quorum (job.step asks for each next one as it ends)
     return run_state
 
 

@@ -15,6 +15,10 @@ A script that starts its own process group (``torch.distributed.init_process_gro
 
 A script on ``ddpkit.Job`` or ``ddpkit.distributed()`` starts its group through ddpkit, which does all of this
 itself; this module then stands aside.
+
+Once the script has returned (or called ``sys.exit``), the process ends as Python's exit would, but without the
+interpreter's teardown (``ddpkit.core.exits.leave``): a rank that did all its work is never reported failed because
+gloo's threads aborted it on the way out.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddpkit.core import logs, process_group, progress
+from ddpkit.core import exits, logs, process_group, progress
 from ddpkit.core.errors import UsageError
 from ddpkit.core.logs import logger
 from ddpkit.watch import heartbeat
@@ -51,17 +55,20 @@ def main(argv: list[str]) -> None:
     target, args = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
     apply_timeout()
     threading.Thread(target=watch_when_up, name="ddpkit-watch", daemon=True).start()
+    sys.argv = [target, *local_rank, *args]
     try:
         if module:
-            sys.argv = [target, *local_rank, *args]
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [target, *local_rank, *args]
             sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python SCRIPT` puts the script's folder
             runpy.run_path(target, run_name="__main__")
+    except SystemExit as stop:
+        exits.say_exit_message(stop)
+        exits.leave(exits.status_of(stop))
     except RuntimeError as error:
         explain(error)
         raise
+    exits.leave(0)
 
 
 def apply_timeout() -> None:

@@ -205,7 +205,7 @@ def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> 
 
 
 def versions() -> dict[str, str]:
-    from ddpkit import __version__
+    from ddpkit.core.version import __version__
 
     # str(): torch.__version__ is a TorchVersion, which weights_only loading would refuse.
     found = {"ddpkit": str(__version__), "torch": str(torch.__version__), "python": platform.python_version()}

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.core import env as env_mod
-from ddpkit.core import logs, signals
+from ddpkit.core import exits, logs, signals
 from ddpkit.core.errors import UsageError, disk_full, first_line
 from ddpkit.core.logs import logger, report_usage_error
 
@@ -156,8 +156,10 @@ def setup(
     else:
         bound = torch.device("cpu")
     signals.catch((signal.SIGTERM,), signals.raise_terminated)
-    if LAUNCHED_BY_TORCHRUN in (os.environ if environ is None else environ):
+    under_agent = LAUNCHED_BY_TORCHRUN in (os.environ if environ is None else environ)
+    if under_agent:
         signals.end_with_parent()  # the agent is the parent: if it is killed, this rank ends too
+    exits.usage_errors_in_one_line()  # a script's own UsageError outside `with Job()`: one line, status 2 too
     if not (environment.is_distributed or force_group or init_method):
         return Runtime(env=environment, backend=None, device=bound, timeout_s=timeout_s)
     # ddpkit makes the store itself unless the caller named a rendezvous or torchrun's agent hosts one.
@@ -168,6 +170,9 @@ def setup(
         init_method = init_method or "env://"  # the agent exported MASTER_ADDR and MASTER_PORT
     collect_garbage_at_exit()
     where = f"{environment.master_addr}:{environment.master_port}" if init_method in (None, "env://") else init_method
+    # Until the group is up a stop ends this process at once: it waits in C++ for ranks that may never come.
+    signals.starting(f"starting the process group at {where} (rank {environment.rank} of {environment.world_size})",
+                     quiet=under_agent)
     try:
         store = job_store(environment, timeout_s) if own_store else None
         dist.init_process_group(
@@ -184,9 +189,16 @@ def setup(
             f"cannot start the process group at {where} ({first_line(error)}); "
             "is the port already in use (a stale MASTER_PORT?) or the master address unreachable?"
         ) from None
+    finally:
+        signals.started()
     global _set_up_here
     _set_up_here = True
     return Runtime(env=environment, backend=chosen_backend, device=bound, timeout_s=timeout_s)
+
+
+def under_launcher_agent() -> bool:
+    """Whether torchrun's agent (``ddpkit run``/``train``'s launcher) started this process."""
+    return LAUNCHED_BY_TORCHRUN in os.environ
 
 
 _set_up_here = False  # this process's group was started by ``setup`` (a Job, ``ddpkit.distributed``), not by a script

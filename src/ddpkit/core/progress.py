@@ -16,7 +16,9 @@ optimizer of a synchronising step), so a slow GPU shows in the phase where the h
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import statistics
 import time
 
 
@@ -40,6 +42,8 @@ class Pace:
         self.steps = 0  # optimizer steps since reset
         self.grads_at = 0.0  # when backward last produced a gradient here (the DDP strategy's hooks)
         self.active = self.moved  # when this rank was last seen at work without a mark (``touch``, the watch)
+        self._own_at_step: float | None = None  # this rank's own seconds at its last step (None: no step yet)
+        self._own_steps: collections.deque[float] = collections.deque(maxlen=KEPT_STEPS)  # own step times since reset
 
     def mark(self, phase: str, step: int | None = None) -> None:
         now = time.monotonic()
@@ -55,6 +59,10 @@ class Pace:
                 self.step_s = took if self.step_s is None else 0.8 * self.step_s + 0.2 * took
             self._stepped_at, self.step = now, step
             self.steps += 1
+            own = self.own_seconds()
+            if self._own_at_step is not None:
+                self._own_steps.append(own - self._own_at_step)
+            self._own_at_step = own
         self.phase, self.moved = phase, now
 
     @property
@@ -62,17 +70,37 @@ class Pace:
         """Seconds since this rank last moved: a mark, or work seen without one."""
         return time.monotonic() - max(self.moved, self.active)
 
+    def own_seconds(self) -> float:
+        """Seconds spent in this rank's own phases (``OWN``) since ``reset``, up to the last mark."""
+        return sum(self.seconds[phase] for phase in OWN)
+
     def reset(self) -> None:
         """Count the phases' seconds and the steps from now on."""
         self.mark(self.phase)
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
+        self._own_at_step = None if self._own_at_step is None else 0.0
+        self._own_steps.clear()
 
     def per_step(self) -> list[float]:
-        """Seconds per optimizer step since ``reset`` in each of OWN's phases, then in ``wait``."""
+        """Seconds per optimizer step since ``reset`` in each of OWN's phases, then in ``wait``, then how much its own
+        step time varies from one step to the next (``spread``: the noise a slowdown must stand out of)."""
         self.mark(self.phase)  # the phase in progress counts up to now
         steps = max(self.steps, 1)
-        return [self.seconds[phase] / steps for phase in (*OWN, "wait")]
+        return [*(self.seconds[phase] / steps for phase in (*OWN, "wait")), spread(self._own_steps)]
+
+
+KEPT_STEPS = 4096  # own step times kept for their spread: the last this many since reset
+MAD_TO_SD = 1.4826  # the median absolute deviation times this estimates a normal spread's standard deviation
+
+
+def spread(values) -> float:
+    """A robust standard deviation of ``values``: their median absolute deviation, scaled (0 for fewer than 2).
+    One step that stalled (a collection, a page fault) moves it little, where it would double a standard deviation."""
+    if len(values) < 2:
+        return 0.0
+    middle = statistics.median(values)
+    return MAD_TO_SD * statistics.median(abs(value - middle) for value in values)
 
 
 def current() -> Pace | None:
@@ -85,6 +113,12 @@ def mark(phase: str, step: int | None = None) -> None:
     pace = _current
     if pace is not None:
         pace.mark(phase, step)
+
+
+def phase() -> str | None:
+    """The phase this rank is in (a Job's, while it is open), or None outside a Job."""
+    pace = _current
+    return None if pace is None else pace.phase
 
 
 def touch() -> None:

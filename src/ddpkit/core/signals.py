@@ -25,6 +25,11 @@ Who installs what, and for how long:
   forever (a loader whose pass an exception broke off, still held by the traceback).
 - A rank a launcher started (torchrun's agent, ``ddpkit train --launcher spawn``) asks Linux for SIGTERM
   when that launcher ends (``end_with_parent``): a launcher killed with SIGKILL leaves no rank training on.
+- Before a rank's first step (``starting`` to ``started``: waiting for the other ranks, in the rendezvous, in
+  ``init_process_group``) SIGTERM and SIGINT end the process within a moment, in one line, with status 128 + the
+  signal: there is nothing to save yet, and the wait is a call into C++ that Python's own handlers cannot interrupt
+  (a rank whose peer never came outlived ``timeout 90`` by 45 minutes). A thread of ours reads the signals from
+  Python's wakeup descriptor, which the C-level handler writes at once, wherever the main thread is.
 Only the main thread may install handlers (Python's rule); elsewhere these functions do nothing.
 """
 
@@ -53,9 +58,10 @@ _terminated_at: float | None = None  # when raise_terminated last raised (time.m
 
 
 def raise_terminated(signum: int, frame: FrameType | None) -> None:  # noqa: ARG001 - signal's signature
-    """Raise ``Terminated``, unless a signal raised it less than ``REPEAT_WINDOW_S`` ago (the same stop)."""
+    """Raise ``Terminated``, unless a signal raised it less than ``REPEAT_WINDOW_S`` ago (the same stop), or the
+    process is starting (``starting``), where the start's watcher ends it."""
     global _terminated_at
-    if is_repeat():
+    if is_repeat() or (_starting is not None and _watcher_running):
         return
     _terminated_at = time.monotonic()
     raise Terminated(128 + signum)
@@ -181,3 +187,84 @@ def _ignores(pid: int, signum: int) -> bool:
     except (OSError, StopIteration):
         return False
     return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+# -- before the first step: a stop ends the process at once
+
+_starting: str | None = None  # what this process does before its first step (None: past it, or not started)
+_quiet = False  # the start's stop said at debug level only (its launcher says why it stopped its ranks)
+_watcher_running = False
+_wakeup = None  # (reader, writer): the socket pair Python's wakeup descriptor writes to, made once
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def starting(what: str, *, quiet: bool = False) -> None:
+    """From now until ``started()``, SIGTERM or SIGINT end this process within a moment: one line saying that it
+    stopped while ``what`` ("waiting for the other ranks at HOST:PORT"), then ``os._exit(128 + signal)`` (143, 130),
+    its loader processes killed first. ``quiet``: that line at debug level (a launcher that stops its ranks says
+    why itself). Called again, it says what the process does now. From the main thread (elsewhere: nothing)."""
+    global _starting, _quiet
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if not _watch_signals():
+        _starting = None  # nobody reads the signals: Python's handlers (raise_terminated) act as before
+        return
+    _starting, _quiet = what, quiet
+
+
+def started() -> None:
+    """The first step is taken (or the job ended before one): stop signals get their handlers again."""
+    global _starting
+    _starting = None
+
+
+def _watch_signals() -> bool:
+    """Point Python's wakeup descriptor at the thread that reads stop signals from it (started once); False where
+    another owner (asyncio's loop) holds the descriptor: that one keeps it, and a stop goes the old way."""
+    global _watcher_running, _wakeup
+    if _wakeup is None:
+        import socket
+
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        _wakeup = (reader, writer)
+    reader, writer = _wakeup
+    try:
+        previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    except ValueError:  # not the main thread of the main interpreter
+        return False
+    if previous not in (-1, writer.fileno()):  # someone else's: give it back
+        signal.set_wakeup_fd(previous)
+        return False
+    if not _watcher_running:
+        _watcher_running = True
+        threading.Thread(target=_watch, args=(reader,), name="ddpkit-start-signals", daemon=True).start()
+    return True
+
+
+def _watch(reader) -> None:
+    while True:
+        try:
+            received = reader.recv(64)
+        except OSError:
+            return
+        if not received:
+            return
+        for signum in received:
+            if signum in STOP_SIGNALS and _starting is not None:
+                _leave_now(signum)
+
+
+def _leave_now(signum: int) -> None:
+    from ddpkit.core.logs import logger
+
+    name = signal.Signals(signum).name
+    (logger.debug if _quiet else logger.info)(f"stopped by {name} while {_starting}: before the first step, nothing "
+                                              "to save")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing to flush into
+            continue
+    _kill_children_ignoring_sigterm()
+    os._exit(128 + signum)

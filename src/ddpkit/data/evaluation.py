@@ -146,7 +146,8 @@ def lockstep_batches(loader, runtime: Runtime):
     batches = torch.tensor([len(loader)], device=runtime.device if runtime.backend == "nccl" else "cpu")
     dist.all_reduce(batches, op=dist.ReduceOp.MAX)
     last = None
-    for last in loader:
+    # A ddpkit loader would first refuse unequal counts (DeviceLoader's ``lockstep``): here they are evened out.
+    for last in (loader.without_count_check() if hasattr(loader, "without_count_check") else loader):
         yield last
     for _ in range(int(batches.item()) - len(loader)):
         if last is None:  # this rank holds no validation sample (fewer than ranks): shape one like the set's first

@@ -83,11 +83,23 @@ class DeviceLoader:
 
     ``accumulate``: batches per optimizer step; an epoch then ends at the last whole group of that many.
     ``phase``: what this rank is doing while it consumes the batches (``ddpkit.core.progress``).
+    ``lockstep``: for an evaluation loader whose model's every forward is a collective (FSDP's all-gathers), the
+    runtime over which each pass first compares the ranks' batch counts: unequal ones are a ``UsageError`` at once
+    (a loop of one's own would wait forever in a rank's extra forward), not a hang. ``ddpkit.evaluate`` runs such
+    ranks in lockstep instead (``without_count_check``).
+
+    Evaluating over a training loader (set by ``Job``). A training pass that keeps every sample (``drop_last``
+    False) is padded with repeated samples, so that every rank has as many batches: sums over it count those twice.
+    ``evaluation_twin`` makes the evaluation loader of the same data and settings (each sample on exactly one rank,
+    none repeated: ``for_evaluation()``); a pass for which ``is_evaluation`` says True (the model in eval mode,
+    gradients off) deals that loader's batches instead, and leaves this loader's epoch and position alone.
+    ``steps`` counts the optimizer's steps: a padded pass that took none, after some were taken, was an evaluation
+    that nobody saw coming, and is said once in a warning.
     """
 
     def __init__(self, loader: DataLoader, device: torch.device, sampler: DistributedSampler | None = None,
                  seed: int = 0, rank: int = 0, accumulate: int = 1, phase: str | None = None,
-                 finish: Callable[..., Any] | None = None):
+                 finish: Callable[..., Any] | None = None, lockstep: Runtime | None = None):
         if accumulate < 1:
             raise UsageError(f"accumulate must be at least 1, got {accumulate}")
         self.loader = loader
@@ -111,6 +123,13 @@ class DeviceLoader:
         # take part in).
         self.before_use: Callable[[], Any] | None = None
         self.replay: Callable[[], int] | None = None
+        self.lockstep = lockstep
+        self.evaluation_twin: Callable[[], DeviceLoader] | None = None
+        self.is_evaluation: Callable[[], bool] | None = None
+        self.steps: Callable[[], int] | None = None
+        self._twin: DeviceLoader | None = None
+        self._live_passes = 0
+        self._warned_repeats = False
 
     @property
     def epoch(self) -> int:
@@ -184,6 +203,41 @@ class DeviceLoader:
             self.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
+        if self.is_evaluation is not None and self.evaluation_twin is not None and self.is_evaluation():
+            return iter(self.for_evaluation())
+        if self.lockstep is not None:
+            check_equal_batches(self, self.lockstep, evaluation=True)
+        return self.without_count_check()
+
+    def for_evaluation(self) -> DeviceLoader:
+        """The loader an evaluation over this one's data reads: each sample on exactly one rank, none repeated (this
+        loader itself where it is one already, or where nothing can make it: ``evaluation_twin``)."""
+        if self.evaluation_twin is None:
+            return self
+        if self._twin is None:
+            self._twin = self.evaluation_twin()
+        return self._twin
+
+    @property
+    def in_evaluation_pass(self) -> bool:
+        """Whether a pass dealt as an evaluation (``is_evaluation``) is under way."""
+        return self._twin is not None and self._twin.in_pass
+
+    @property
+    def in_pass(self) -> bool:
+        """Whether a pass over this loader is under way: begun, and neither run to its end nor left."""
+        return self._live_passes > 0
+
+    @property
+    def repeated_samples(self) -> int:
+        """Samples a whole epoch repeats to give every rank as many batches (DistributedSampler's padding), in all
+        ranks together: 0 where the last incomplete global batch is cut instead, or nothing needs evening out."""
+        if self.sampler is None or self.sampler.drop_last:
+            return 0
+        return max(0, self.sampler.total_size - len(self.sampler.dataset))
+
+    def without_count_check(self) -> Iterator[Any]:
+        """A pass, as ``iter()`` starts it, without comparing the ranks' batch counts first (``lockstep``)."""
         if self.before_use is not None:
             self.before_use()
         if self._running is not None:
@@ -196,9 +250,23 @@ class DeviceLoader:
         if self.loader.generator is not None:
             self.loader.generator.manual_seed(_epoch_seed(self.seed, self.rank, epoch))
         self._running, self._yielded = (epoch, start), 0
-        return self._batches(epoch)
+        return self._batches(epoch, None if self.steps is None else self.steps())
 
-    def _batches(self, epoch: int) -> Iterator[Any]:
+    def _batches(self, epoch: int, steps_before: int | None) -> Iterator[Any]:
+        self._live_passes += 1  # until the pass ends, or is left (its generator closed)
+        try:
+            ahead = yield from self._pass()
+            self._running = None
+            self._epoch, self._start = epoch + 1, ahead * self.batch_samples
+            # No step in a whole pass, in a job whose optimizer has stepped before (one the job does not see never
+            # does): an evaluation over a padded training loader, most likely.
+            if steps_before and self._yielded and self.steps() == steps_before:
+                self._warn_repeats()
+        finally:
+            self._live_passes -= 1
+
+    def _pass(self) -> Iterator[Any]:
+        """The pass's batches; returns how many batches the next pass leaves out (replica groups)."""
         whole = len(self.loader) - len(self.loader) % self.accumulate
         batches = itertools.islice(self.loader, whole)
         moved = self._ahead_on_a_side_stream(batches) if self.device.type == "cuda" else map(self._move, batches)
@@ -218,8 +286,22 @@ class DeviceLoader:
                 self._yielded += 1
             else:
                 ahead = 0
-        self._running = None
-        self._epoch, self._start = epoch + 1, ahead * self.batch_samples
+        return ahead
+
+    def _warn_repeats(self) -> None:
+        """Once: this padded training loader's pass took no optimizer step (an evaluation of one's own, most likely)."""
+        if self._warned_repeats or not self.repeated_samples or self.rank != 0:
+            return
+        from ddpkit.core.logs import logger
+
+        self._warned_repeats = True
+        total = len(self.sampler.dataset)
+        logger.warning(
+            f"a whole pass over a training loader took no optimizer step: an evaluation? A training loader repeats "
+            f"samples to give every rank as many batches ({self.repeated_samples} of {total} here), and sums over it "
+            f"(job.sum, job.gather) count {total + self.repeated_samples} samples, not {total}. Evaluate over a "
+            "DataLoader made with shuffle=False (job.prepare makes it an evaluation loader), job.eval_loader(loader), or "
+            "job.evaluate; a pass begun under torch.no_grad() is dealt as an evaluation by itself")
 
     def _move(self, batch: Any) -> Any:
         if self.finish is not None:  # a data set that finishes its own batches: decodes, normalises, moves
@@ -431,6 +513,7 @@ def eval_loader(
     workers: int | str | None = None,
     in_memory: bool | None = None,
     replica: tuple[int, int] | None = None,
+    lockstep: bool = False,
     **loader_options,
 ) -> DeviceLoader:
     """Each sample of ``data`` (a data set, or the script's own DataLoader, whose settings are kept) goes to exactly
@@ -438,6 +521,8 @@ def eval_loader(
     once (``Job.sum``, ``Job.gather``, ``ddpkit.reduce_sums``). Batches arrive on this rank's device.
 
     ``replica=(index, count)``: as in ``train_loader``, a part of ``count`` rather than of world_size.
+    ``lockstep``: the model's forwards are collectives (FSDP): each pass compares the ranks' batch counts first, and
+    unequal ones are one ``UsageError`` (``DeviceLoader``), not a hang.
     """
     if isinstance(data, DataLoader):
         sampling_of(data)  # a sampler of its own is refused here too
@@ -446,10 +531,11 @@ def eval_loader(
     index, count = replica or (runtime.rank, runtime.world_size)
     shard = Subset(dataset, eval_indices(len(dataset), index, count))
     return DeviceLoader(DataLoader(shard, shuffle=False, **settings), runtime.device, rank=runtime.rank,
-                        phase="evaluate", finish=loader_hooks(dataset)[1])
+                        phase="evaluate", finish=loader_hooks(dataset)[1],
+                        lockstep=runtime if lockstep and runtime.world_size > 1 else None)
 
 
-def check_equal_batches(loader, runtime: Runtime) -> int:
+def check_equal_batches(loader, runtime: Runtime, *, evaluation: bool = False) -> int:
     """Every rank's number of batches, compared before the first step; UsageError when they differ.
 
         loader = DataLoader(my_shard, batch_size=32)        # a sharding of your own
@@ -472,6 +558,14 @@ def check_equal_batches(loader, runtime: Runtime) -> int:
     if len(set(counts)) > 1:
         shown = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(counts[:8]))
         more = f" (and {len(counts) - 8} more ranks)" if len(counts) > 8 else ""
+        if evaluation:
+            raise UsageError(
+                f"the ranks hold different numbers of evaluation batches ({shown}{more}), and every forward of this "
+                "model is a collective (fsdp): in a loop of your own the ranks with more would wait forever in their "
+                "extra forwards. Evaluate with job.evaluate(model, loader), which runs the ranks in lockstep, or "
+                "give every rank a whole number of batches (a batch size that divides its share)",
+                said_elsewhere=not runtime.is_main,
+            )
         raise UsageError(
             f"the ranks have unequal numbers of batches per epoch ({shown}{more}); the ranks with more would wait "
             "forever in their extra steps' all-reduce. Shard with ddpkit.train_loader or DistributedSampler "

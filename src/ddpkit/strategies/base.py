@@ -13,12 +13,14 @@ overrides what differs from the defaults here, and one line in ``STRATEGIES`` in
 
 from __future__ import annotations
 
+import collections
 import sys
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn as nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.core.process_group import Runtime
@@ -37,6 +39,29 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod  # noqa: SLF001 - torch.compile's one way to the module it compiled
         else:
             return model
+
+
+class BareStateDict:
+    """For a wrapper that holds the user's model as ``self.module`` (DDP, DataParallel): its ``state_dict()`` is the
+    bare model's, without the ``module.`` prefix, as a script that saves ``model.state_dict()`` expects (and loads
+    before wrapping); ``load_state_dict`` takes either (a checkpoint saved from a plain DDP model has the prefix)."""
+
+    def state_dict(self, *args, **kwargs):
+        """The bare model's ``state_dict()``."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load into the bare model a state with its keys, or with every key prefixed ``module.``."""
+        if state_dict and all(key.startswith(WRAPPED_PREFIX) for key in state_dict):
+            bare = collections.OrderedDict(state_dict)
+            if hasattr(state_dict, "_metadata"):
+                bare._metadata = state_dict._metadata  # noqa: SLF001 - the versions a state_dict carries
+            consume_prefix_in_state_dict_if_present(bare, WRAPPED_PREFIX)
+            state_dict = bare
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+WRAPPED_PREFIX = "module."
 
 
 def is_compiled(model: nn.Module) -> bool:

@@ -5,13 +5,38 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.core import progress
 from ddpkit.core.errors import UsageError
 from ddpkit.core.process_group import Runtime, broadcast_buffers
-from ddpkit.strategies.base import Strategy, uncompiled, unwrap
+from ddpkit.strategies.base import BareStateDict, Strategy, uncompiled, unwrap
+
+
+class PreparedDDP(BareStateDict, DistributedDataParallel):
+    """``DistributedDataParallel`` as ``Job.setup`` and ``Job.prepare`` hand it back: its ``state_dict()`` is the
+    bare model's (``BareStateDict``), and an evaluation through it never waits for the other ranks.
+
+    DDP's forward first broadcasts rank 0's buffers (BatchNorm's statistics) to every rank, a collective: in an
+    evaluation whose ranks hold different numbers of batches, the rank with one more waits in it forever (a
+    two-minute stall until the watch ends the job). A forward in eval mode, without gradients, or over an
+    evaluation loader's batch (train mode by mistake) skips that broadcast: evaluation changes no buffer worth
+    sending (in train mode it changes this rank's own, as it would on one device), and DDP's state is put back
+    after it, so training goes on as if no evaluation had run. Everything else is DDP's forward: a backward after
+    an eval-mode forward (a model trained with frozen BatchNorm) still averages the gradients.
+    """
+
+    def forward(self, *inputs, **kwargs):
+        if self.module.training and torch.is_grad_enabled() and progress.phase() != "evaluate":
+            return super().forward(*inputs, **kwargs)
+        keep = self.require_forward_param_sync
+        self.require_forward_param_sync = False  # what DDP reads to broadcast the buffers before the forward
+        try:
+            return super().forward(*inputs, **kwargs)
+        finally:
+            self.require_forward_param_sync = keep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +67,7 @@ class DDP(Strategy):
             raise UsageError("DDP needs a process group; start it with ddpkit.setup(force_group=True) or a launcher")
         model = model.to(runtime.device)
         on_gpu = runtime.device.type == "cuda"
-        return DistributedDataParallel(
+        return PreparedDDP(
             model,
             device_ids=[runtime.device.index] if on_gpu else None,
             output_device=runtime.device.index if on_gpu else None,

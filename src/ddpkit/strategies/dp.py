@@ -14,7 +14,11 @@ import torch.nn as nn
 
 from ddpkit.core.errors import UsageError
 from ddpkit.core.process_group import Runtime
-from ddpkit.strategies.base import Strategy
+from ddpkit.strategies.base import BareStateDict, Strategy
+
+
+class PreparedDataParallel(BareStateDict, nn.DataParallel):
+    """``nn.DataParallel`` whose ``state_dict()`` is the bare model's (``BareStateDict``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +46,7 @@ class DataParallel(Strategy):
     def wrap(self, model: nn.Module, runtime: Runtime, *, example=None) -> nn.Module:  # noqa: ARG002
         self.check(world_size=runtime.world_size, cuda_count=torch.cuda.device_count())
         ids = list(self.device_ids or range(torch.cuda.device_count()))
-        return nn.DataParallel(model.to(torch.device("cuda", ids[0])), device_ids=ids, output_device=ids[0])
+        return PreparedDataParallel(model.to(torch.device("cuda", ids[0])), device_ids=ids, output_device=ids[0])
 
     def eval_module(self, model: nn.Module) -> nn.Module:
         return model  # through the wrapper: the batch is split over the GPUs as in training

@@ -4,12 +4,15 @@ In data-parallel training every rank waits for the slowest at each all-reduce, s
 slowest rank's, and timing a step from outside says nothing about who is slow. Each rank's ``Pace``
 (``ddpkit.core.progress``) knows its own step time without its waits for the others; ``compare`` sets them side
 by side (``Job.compare_ranks``, which ``ddpkit train`` calls every epoch): the slowest rank and its slowdown
-against the median of the other ranks, and the phase in which its extra time goes. A slowdown over
-``SLOW_PCT`` is a warning.
+against the median of the other ranks, and the phase in which its extra time goes. ``SlowRanks`` says when that
+is worth a warning: when the same rank stands out over the last ``WINDOWS`` comparisons, by more than ``SLOW_PCT``
+and by more than ``NOISE_FACTOR`` times the spread of the others' step times (their step-to-step noise). Two ranks sharing two cores take turns at
+being 10-40% slower, epoch after epoch: a warning at each would teach users to ignore warnings.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import torch
@@ -17,7 +20,10 @@ import torch
 from ddpkit.core.progress import OWN, Pace
 
 
-SLOW_PCT = 20.0  # a rank this much slower than the median of the others is named in a warning
+SLOW_PCT = 20.0  # a rank this much slower than the median of the others may be named in a warning
+NOISE_FACTOR = 5.0  # ... when its extra time per step is this many times the spread of the others' step times
+WINDOWS = 2  # ... in this many comparisons in a row
+GROWTH = 1.5  # a rank named once is named again when its slowdown has grown this much since
 
 
 def compare(rows: list[list[float]]) -> dict:
@@ -54,6 +60,47 @@ def slow_rank_warning(compared: dict) -> str | None:
             f"{times[rank]:.4f} s of its own work per step against {others:.4f} s, most of the difference in "
             f"{compared['slow_phase']} (+{compared['slow_phase_excess_s']:.4f} s per step). Every rank waits for "
             "it at each all-reduce; look at that rank's data loading, device, or the other jobs on its machine")
+
+
+def over_noise(compared: dict, rows: list[list[float]]) -> float:
+    """How many times the typical spread of the other ranks' own step times from one step to the next (the last
+    column of ``Pace.per_step()``'s rows: ``ddpkit.core.progress.spread``) the slowest rank's extra time per step is
+    (inf where there is no spread to compare with: one rank, or steady others)."""
+    slowest, times = compared["slowest_rank"], compared["rank_step_time_s"]
+    others = [rank for rank in range(len(rows)) if rank != slowest]
+    if not others or len(rows[0]) <= len(OWN) + 1:
+        return math.inf
+    excess = times[slowest] - statistics.median(times[rank] for rank in others)
+    noise = statistics.median(rows[rank][len(OWN) + 1] for rank in others)
+    return excess / noise if noise > 0 else math.inf
+
+
+def stands_out(compared: dict, rows: list[list[float]]) -> bool:
+    """Whether ``compare``'s slowest rank is slower than the others by more than ``SLOW_PCT`` and by more than
+    ``NOISE_FACTOR`` times the spread of their step times (``over_noise``)."""
+    return compared["slowdown_pct"] > SLOW_PCT and over_noise(compared, rows) > NOISE_FACTOR
+
+
+class SlowRanks:
+    """When the slowest rank is worth a warning (``warning``, fed each comparison in turn): when it stood out
+    (``stands_out``) in the last ``WINDOWS`` comparisons, the first time, and again only once its slowdown has
+    grown by ``GROWTH`` since it was last named."""
+
+    def __init__(self) -> None:
+        self.streak: tuple[int | None, int] = (None, 0)  # the rank that stood out last, and in how many in a row
+        self.named: dict[int, float] = {}  # rank -> its slowdown when last named
+
+    def warning(self, compared: dict, rows: list[list[float]]) -> str | None:
+        """The line to warn with after this comparison (``compare(rows)``), or None."""
+        rank, pct = compared["slowest_rank"], compared["slowdown_pct"]
+        if not stands_out(compared, rows):
+            self.streak = (None, 0)
+            return None
+        self.streak = (rank, self.streak[1] + 1 if self.streak[0] == rank else 1)
+        if self.streak[1] < WINDOWS or (rank in self.named and pct < GROWTH * self.named[rank]):
+            return None
+        self.named[rank] = pct
+        return slow_rank_warning(compared)
 
 
 def gather_rows(pace: Pace, runtime) -> list[list[float]]:
