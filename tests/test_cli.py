@@ -195,6 +195,7 @@ LOCAL_RANK_STYLE = textwrap.dedent(
     parser.add_argument("--out")
     args = parser.parse_args()
     dist.init_process_group("gloo")
+    dist.barrier()  # without a collective, rank 0 can close its sockets while rank 1 still connects to them
     with open(os.path.join(args.out, f"rank{dist.get_rank()}.txt"), "w") as f:
         f.write(str(args.local_rank))
     dist.destroy_process_group()
@@ -212,9 +213,12 @@ def test_run_starts_a_torchrun_style_script_unchanged_with_the_default_port_busy
         except OSError:
             pass  # something else already holds it: just as good for this test
         busy.listen()
+        (tmp_path / "tmp").mkdir()
         result = run_ddpkit("run", "--nproc-per-node", "2", str(script), str(tmp_path), "--its-own", "flag",
-                            timeout=120, LISTENING_HELPER=str(Path(__file__).parent))
+                            timeout=120, LISTENING_HELPER=str(Path(__file__).parent), TMPDIR=str(tmp_path / "tmp"))
     assert result.returncode == 0, result.stderr
+    # Every line reached the console and nothing failed: the temporary folder of the ranks' output is gone.
+    assert list((tmp_path / "tmp").glob("ddpkit-run-*")) == []
     # 1 + 2 = 3 on both ranks: a real all-reduce went through; the script's own arguments arrived.
     assert (tmp_path / "rank0.txt").read_text() == "0 2 3.0 --its-own flag"
     assert (tmp_path / "rank1.txt").read_text() == "1 2 3.0 --its-own flag"
@@ -230,9 +234,13 @@ def test_run_starts_a_torchrun_style_script_unchanged_with_the_default_port_busy
 def test_a_failing_script_reports_the_rank_and_fails(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
-    result = run_ddpkit("run", "--nproc-per-node", "2", str(script), timeout=120)
+    (tmp_path / "tmp").mkdir()
+    result = run_ddpkit("run", "--nproc-per-node", "2", str(script), timeout=120, TMPDIR=str(tmp_path / "tmp"))
     assert result.returncode == 1
     assert "rank 1" in result.stderr and "exited with status 3" in result.stderr
+    # A rank failed: its output is kept where the error says.
+    kept = list((tmp_path / "tmp").glob("ddpkit-run-*"))
+    assert len(kept) == 1 and str(kept[0] / "rank1.log") in result.stderr
 
 
 def test_a_missing_module_is_bad_input(capsys):

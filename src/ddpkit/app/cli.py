@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import math
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -297,11 +298,17 @@ def cmd_run(ns: argparse.Namespace) -> int:
         local_rank = [f"--local-rank={environment.local_rank}"] if ns.local_rank_arg else []
         sys.stdout.flush()
         os.execv(sys.executable, [sys.executable, "-u", *watched, *local_rank, *script, *ns.script_args])
-    # Each rank's output in a file of its own, kept; the console shows rank 0's as it comes and the others' lines,
-    # those that echo a line shown a moment ago but for its numbers shown once for all (ddpkit.launch.rank_logs).
+    # Each rank's output in a file of its own; the console shows rank 0's as it comes and the others' lines, those
+    # that echo a line shown a moment ago but for its numbers shown once for all (ddpkit.launch.rank_logs).
     folder = ns.log_dir or tempfile.mkdtemp(prefix="ddpkit-run-")
     options = dataclasses.replace(_launch_options(ns), rank_logs=folder)
-    return _workers_done(elastic(options, [*watched, *script, *ns.script_args], local_rank_arg=ns.local_rank_arg))
+    status = elastic(options, [*watched, *script, *ns.script_args], local_rank_arg=ns.local_rank_arg)
+    from ddpkit.launch import rank_logs
+
+    if ns.log_dir is None and (not os.listdir(folder) or (status == 0 and not rank_logs.folder_named())):
+        # No rank wrote anything, or every line is on the console and nothing failed: no copy is needed.
+        shutil.rmtree(folder, ignore_errors=True)
+    return _workers_done(status)
 
 
 def _refuse_replica_flags_alone(ns: argparse.Namespace) -> None:

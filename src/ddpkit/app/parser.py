@@ -134,7 +134,7 @@ def add_run_command(commands) -> None:
                      help="keep each rank's whole output in DIR/rank<N>.log; the console shows rank 0's output as it "
                           "comes and the other ranks' lines, those that several ranks say alike (but for their numbers) "
                           "once for all of them (--log-level debug: every line at once) (default: a temporary folder, "
-                          "kept, and named when a line was shown as one with others or a rank failed)")
+                          "kept and named when a line was shown as one with others or a rank failed)")
     add_replica_flags(run, "the script runs on ddpkit.Job or ddpkit.ReplicaGroup; ")
     run.add_argument("--local-rank-arg", action="store_true",
                      help="also pass --local-rank=N, like the old `python -m torch.distributed.launch`")

@@ -171,6 +171,7 @@ class Echoes:
         self._held: dict[tuple[int, str], dict] = {}  # (console, masked line) -> the held lines like it
         self.hidden = 0  # lines held and never shown themselves (another like them was)
         self.held_ranks: set[int] = set()
+        self.pointed_to = False  # whether ``where_it_all_is`` named the folder (it must then be kept)
         # Consoles on which rank 0's bytes end mid-line (a print writes its text, then its newline), since when, and
         # the other ranks' lines that wait for that line's end (the console first).
         self._mid_line: dict[int, float] = {}
@@ -239,6 +240,7 @@ class Echoes:
             if not self.hidden or self.log_dir is None:
                 return None
             hidden, ranks, self.hidden = self.hidden, self.held_ranks, 0
+            self.pointed_to = True
         return (f"{hidden} line(s) of rank(s) {rank_ranges(ranks)} were shown as one with others like them; every "
                 f"rank's whole output is in {os.path.join(self.log_dir, 'rank<N>.log')}")
 
@@ -307,6 +309,12 @@ def drain(timeout_s: float = DRAIN_TIMEOUT_S) -> None:
             logger.info(where)
     while _pipe_dirs:
         shutil.rmtree(_pipe_dirs.pop(), ignore_errors=True)
+
+
+def folder_named() -> bool:
+    """Whether this launcher named the rank logs' folder on the console, as the place of lines it showed as one
+    with others (``ddpkit run`` then keeps a temporary one)."""
+    return _echoes is not None and _echoes.pointed_to
 
 
 def available() -> bool:
