@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import json
 import os
 import signal
@@ -11,12 +12,15 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
+
+import warm
 
 # Every process a test starts inherits this variable, so leftovers (workers of a torchrun agent
 # included) can be found in /proc at the end whatever their parent became.
@@ -139,9 +143,56 @@ def run_command(argv: list[str], *, timeout: float, cwd: Path | None = None, **e
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
-def run_ddpkit(*args: str, timeout: float = 240, cwd: Path | None = None, **extra_env: str) -> subprocess.CompletedProcess:
-    """``python -m ddpkit ARGS`` as a user would run it; output captured."""
-    return run_command([sys.executable, "-m", "ddpkit", *args], timeout=timeout, cwd=cwd, **extra_env)
+def run_ddpkit(*args: str, timeout: float = 240, cwd: Path | None = None, fresh: bool = False,
+               **extra_env: str) -> subprocess.CompletedProcess:
+    """``python -m ddpkit ARGS`` as a user would run it; output captured.
+
+    It runs forked from a warm interpreter (tests/warm.py: no 3 s of importing torch per launcher); ``fresh``: in a
+    new interpreter, for a test that reads the launcher's command line or parent, or what starts it.
+    """
+    if fresh or not warm.wanted(extra_env):
+        return run_command([sys.executable, "-m", "ddpkit", *args], timeout=timeout, cwd=cwd, **extra_env)
+    return _run_warm(list(args), timeout=timeout, cwd=cwd, **extra_env)
+
+
+def _run_warm(args: list[str], *, timeout: float, cwd: Path | None, **extra_env: str) -> subprocess.CompletedProcess:
+    """``run_command`` for ``python -m ddpkit ARGS``, the launcher forked from a warm interpreter (tests/warm.py)."""
+    run_marker = uuid.uuid4().hex
+    argv = [sys.executable, "-m", "ddpkit", *args]
+    outputs = {}
+    pipes = [os.pipe(), os.pipe()]
+    try:
+        process = warm.start(args, child_env(DDPKIT_TEST_RUN=run_marker, **extra_env), str(cwd or os.getcwd()),
+                             pipes[0][1], pipes[1][1])
+    finally:
+        for _, write_end in pipes:
+            os.close(write_end)
+
+    def drain(name: str, read_end: int) -> None:
+        with open(read_end, "rb") as handle:
+            outputs[name] = io.TextIOWrapper(io.BytesIO(handle.read())).read()  # universal newlines, as text=True
+
+    readers = [threading.Thread(target=drain, args=(name, pipe[0]), daemon=True)
+               for name, pipe in zip(("stdout", "stderr"), pipes)]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    process.join(timeout)
+    for reader in readers:  # the output ends when the launcher and whatever it started have closed it
+        reader.join(max(0.0, deadline - time.monotonic()))
+    if process.exitcode is None or any(reader.is_alive() for reader in readers):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        process.join(20)
+        for pid in [*_pids_with("DDPKIT_TEST_RUN", run_marker), *([process.pid] if process.exitcode is None else [])]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.join(20)
+        for reader in readers:
+            reader.join(20)
+        pytest.fail(f"{' '.join(argv)} ran past {timeout} s\n--- stdout\n{outputs.get('stdout')}\n"
+                    f"--- stderr\n{outputs.get('stderr')}")
+    return subprocess.CompletedProcess(argv, process.exitcode, outputs["stdout"], outputs["stderr"])
 
 
 def train(tmp: Path, *args: str, timeout: float = 240) -> tuple[dict, list[dict]]:

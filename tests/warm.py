@@ -1,0 +1,103 @@
+"""``python -m ddpkit ARGS`` without starting Python and torch each time: the command runs in a process forked
+from a warm interpreter (the standard library's forkserver, with ddpkit's command line and torchrun's agent
+imported once per pytest process), as ``python -m ddpkit`` would run it.
+
+What a fresh ``python -m ddpkit`` costs here is mostly importing torch (2.5-3 s of CPU on CI's cores), and the
+suite starts about a hundred launchers: a 2-process, 1-epoch ``ddpkit train`` took 12.1 s of the machine's CPU
+and 7 s started warm, 14.5-15.3 s and 9.4-10.5 s fresh (2026-11-27, two cores). The workers a launcher starts
+are fresh processes as ever (torchrun's agent starts them), and most of what is left (about 5 s of CPU each:
+torch, and torch._dynamo, which DDP's constructor imports). What differs from a fresh interpreter, and where a test needs the real one
+(``conftest.run_ddpkit(..., fresh=True)``): the process's command line (``/proc/PID/cmdline``) and its parent are
+the forkserver's, and what modules read from the environment when they are imported was read once, from the
+pytest process's environment (``IMPORT_TIME`` below: such runs start fresh).
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import traceback
+from multiprocessing import reduction
+
+# What the launcher of `ddpkit run` and `ddpkit train` imports, once for all the launches of this pytest process.
+PRELOAD = ["ddpkit.app.cli", "ddpkit.launch.launcher", "ddpkit.launch.rank_logs", "ddpkit.launch.rendezvous",
+           "torch.distributed.run", "torch.distributed.elastic.agent.server.local_elastic_agent", "warm"]
+# Variables a module reads when it is imported (ddpkit.watch.heartbeat's interval; torch's logging): a run that sets
+# one starts a fresh interpreter.
+IMPORT_TIME = ("DDPKIT_HEARTBEAT_S", "TORCH_")
+
+_context = None
+_interpreter_path: list[str] = []
+
+
+def wanted(extra_env: dict[str, str]) -> bool:
+    """Whether a run with these extra variables can start warm."""
+    return not any(key.startswith(IMPORT_TIME) for key in extra_env)
+
+
+def start(argv: list[str], env: dict[str, str], cwd: str, stdout: int, stderr: int):
+    """Start ``python -m ddpkit ARGV`` warm, its output on the file descriptors ``stdout`` and ``stderr``; returns
+    the started ``multiprocessing`` process (``pid``, ``join``, ``exitcode``)."""
+    global _context, _interpreter_path
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+        # The interpreter's own sys.path (without the script's folder, which `python -m` sets to the current one).
+        _interpreter_path = json.loads(subprocess.run(
+            [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"], env={**os.environ, "PYTHONPATH": ""},
+            capture_output=True, text=True, check=True).stdout)
+    process = _context.Process(target=_main, args=(argv, env, cwd, _interpreter_path, _Fd(stdout), _Fd(stderr)),
+                               daemon=False)
+    process.start()
+    return process
+
+
+class _Fd:
+    """A file descriptor handed to the forked process (a duplicate of it, through the forkserver)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _received, (reduction.DupFd(self.fd),)
+
+
+def _received(duplicate) -> int:
+    return duplicate.detach()
+
+
+def _main(argv: list[str], env: dict[str, str], cwd: str, interpreter_path: list[str], stdout: int, stderr: int) -> None:
+    """In the forked process: become what ``python -u -m ddpkit ARGV`` started in ``cwd`` with ``env`` would be."""
+    os.setsid()  # as subprocess's start_new_session: a test stops the launcher's whole group
+    os.dup2(stdout, 1)
+    os.dup2(stderr, 2)
+    os.close(stdout)
+    os.close(stderr)
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                                   errors="backslashreplace")
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    # sys.path as `python -m` makes it: the current folder, then PYTHONPATH, then the interpreter's own.
+    extra = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    sys.path[:] = [cwd, *extra, *interpreter_path]
+    sys.argv = [sys.argv[0] if sys.argv else "ddpkit", *argv]
+    from ddpkit.app.cli import main
+
+    try:
+        status = main(argv)
+    except SystemExit as stop:
+        status = stop.code
+    except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, then status 1
+        traceback.print_exc()
+        status = 1
+    atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter's exit runs, which a forked process skips
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(status)
