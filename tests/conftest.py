@@ -164,6 +164,10 @@ def _run_warm(args: list[str], *, timeout: float, cwd: Path | None, **extra_env:
     try:
         process = warm.start(args, child_env(DDPKIT_TEST_RUN=run_marker, **extra_env), str(cwd or os.getcwd()),
                              pipes[0][1], pipes[1][1])
+    except BaseException:
+        for read_end, _ in pipes:
+            os.close(read_end)
+        raise
     finally:
         for _, write_end in pipes:
             os.close(write_end)

@@ -87,8 +87,10 @@ def _main(argv: list[str], env: dict[str, str], cwd: str, interpreter_path: list
     # sys.path as `python -m` makes it: the current folder, then PYTHONPATH, then the interpreter's own.
     extra = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
     sys.path[:] = [cwd, *extra, *interpreter_path]
-    sys.argv = [sys.argv[0] if sys.argv else "ddpkit", *argv]
+    import ddpkit
     from ddpkit.app.cli import main
+
+    sys.argv = [os.path.join(os.path.dirname(ddpkit.__file__), "__main__.py"), *argv]  # as `python -m ddpkit` sets it
 
     try:
         status = main(argv)
