@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import torch
@@ -135,12 +136,21 @@ def run_command(argv: list[str], *, timeout: float, cwd: Path | None = None, **e
             try:
                 stdout, stderr = proc.communicate(timeout=20)
             except subprocess.TimeoutExpired:
-                for pid in _pids_with("DDPKIT_TEST_RUN", run_marker):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                _kill_run(run_marker)
                 stdout, stderr = proc.communicate(timeout=20)
-            pytest.fail(f"{' '.join(argv)} ran past {timeout} s\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+            _ran_past(argv, timeout, stdout, stderr)
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _kill_run(run_marker: str, *pids: int) -> None:
+    """SIGKILL every process that carries the run's marker, and ``pids``."""
+    for pid in [*_pids_with("DDPKIT_TEST_RUN", run_marker), *pids]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _ran_past(argv: list[str], timeout: float, stdout: str | None, stderr: str | None) -> NoReturn:
+    pytest.fail(f"{' '.join(argv)} ran past {timeout} s\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
 
 
 def run_ddpkit(*args: str, timeout: float = 240, cwd: Path | None = None, fresh: bool = False,
@@ -188,14 +198,11 @@ def _run_warm(args: list[str], *, timeout: float, cwd: Path | None, **extra_env:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
         process.join(20)
-        for pid in [*_pids_with("DDPKIT_TEST_RUN", run_marker), *([process.pid] if process.exitcode is None else [])]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_run(run_marker, *([process.pid] if process.exitcode is None else []))
         process.join(20)
         for reader in readers:
             reader.join(20)
-        pytest.fail(f"{' '.join(argv)} ran past {timeout} s\n--- stdout\n{outputs.get('stdout')}\n"
-                    f"--- stderr\n{outputs.get('stderr')}")
+        _ran_past(argv, timeout, outputs.get("stdout"), outputs.get("stderr"))
     return subprocess.CompletedProcess(argv, process.exitcode, outputs["stdout"], outputs["stderr"])
 
 

@@ -156,7 +156,7 @@ def setup(
     else:
         bound = torch.device("cpu")
     signals.catch((signal.SIGTERM,), signals.raise_terminated)
-    under_agent = LAUNCHED_BY_TORCHRUN in (os.environ if environ is None else environ)
+    under_agent = under_launcher_agent(environ)
     if under_agent:
         signals.end_with_parent()  # the agent is the parent: if it is killed, this rank ends too
     exits.usage_errors_in_one_line()  # a script's own UsageError outside `with Job()`: one line, status 2 too
@@ -196,9 +196,10 @@ def setup(
     return Runtime(env=environment, backend=chosen_backend, device=bound, timeout_s=timeout_s)
 
 
-def under_launcher_agent() -> bool:
-    """Whether torchrun's agent (``ddpkit run``/``train``'s launcher) started this process."""
-    return LAUNCHED_BY_TORCHRUN in os.environ
+def under_launcher_agent(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether torchrun's agent (``ddpkit run``/``train``'s launcher) started this process (read from ``environ``,
+    by default this process's environment)."""
+    return LAUNCHED_BY_TORCHRUN in (os.environ if environ is None else environ)
 
 
 _set_up_here = False  # this process's group was started by ``setup`` (a Job, ``ddpkit.distributed``), not by a script
