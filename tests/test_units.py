@@ -120,6 +120,28 @@ def test_backend_choice():
         choose_backend("nccl", device="cpu", local_world_size=2, cuda_count=0)
 
 
+def test_a_free_port_for_a_later_bind_is_bindable_and_outside_the_kernels_ephemeral_range(tmp_path, monkeypatch):
+    """Outside it, no outgoing connection can take the port before mp.spawn's rank 0 binds it (the kernel hands
+    ephemeral ports to every connection: a race that failed a --launcher spawn test once in six suite runs)."""
+    from ddpkit.core.process_group import LOWEST_PICKED_PORT, ephemeral_ports
+
+    low, high = ephemeral_ports()
+    ports = {free_port() for _ in range(20)}
+    assert all(LOWEST_PICKED_PORT <= port < low for port in ports), (ports, low)
+    assert len(ports) > 1  # a random pick, not one fixed port every process would try first
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("1024\t65000\n")
+    assert ephemeral_ports(str(ranges)) == (1024, 65000)
+    assert ephemeral_ports(str(tmp_path / "absent")) == (32768, 60999)
+    from ddpkit.core import process_group
+
+    monkeypatch.setattr(process_group, "ephemeral_ports", lambda: (1024, 65000))
+    assert 1024 <= free_port() <= 65000  # no room below the range: the kernel's own pick
+
+
 def _stores_of_a_two_rank_job(master_addr: str, *, local_world_size: int) -> tuple[int, set]:
     """Rank 0's and rank 1's job_store, made in this process (rank 0 waits for rank 1 in a thread): the port
     and what this process then listens on."""

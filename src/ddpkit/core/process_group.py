@@ -504,13 +504,40 @@ def share_cores(local_world_size: int, environ: Mapping[str, str]) -> None:
     torch.set_num_threads(max(1, min(usable_cores(), (os.cpu_count() or 1) // local_world_size)))
 
 
+LOWEST_PICKED_PORT = 10000  # below it, well-known services' ports are many
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the kernel's pick)."""
+    """A TCP port that was free a moment ago, for a store that a process binds later (``mp.spawn``'s rank 0).
+
+    Picked at random below the kernel's ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``) and
+    checked bindable: the kernel hands the ephemeral ports out to every outgoing connection, so a port it
+    picked (bind to port 0) can be taken by any connection in the seconds before the store binds it, and
+    rank 0 then fails with "address already in use". Where that range leaves no room, the kernel's pick.
+    """
+    import random
     import socket
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    low = ephemeral_ports()[0]
+    candidates = random.Random().sample(range(LOWEST_PICKED_PORT, low), min(64, max(0, low - LOWEST_PICKED_PORT)))
+    for port in [*candidates, 0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:  # taken: the next one
+                continue
+            return sock.getsockname()[1]
+    raise OSError(f"no free TCP port on {host}")
+
+
+def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections and port-0 binds (Linux's default where unreadable)."""
+    try:
+        with open(path) as ranges:
+            low, high = (int(field) for field in ranges.read().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
 
 
 def synchronize(device: torch.device) -> None:
