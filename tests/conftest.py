@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import warm
+import warm_ranks
 
 # Every process a test starts inherits this variable, so leftovers (workers of a torchrun agent
 # included) can be found in /proc at the end whatever their parent became.
@@ -157,8 +158,9 @@ def run_ddpkit(*args: str, timeout: float = 240, cwd: Path | None = None, fresh:
                **extra_env: str) -> subprocess.CompletedProcess:
     """``python -m ddpkit ARGS`` as a user would run it; output captured.
 
-    It runs forked from a warm interpreter (tests/warm.py: no 3 s of importing torch per launcher); ``fresh``: in a
-    new interpreter, for a test that reads the launcher's command line or parent, or what starts it.
+    It runs forked from a warm interpreter (tests/warm.py: no 3 s of importing torch per launcher), and so do its
+    ranks (tests/warm_ranks.py: about 5 s of CPU less each); ``fresh``: the launcher and its ranks each in a new
+    interpreter, for a test that reads a launcher's or a rank's command line or parent, or what starts them.
     """
     if fresh or not warm.wanted(extra_env):
         return run_command([sys.executable, "-m", "ddpkit", *args], timeout=timeout, cwd=cwd, **extra_env)
@@ -172,8 +174,8 @@ def _run_warm(args: list[str], *, timeout: float, cwd: Path | None, **extra_env:
     outputs = {}
     pipes = [os.pipe(), os.pipe()]
     try:
-        process = warm.start(args, child_env(DDPKIT_TEST_RUN=run_marker, **extra_env), str(cwd or os.getcwd()),
-                             pipes[0][1], pipes[1][1])
+        env = warm_ranks.environment(child_env(DDPKIT_TEST_RUN=run_marker, **extra_env), leave_out=(MARKER_KEY,))
+        process = warm.start(args, env, str(cwd or os.getcwd()), pipes[0][1], pipes[1][1])
     except BaseException:
         for read_end, _ in pipes:
             os.close(read_end)
@@ -283,11 +285,12 @@ def children_of(launcher: int) -> list[int]:
 
 
 def rank_pid(launcher: int, rank: int) -> int | None:
-    """The pid of the worker of ``launcher`` (torchrun's agent runs in it) that holds ``rank``."""
+    """The pid of the worker of ``launcher`` (torchrun's agent runs in it) that holds ``rank`` (the process that
+    runs it, for a rank started warm: tests/warm_ranks.py)."""
     for pid in children_of(launcher):
         try:
             if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                return pid
+                return warm_ranks.worker_of(pid)
         except OSError:
             continue
     return None
@@ -295,7 +298,7 @@ def rank_pid(launcher: int, rank: int) -> int | None:
 
 def leftover_processes() -> list[str]:
     found = []
-    for pid in _pids_with(MARKER_KEY, MARKER):
+    for pid in _pids_with(MARKER_KEY, MARKER) + warm_ranks.running():
         try:
             found.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
         except OSError:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import socket
 import textwrap
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_ddpkit
+from conftest import leftover_processes, run_ddpkit
 from listening import not_loopback
 from ddpkit.app.cli import main
 
@@ -214,8 +215,10 @@ def test_run_starts_a_torchrun_style_script_unchanged_with_the_default_port_busy
             pass  # something else already holds it: just as good for this test
         busy.listen()
         (tmp_path / "tmp").mkdir()
+        # Fresh: the script reads what its parent, the agent, listens on (a warm rank's parent is the rank server).
         result = run_ddpkit("run", "--nproc-per-node", "2", str(script), str(tmp_path), "--its-own", "flag",
-                            timeout=120, LISTENING_HELPER=str(Path(__file__).parent), TMPDIR=str(tmp_path / "tmp"))
+                            timeout=120, fresh=True, LISTENING_HELPER=str(Path(__file__).parent),
+                            TMPDIR=str(tmp_path / "tmp"))
     assert result.returncode == 0, result.stderr
     # Every line reached the console and nothing failed: the temporary folder of the ranks' output is gone.
     assert list((tmp_path / "tmp").glob("ddpkit-run-*")) == []
@@ -252,6 +255,50 @@ def test_a_launcher_started_warm_says_and_exits_as_a_fresh_one(tmp_path):
     (tmp_path / "here.py").write_text("import os, sys\nprint(os.getcwd(), os.environ['WHO'], sys.argv[1:])\n")
     here = run_ddpkit("run", "--nproc-per-node", "1", "-m", "here", "x", cwd=tmp_path, WHO="me", PYTHONPATH=str(tmp_path))
     assert (here.returncode, here.stdout) == (0, f"{tmp_path} me ['x']\n"), here.stderr
+
+
+WARM_RANK = textwrap.dedent("""
+    import json, os, signal, sys, time
+    import torch
+    out, how = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    print(json.dumps([rank, sys.argv[2:], sys.path[0], os.getcwd(), os.environ["WHO"], torch.get_num_threads(), __name__,
+                      signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                      signal.getsignal(signal.SIGPIPE) is signal.SIG_IGN, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL]))
+    with open(os.path.join(out, f"parent{rank}"), "w") as f:
+        f.write(str(os.getppid()))
+    if rank == 0:
+        time.sleep(60)  # until the launcher ends it, when rank 1 has failed
+    while not os.path.exists(os.path.join(out, "parent0")):
+        time.sleep(0.05)
+    if how == "raise":
+        raise ValueError("rank 1 gives up")
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_rank_started_warm_runs_and_ends_as_a_fresh_one(tmp_path, how):
+    """The suite's ranks run forked from a warm interpreter (tests/warm_ranks.py): a script sees what it would see
+    fresh; a rank that raises or is killed is reported as fresh; a rank the launcher ends gets its SIGTERM."""
+    import warm_ranks
+
+    (tmp_path / "script.py").write_text(WARM_RANK)
+    warm_ranks.environment({}, leave_out=())  # the server starts ...
+    warm_ranks.wait_until_serving()  # ... and serves this run's ranks
+    result = run_ddpkit("run", "--nproc-per-node", "2", str(tmp_path / "script.py"), str(tmp_path), how, cwd=tmp_path,
+                        timeout=40, WHO="me")
+    facts = sorted(json.loads(re.sub(r"^\[rank\d\]: ", "", line)) for line in result.stdout.splitlines())
+    assert facts == [[rank, [how], str(tmp_path), str(tmp_path), "me", 1, "__main__", True, True, True] for rank in (0, 1)]
+    server = warm_ranks._server.pid  # noqa: SLF001
+    assert [int((tmp_path / f"parent{rank}").read_text()) for rank in (0, 1)] == [server, server]  # warm indeed
+    assert result.returncode == 1
+    ended = "exited with status 1" if how == "raise" else "killed by signal 9"
+    assert re.search(rf"ddpkit: error: rank 1 \(pid \d+\) {ended}; its errors are above", result.stderr), result.stderr
+    if how == "raise":
+        assert 'raise ValueError("rank 1 gives up")' in result.stderr and "ValueError: rank 1 gives up" in result.stderr
+    assert re.search(r"rank 0 \(pid \d+\) was ended by the launcher \(SIGTERM\) when another rank failed", result.stderr)
+    assert not leftover_processes()
 
 
 def test_a_missing_module_is_bad_input(capsys):

@@ -84,7 +84,7 @@ def killed_run(tmp_path_factory):
     with lighthouse(heartbeat_timeout_s=1) as address:
         result = run_ddpkit("run", "--replica-groups", "2", "--max-restarts", "2", str(folder / "script.py"),
                             str(folder), str(STEPS), str(DIE_AT), str(HANG_AT), str(STALL_S), "2", timeout=180,
-                            TORCHFT_LIGHTHOUSE=address)
+                            fresh=True, TORCHFT_LIGHTHOUSE=address)  # the fence ends only its launcher's descendants
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"2 replica groups, lighthouse at {address} (given)" in result.stderr
     records = {g: [json.loads(line) for line in (folder / f"group{g}.jsonl").read_text().splitlines()] for g in (0, 1)}

@@ -5,8 +5,8 @@ imported once per pytest process), as ``python -m ddpkit`` would run it.
 What a fresh ``python -m ddpkit`` costs here is mostly importing torch (2.5-3 s of CPU on CI's cores), and the
 suite starts about a hundred launchers: a 2-process, 1-epoch ``ddpkit train`` took 12.1 s of the machine's CPU
 and 7 s started warm, 14.5-15.3 s and 9.4-10.5 s fresh (2026-11-27, two cores). The workers a launcher starts
-are fresh processes as ever (torchrun's agent starts them), and most of what is left (about 5 s of CPU each:
-torch, and torch._dynamo, which DDP's constructor imports). What differs from a fresh interpreter, and where a test needs the real one
+cost most of what is left (about 5 s of CPU each: torch, and torch._dynamo, which DDP's constructor imports):
+``tests/warm_ranks.py`` starts them warm too. What differs from a fresh interpreter, and where a test needs the real one
 (``conftest.run_ddpkit(..., fresh=True)``): the process's command line (``/proc/PID/cmdline``) and its parent are
 the forkserver's, and what modules read from the environment when they are imported was read once, from the
 pytest process's environment (``IMPORT_TIME`` below: such runs start fresh).

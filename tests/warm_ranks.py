@@ -1,0 +1,376 @@
+"""The suite's ranks without starting Python and torch for each: torchrun's agent starts a tiny client in place of
+the interpreter (``PYTHON_EXEC``, which torchrun reads), and the client has its rank run in a process forked from a
+warm one (``serve``: torch, torch._dynamo, torchvision and ddpkit imported once per pytest worker).
+
+A fresh rank spends about 5 s of CPU before its first line of work (importing torch, then torch._dynamo, which
+DDP's constructor imports): the suite starts about 150 of them. ``tests/warm.py`` does the same for launchers.
+
+What the agent sees is a process of its own, as ever: the client, with the rank's environment, command line and
+process group. The client passes its standard input and output and its environment to the server, which forks the
+rank (``_become``: that environment, folder, ``sys.argv``, ``sys.path``, signal handlers and thread count, its output
+unbuffered as ``python -u``'s), and answers with the rank's pid, then with how it ended; the client forwards the
+signals a rank gets from its launcher (SIGTERM, SIGINT, ...) to the rank's process group, ends as the rank ended
+(its status, or killed by its signal), and ends the rank when the launcher dies (``PR_SET_PDEATHSIG``, as ddpkit's
+own ranks ask for). The server kills a rank whose client is gone. Where the server is not up yet or is gone, the
+client runs the real interpreter in its place (``exec``): a run is never lost to this.
+
+What differs from a fresh rank, and where a test needs one (``run_ddpkit(..., fresh=True)``, or a launcher
+started by the test itself, which never sets ``PYTHON_EXEC``): the rank's pid is not the one its agent started
+(``worker_of`` maps one to the other for a test that stops or kills a rank), its ``/proc`` command line and
+environment are the server's, its parent is the server, and every rank shares the server's hash seed (a fresh one
+draws its own): code whose collectives follow the order of a set of strings can pass here and deadlock fresh.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import io
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+SERVER_VARIABLE = "DDPKIT_TEST_RANK_SERVER"  # the server's socket, in the environment of a warm run's ranks
+COLD_VARIABLE = "DDPKIT_TEST_FRESH_RANKS"  # set (to anything) for pytest: every rank starts fresh, to compare
+# What ranks of `ddpkit train`, `ddpkit run` and `ddpkit bench` import, once per pytest worker; no module a rank runs
+# as __main__ (ddpkit.__main__, ddpkit.app.watched, ddpkit.app.bench: runpy would warn, and each is run afresh).
+PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch.distributed.checkpoint",
+           "torchvision", "torchvision.models", "numpy", "sklearn.datasets", "ddpkit", "ddpkit.app.trainer",
+           "ddpkit.app.cli", "ddpkit.job"]
+MESSAGE_MAX = 1 << 20
+# Variables torchrun and ddpkit's launcher set for every rank that start with one of tests/warm.py's IMPORT_TIME
+# prefixes, but that are read when they are used, not when a module is imported. A rank whose environment differs
+# from the server's in another such variable (--find-hangs sets TORCH_DISTRIBUTED_DEBUG, which torch.distributed
+# reads when it is imported) starts fresh.
+READ_AT_RUN_TIME = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+INTERPRETER_PATH: list[str] = []  # the server's sys.path without its script's folder and PYTHONPATH
+
+_server: subprocess.Popen | None = None
+_folder: Path | None = None
+
+
+# ------------------------------------------------------------------------------------------------ in pytest
+
+
+def environment(base: dict[str, str], *, leave_out: tuple[str, ...]) -> dict[str, str]:
+    """The variables that make a run's ranks start warm: ``base`` with torchrun's ``PYTHON_EXEC`` set to the
+    client and the server's socket; the server is started on the first call (its first runs start fresh, by the
+    client's fallback, until it has imported what it preloads), its environment this process's without the
+    variables ``leave_out`` names."""
+    global _server, _folder
+    if os.environ.get(COLD_VARIABLE):
+        return base
+    if _server is None:
+        _folder = Path(tempfile.mkdtemp(prefix="ddpkit-warm-ranks-"))
+        client = _folder / "python"
+        client.write_text(f"#!{sys.executable} -IS\n" + CLIENT.replace("REAL_PYTHON", repr(sys.executable)))
+        client.chmod(0o755)
+        # The server's own environment is what modules read when they are imported: the pytest process's, without
+        # variables read at import that a run may set (tests/warm.py's IMPORT_TIME: such runs start fresh) and
+        # OpenMP's thread count (each rank sets its own).
+        import warm
+
+        env = {key: value for key, value in os.environ.items()
+               if key not in leave_out and not key.startswith(warm.IMPORT_TIME) and key != "OMP_NUM_THREADS"}
+        _server = subprocess.Popen([sys.executable, __file__, str(_folder / "socket"), str(_folder)], env=env,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=(_folder / "server.log").open("w"), start_new_session=True)
+        atexit.register(stop)
+    return {**base, "PYTHON_EXEC": str(_folder / "python"), SERVER_VARIABLE: str(_folder / "socket")}
+
+
+def wait_until_serving(timeout_s: float = 60.0) -> None:
+    """Until the server accepts ranks (it imports PRELOAD first: 5-10 s)."""
+    deadline = time.monotonic() + timeout_s
+    while _folder is None or not (_folder / "socket").exists():
+        if time.monotonic() > deadline or (_server is not None and _server.poll() is not None):
+            log = (_folder / "server.log").read_text() if _folder is not None else ""
+            raise RuntimeError(f"the warm rank server did not start:\n{log}")
+        time.sleep(0.1)
+
+
+def worker_of(pid: int) -> int:
+    """The process that runs the rank whose client is ``pid`` (``pid`` itself for a rank that started fresh)."""
+    if _folder is None:
+        return pid
+    try:
+        return int((_folder / f"{pid}.pid").read_text())
+    except (OSError, ValueError):
+        return pid
+
+
+def running() -> list[int]:
+    """The ranks the server runs now (each forked from it)."""
+    if _server is None or _server.poll() is not None:
+        return []
+    from ddpkit.launch import processes
+
+    return [pid for pid in processes.children_of(_server.pid) if processes.is_running(pid)]
+
+
+def stop() -> None:
+    """End the server (and any rank it still runs: it kills them as it ends)."""
+    global _server
+    if _server is not None and _server.poll() is None:
+        _server.terminate()
+        try:
+            _server.wait(10)
+        except subprocess.TimeoutExpired:
+            _server.kill()
+            _server.wait()
+    _server = None
+
+
+# ------------------------------------------------------------------------------------------------ the client
+
+# Run by torchrun's agent as the interpreter: `client -u [-m MODULE | SCRIPT] ARGS`. Standard library only, and
+# Python started with -I -S: it costs a few milliseconds, not seconds.
+CLIENT = r'''
+import ctypes, json, os, signal, socket, sys
+
+real = REAL_PYTHON
+try:
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.connect(os.environ["DDPKIT_TEST_RANK_SERVER"])
+except (OSError, KeyError):  # no server (yet): the real interpreter, as the agent would have started it
+    os.execv(real, [real, *sys.argv[1:]])
+socket.send_fds(server, [json.dumps({"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}).encode()],
+                [0, 1, 2])
+started = json.loads(server.recv(4096) or b'{"fresh": true}')
+if started.get("fresh"):  # variables of its own that torch reads when it is imported: a fresh interpreter
+    server.close()
+    os.execv(real, [real, *sys.argv[1:]])
+worker = started["pid"]
+
+
+def forward(signum, frame):
+    try:
+        os.killpg(worker, signum)
+    except ProcessLookupError:
+        pass
+
+
+for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
+    signal.signal(getattr(signal, name), forward)
+ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: the agent gone, the rank is stopped
+if os.getppid() == 1:
+    forward(signal.SIGTERM, None)
+reply = server.recv(4096)
+if not reply:
+    sys.exit("ddpkit tests: the warm rank server ended before the rank")
+ended = json.loads(reply)
+if "signal" in ended:  # killed by it: so is this process, its default action restored (SIGKILL has no other)
+    if ended["signal"] != signal.SIGKILL:
+        signal.signal(ended["signal"], signal.SIG_DFL)
+    os.kill(os.getpid(), ended["signal"])
+    os.kill(os.getpid(), signal.SIGKILL)
+os._exit(ended["status"])
+'''
+
+
+# ------------------------------------------------------------------------------------------------ the server
+
+
+def serve(path: str, folder: str) -> None:
+    """Import PRELOAD, then fork a rank for each client that connects to ``path``, until SIGTERM."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: ends with its pytest process
+    for name in PRELOAD:
+        importlib.import_module(name)
+    # The interpreter's own sys.path: without this script's folder and the server's PYTHONPATH (each rank has its own).
+    server_extra = set(os.environ.get("PYTHONPATH", "").split(os.pathsep))
+    INTERPRETER_PATH[:] = [entry for entry in sys.path[1:] if entry not in server_extra]
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path + ".new")
+    listener.listen(64)
+    os.rename(path + ".new", path)  # clients connect once it accepts
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, ("accept",))
+    ranks: dict[int, tuple[int, socket.socket | None, int]] = {}  # pidfd -> (pid, the client's connection, its pid)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    while not stopping:
+        for key, _ in selector.select(timeout=1.0):
+            what = key.data
+            if what[0] == "accept":
+                connection, _ = listener.accept()
+                selector.register(connection, selectors.EVENT_READ, ("request",))
+            elif what[0] == "request":
+                connection = key.fileobj
+                selector.unregister(connection)
+                message, fds, _, _ = socket.recv_fds(connection, MESSAGE_MAX, 3)
+                if not message or len(fds) != 3:
+                    connection.close()
+                    continue
+                request = json.loads(message)
+                if _read_at_import(request["env"]):
+                    for fd in fds:
+                        os.close(fd)
+                    connection.send(json.dumps({"fresh": True}).encode())
+                    connection.close()
+                    continue
+                pid = _fork(request, fds)
+                for fd in fds:
+                    os.close(fd)
+                client = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                     struct.calcsize("3i")))[0]
+                Path(folder, f"{client}.pid").write_text(str(pid))
+                connection.send(json.dumps({"pid": pid}).encode())
+                pidfd = os.pidfd_open(pid)
+                ranks[pidfd] = (pid, connection, client)
+                selector.register(pidfd, selectors.EVENT_READ, ("ended", pidfd))
+                selector.register(connection, selectors.EVENT_READ, ("client", pidfd))
+            elif what[0] == "client":  # the client sends nothing more: readable means it is gone
+                pid, connection, client = ranks[what[1]]
+                selector.unregister(connection)
+                connection.close()
+                ranks[what[1]] = (pid, None, client)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+            else:  # the rank ended
+                pidfd = what[1]
+                pid, connection, client = ranks.pop(pidfd)
+                selector.unregister(pidfd)
+                os.close(pidfd)
+                _, status = os.waitpid(pid, 0)
+                Path(folder, f"{client}.pid").unlink(missing_ok=True)
+                if connection is not None:
+                    selector.unregister(connection)
+                    ended = ({"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status)
+                             else {"status": os.waitstatus_to_exitcode(status)})
+                    with contextlib.suppress(OSError):
+                        connection.send(json.dumps(ended).encode())
+                    connection.close()
+    for pid, _, _ in ranks.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    for pid, _, _ in ranks.values():
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
+def _read_at_import(env: dict[str, str]) -> list[str]:
+    """The variables of a rank's environment that a module it imports reads then, set otherwise than in this one's."""
+    import warm
+
+    names = {name for name in [*env, *os.environ] if name.startswith(warm.IMPORT_TIME)} - set(READ_AT_RUN_TIME)
+    return sorted(name for name in names if env.get(name) != os.environ.get(name))
+
+
+def _fork(request: dict, fds: list[int]) -> int:
+    """Fork the rank ``request`` describes, its standard input and output ``fds``; returns its pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    status = 1
+    try:
+        status = _become(request, fds)
+    except BaseException:  # noqa: BLE001 - a failure to start the rank: said on its stderr, status 1
+        traceback.print_exc()
+    finally:
+        os._exit(status)
+
+
+def _become(request: dict, fds: list[int]) -> int:
+    """In the forked process: run what ``python ARGV`` started in the client's folder with its environment would
+    run, and return its exit status (after what the interpreter runs at exit)."""
+    os.setsid()  # a process group of its own, which the client signals
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    os.closerange(3, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") < 1 << 16 else 1 << 16)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    for number in range(1, signal.NSIG):
+        if number in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as the interpreter sets them at start
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                                   errors="backslashreplace")
+    env, argv = request["env"], list(request["argv"])
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(env)
+    import numpy
+    import torch
+
+    numpy.random.seed()  # a fresh process draws its own global NumPy state
+    if env.get("OMP_NUM_THREADS", "").isdigit():  # what OpenMP reads when torch loads it
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    while argv and argv[0] in ("-u", "-B", "-E", "-s"):  # -u: the streams above are unbuffered already
+        argv.pop(0)
+    extra = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    try:
+        if argv[:1] == ["-m"]:
+            module, sys.argv = argv[1], [argv[1], *argv[2:]]
+            sys.path[:] = [request["cwd"], *extra, *INTERPRETER_PATH]
+            # Run afresh as __main__, as in a fresh interpreter, where nothing imported it before (a package runs
+            # its __main__, and stays imported).
+            sys.modules.pop(module + ".__main__", None)
+            if not hasattr(sys.modules.get(module), "__path__"):
+                sys.modules.pop(module, None)
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            script = argv[0]
+            sys.argv = argv
+            sys.path[:] = [os.path.dirname(os.path.abspath(script)), *extra, *INTERPRETER_PATH]
+            runpy.run_path(script, run_name="__main__")
+        status = 0
+    except SystemExit as stop:
+        status = _status_of(stop.code)
+    except KeyboardInterrupt as interrupt:
+        _print_traceback(interrupt)
+        _at_exit()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        return 130
+    except BaseException as error:  # noqa: BLE001 - as the interpreter: the traceback, then status 1
+        _print_traceback(error)
+        status = 1
+    _at_exit()
+    return status
+
+
+def _print_traceback(error: BaseException) -> None:
+    """The traceback as the interpreter prints it, from runpy's frames on (without this module's)."""
+    traceback.print_exception(type(error), error, error.__traceback__.tb_next)
+
+
+def _status_of(code) -> int:
+    """The exit status ``sys.exit(code)`` gives, its message printed as the interpreter prints it."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _at_exit() -> None:
+    """What the interpreter runs at its exit, which a forked process that ends with os._exit skips."""
+    threading._shutdown()  # noqa: SLF001 - waits for the threads that are not daemons
+    atexit._run_exitfuncs()  # noqa: SLF001
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+
+
+if __name__ == "__main__":
+    serve(*sys.argv[1:3])
