@@ -320,7 +320,8 @@ def no_process_left_behind():
 
 
 def worker_pid(launcher: subprocess.Popen, rank: int) -> int | None:
-    """The pid of the launcher's child that runs global rank ``rank`` (read from its environment)."""
+    """The pid of the process that runs global rank ``rank`` of ``launcher``: its child that holds the rank (read from
+    its environment), or the process that child has running it, for a rank started warm (tests/warm_ranks.py)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -330,15 +331,17 @@ def worker_pid(launcher: subprocess.Popen, rank: int) -> int | None:
         except (OSError, ValueError, IndexError):
             continue
         if parent == launcher.pid and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
+            return warm_ranks.worker_of(int(entry.name))
     return None
 
 
 def start_train(tmp_path: Path, *args: str) -> subprocess.Popen:
-    """``ddpkit train`` into ``tmp_path`` in the background, in a session of its own (``finish`` ends it)."""
+    """``ddpkit train`` into ``tmp_path`` in the background, in a session of its own (``finish`` ends it); a fresh
+    launcher, its ranks warm (tests/warm_ranks.py)."""
     return subprocess.Popen(
         [sys.executable, "-m", "ddpkit", "train", "--output-dir", str(tmp_path), "--no-progress", *args],
-        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env=warm_ranks.environment(child_env(), leave_out=(MARKER_KEY,)), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
 
 

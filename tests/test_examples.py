@@ -1,7 +1,7 @@
 """Run every script in examples/ for real: 2 CPU processes (gloo), tiny sizes, through the real launchers.
 
-Each example is started as ``python -m ddpkit run --nproc-per-node 2 ...`` (the spawn demo starts its own
-processes). The checks go beyond "it exited 0": rank-0-only logging (each log line appears once, not
+Each example is started as ``python -m ddpkit run --nproc-per-node 2 ...`` (conftest.run_ddpkit: warm), the spawn
+demo as ``python examples/mp_spawn_demo.py``, which starts its own processes. The checks go beyond "it exited 0": rank-0-only logging (each log line appears once, not
 once per process), the training set split over the ranks (the step count per epoch), the validation set
 counted exactly once, the replicas in sync, and the checkpoint loadable into the bare model.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_command
+from conftest import run_command, run_ddpkit
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -33,7 +33,8 @@ def run_example(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 def ddpkit_run(script: str, *script_args: str, cwd: Path) -> str:
     """The standard output of ``ddpkit run --nproc-per-node 2 examples/SCRIPT``: rank 0's lines as they are, the other
     ranks' prefixed ``[rank<N>]:`` (``count_lines`` of an unprefixed pattern counts rank 0's)."""
-    result = run_example(["-m", "ddpkit", "run", "--nproc-per-node", "2", str(EXAMPLES / script), *script_args], cwd)
+    result = run_ddpkit("run", "--nproc-per-node", "2", str(EXAMPLES / script), *script_args, timeout=TIMEOUT_S, cwd=cwd)
+    assert result.returncode == 0, f"exit status {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
     return result.stdout
 
 
