@@ -37,6 +37,12 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def warm_ranks_env(**extra: str) -> dict[str, str]:
+    """``child_env(**extra)`` for a launcher whose ranks start warm (tests/warm_ranks.py; its server, started by the
+    first call, carries no MARKER: it is not a leftover, and neither is a rank forked from it, until it is)."""
+    return warm_ranks.environment(child_env(**extra), leave_out=(MARKER_KEY,))
+
+
 @contextlib.contextmanager
 def _locked(path: Path, mode: int):
     with path.open("a") as handle:
@@ -174,7 +180,7 @@ def _run_warm(args: list[str], *, timeout: float, cwd: Path | None, **extra_env:
     outputs = {}
     pipes = [os.pipe(), os.pipe()]
     try:
-        env = warm_ranks.environment(child_env(DDPKIT_TEST_RUN=run_marker, **extra_env), leave_out=(MARKER_KEY,))
+        env = warm_ranks_env(DDPKIT_TEST_RUN=run_marker, **extra_env)
         process = warm.start(args, env, str(cwd or os.getcwd()), pipes[0][1], pipes[1][1])
     except BaseException:
         for read_end, _ in pipes:
@@ -313,6 +319,7 @@ def no_process_left_behind():
     while leftover_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
     left = leftover_processes()
+    warm_ranks.stop()
     assert not left, "processes started by the tests are still running:\n" + "\n".join(left)
 
 
@@ -340,7 +347,7 @@ def start_train(tmp_path: Path, *args: str) -> subprocess.Popen:
     launcher, its ranks warm (tests/warm_ranks.py)."""
     return subprocess.Popen(
         [sys.executable, "-m", "ddpkit", "train", "--output-dir", str(tmp_path), "--no-progress", *args],
-        env=warm_ranks.environment(child_env(), leave_out=(MARKER_KEY,)), stdout=subprocess.PIPE,
+        env=warm_ranks_env(), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import leftover_processes, run_ddpkit
+from conftest import leftover_processes, run_ddpkit, warm_ranks_env
 from listening import not_loopback
 from ddpkit.app.cli import main
 
@@ -284,7 +284,7 @@ def test_a_rank_started_warm_runs_and_ends_as_a_fresh_one(tmp_path, how):
     import warm_ranks
 
     (tmp_path / "script.py").write_text(WARM_RANK)
-    warm_ranks.environment({}, leave_out=())  # the server starts ...
+    warm_ranks_env()  # the server starts ...
     warm_ranks.wait_until_serving()  # ... and serves this run's ranks
     result = run_ddpkit("run", "--nproc-per-node", "2", str(tmp_path / "script.py"), str(tmp_path), how, cwd=tmp_path,
                         timeout=40, WHO="me")

@@ -31,6 +31,7 @@ import json
 import os
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -84,9 +85,10 @@ def environment(base: dict[str, str], *, leave_out: tuple[str, ...]) -> dict[str
 
         env = {key: value for key, value in os.environ.items()
                if key not in leave_out and not key.startswith(warm.IMPORT_TIME) and key != "OMP_NUM_THREADS"}
-        _server = subprocess.Popen([sys.executable, __file__, str(_folder / "socket"), str(_folder)], env=env,
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=(_folder / "server.log").open("w"), start_new_session=True)
+        with (_folder / "server.log").open("w") as log:
+            _server = subprocess.Popen([sys.executable, __file__, str(_folder / "socket"), str(_folder)], env=env,
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                                       start_new_session=True)
         atexit.register(stop)
     return {**base, "PYTHON_EXEC": str(_folder / "python"), SERVER_VARIABLE: str(_folder / "socket")}
 
@@ -121,8 +123,8 @@ def running() -> list[int]:
 
 
 def stop() -> None:
-    """End the server (and any rank it still runs: it kills them as it ends)."""
-    global _server
+    """End the server (and any rank it still runs: it kills them as it ends), and remove its folder."""
+    global _server, _folder
     if _server is not None and _server.poll() is None:
         _server.terminate()
         try:
@@ -130,7 +132,9 @@ def stop() -> None:
         except subprocess.TimeoutExpired:
             _server.kill()
             _server.wait()
-    _server = None
+    if _folder is not None:
+        shutil.rmtree(_folder, ignore_errors=True)
+    _server = _folder = None
 
 
 # ------------------------------------------------------------------------------------------------ the client
@@ -188,6 +192,8 @@ def serve(path: str, folder: str) -> None:
     import ctypes
 
     ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: ends with its pytest process
+    if os.getppid() == 1:  # which ended before the request was made
+        return
     for name in PRELOAD:
         importlib.import_module(name)
     # The interpreter's own sys.path: without this script's folder and the server's PYTHONPATH (each rank has its own).
