@@ -104,7 +104,9 @@ def wait_until_serving(timeout_s: float = 60.0) -> None:
 
 
 def worker_of(pid: int) -> int:
-    """The process that runs the rank whose client is ``pid`` (``pid`` itself for a rank that started fresh)."""
+    """The process that runs the rank whose client is ``pid`` (``pid`` itself for a rank that started fresh, and for
+    one whose client has not reached the server yet: a test that stops or kills a rank waits for a sign of its work
+    first, a line or a file it writes)."""
     if _folder is None:
         return pid
     try:
