@@ -285,12 +285,11 @@ def test_a_rank_started_warm_runs_and_ends_as_a_fresh_one(tmp_path, how):
 
     (tmp_path / "script.py").write_text(WARM_RANK)
     warm_ranks_env()  # the server starts ...
-    warm_ranks.wait_until_serving()  # ... and serves this run's ranks
+    server = warm_ranks.wait_until_serving()  # ... and serves this run's ranks
     result = run_ddpkit("run", "--nproc-per-node", "2", str(tmp_path / "script.py"), str(tmp_path), how, cwd=tmp_path,
                         timeout=40, WHO="me")
     facts = sorted(json.loads(re.sub(r"^\[rank\d\]: ", "", line)) for line in result.stdout.splitlines())
     assert facts == [[rank, [how], str(tmp_path), str(tmp_path), "me", 1, "__main__", True, True, True] for rank in (0, 1)]
-    server = warm_ranks._server.pid  # noqa: SLF001
     assert [int((tmp_path / f"parent{rank}").read_text()) for rank in (0, 1)] == [server, server]  # warm indeed
     assert result.returncode == 1
     ended = "exited with status 1" if how == "raise" else "killed by signal 9"

@@ -24,18 +24,20 @@ TIMEOUT_S = 120  # per example; each takes ~10-20 s on 2 cores
 DIGITS_VAL_SIZE = round(1797 * 0.2)
 
 
-def run_example(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    result = run_command([sys.executable, *args], timeout=TIMEOUT_S, cwd=cwd)
+def passed(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, f"exit status {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
     return result
+
+
+def run_example(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return passed(run_command([sys.executable, *args], timeout=TIMEOUT_S, cwd=cwd))
 
 
 def ddpkit_run(script: str, *script_args: str, cwd: Path) -> str:
     """The standard output of ``ddpkit run --nproc-per-node 2 examples/SCRIPT``: rank 0's lines as they are, the other
     ranks' prefixed ``[rank<N>]:`` (``count_lines`` of an unprefixed pattern counts rank 0's)."""
-    result = run_ddpkit("run", "--nproc-per-node", "2", str(EXAMPLES / script), *script_args, timeout=TIMEOUT_S, cwd=cwd)
-    assert result.returncode == 0, f"exit status {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
-    return result.stdout
+    return passed(run_ddpkit("run", "--nproc-per-node", "2", str(EXAMPLES / script), *script_args, timeout=TIMEOUT_S,
+                             cwd=cwd)).stdout
 
 
 def count_lines(stdout: str, pattern: str) -> int:

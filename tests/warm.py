@@ -15,12 +15,14 @@ pytest process's environment (``IMPORT_TIME`` below: such runs start fresh).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import json
 import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 import traceback
 from multiprocessing import reduction
 
@@ -43,18 +45,47 @@ def wanted(extra_env: dict[str, str]) -> bool:
 def start(argv: list[str], env: dict[str, str], cwd: str, stdout: int, stderr: int):
     """Start ``python -m ddpkit ARGV`` warm, its output on the file descriptors ``stdout`` and ``stderr``; returns
     the started ``multiprocessing`` process (``pid``, ``join``, ``exitcode``)."""
-    global _context, _interpreter_path
+    global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
-        # The interpreter's own sys.path (without the script's folder, which `python -m` sets to the current one).
-        _interpreter_path = json.loads(subprocess.run(
-            [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"], env={**os.environ, "PYTHONPATH": ""},
-            capture_output=True, text=True, check=True).stdout)
-    process = _context.Process(target=_main, args=(argv, env, cwd, _interpreter_path, _Fd(stdout), _Fd(stderr)),
+    process = _context.Process(target=_main, args=(argv, env, cwd, interpreter_path(), _Fd(stdout), _Fd(stderr)),
                                daemon=False)
     process.start()
     return process
+
+
+def interpreter_path() -> list[str]:
+    """The interpreter's own sys.path, without a script's folder and PYTHONPATH (asked of a fresh one, once)."""
+    if not _interpreter_path:
+        _interpreter_path[:] = json.loads(subprocess.run(
+            [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"], env={**os.environ, "PYTHONPATH": ""},
+            capture_output=True, text=True, check=True).stdout)
+    return _interpreter_path
+
+
+def become(env: dict[str, str], cwd: str, first: str, interpreter: list[str]) -> None:
+    """In a forked process whose descriptors 1 and 2 are its output: what ``python -u`` started in ``cwd`` with ``env``
+    has, its text streams unbuffered, and ``sys.path`` as Python makes it: ``first`` (a script's folder, or the current
+    one under ``-m``), then PYTHONPATH, then ``interpreter``'s entries (``interpreter_path()``)."""
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                                   errors="backslashreplace")
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    extra = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    sys.path[:] = [first, *extra, *interpreter]
+
+
+def run_exit_functions() -> None:
+    """What the interpreter runs at its exit, which a forked process skips: it waits for the threads that are not
+    daemons, runs atexit's functions and flushes the streams."""
+    threading._shutdown()  # noqa: SLF001
+    atexit._run_exitfuncs()  # noqa: SLF001
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
 
 
 class _Fd:
@@ -78,15 +109,7 @@ def _main(argv: list[str], env: dict[str, str], cwd: str, interpreter_path: list
     os.dup2(stderr, 2)
     os.close(stdout)
     os.close(stderr)
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
-                                                   errors="backslashreplace")
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    # sys.path as `python -m` makes it: the current folder, then PYTHONPATH, then the interpreter's own.
-    extra = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
-    sys.path[:] = [cwd, *extra, *interpreter_path]
+    become(env, cwd, cwd, interpreter_path)  # `python -m`: the current folder first
     import ddpkit
     from ddpkit.app.cli import main
 
@@ -99,7 +122,5 @@ def _main(argv: list[str], env: dict[str, str], cwd: str, interpreter_path: list
     except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, then status 1
         traceback.print_exc()
         status = 1
-    atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter's exit runs, which a forked process skips
-    sys.stdout.flush()
-    sys.stderr.flush()
+    run_exit_functions()
     sys.exit(status)

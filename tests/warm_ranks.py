@@ -38,10 +38,11 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
+
+import warm
 
 SERVER_VARIABLE = "DDPKIT_TEST_RANK_SERVER"  # the server's socket, in the environment of a warm run's ranks
 COLD_VARIABLE = "DDPKIT_TEST_FRESH_RANKS"  # set (to anything) for pytest: every rank starts fresh, to compare
@@ -56,7 +57,6 @@ MESSAGE_MAX = 1 << 20
 # from the server's in another such variable (--find-hangs sets TORCH_DISTRIBUTED_DEBUG, which torch.distributed
 # reads when it is imported) starts fresh.
 READ_AT_RUN_TIME = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-INTERPRETER_PATH: list[str] = []  # the server's sys.path without its script's folder and PYTHONPATH
 
 _server: subprocess.Popen | None = None
 _folder: Path | None = None
@@ -76,13 +76,12 @@ def environment(base: dict[str, str], *, leave_out: tuple[str, ...]) -> dict[str
     if _server is None:
         _folder = Path(tempfile.mkdtemp(prefix="ddpkit-warm-ranks-"))
         client = _folder / "python"
-        client.write_text(f"#!{sys.executable} -IS\n" + CLIENT.replace("REAL_PYTHON", repr(sys.executable)))
+        client.write_text(f"#!{sys.executable} -IS\n" + CLIENT.replace("REAL_PYTHON", repr(sys.executable))
+                          .replace("SERVER_VARIABLE", repr(SERVER_VARIABLE)))
         client.chmod(0o755)
         # The server's own environment is what modules read when they are imported: the pytest process's, without
         # variables read at import that a run may set (tests/warm.py's IMPORT_TIME: such runs start fresh) and
         # OpenMP's thread count (each rank sets its own).
-        import warm
-
         env = {key: value for key, value in os.environ.items()
                if key not in leave_out and not key.startswith(warm.IMPORT_TIME) and key != "OMP_NUM_THREADS"}
         with (_folder / "server.log").open("w") as log:
@@ -93,14 +92,15 @@ def environment(base: dict[str, str], *, leave_out: tuple[str, ...]) -> dict[str
     return {**base, "PYTHON_EXEC": str(_folder / "python"), SERVER_VARIABLE: str(_folder / "socket")}
 
 
-def wait_until_serving(timeout_s: float = 60.0) -> None:
-    """Until the server accepts ranks (it imports PRELOAD first: 5-10 s)."""
+def wait_until_serving(timeout_s: float = 60.0) -> int:
+    """Until the server accepts ranks (it imports PRELOAD first: 5-10 s); returns its pid."""
     deadline = time.monotonic() + timeout_s
     while _folder is None or not (_folder / "socket").exists():
         if time.monotonic() > deadline or (_server is not None and _server.poll() is not None):
             log = (_folder / "server.log").read_text() if _folder is not None else ""
             raise RuntimeError(f"the warm rank server did not start:\n{log}")
         time.sleep(0.1)
+    return _server.pid
 
 
 def worker_of(pid: int) -> int:
@@ -149,7 +149,7 @@ import ctypes, json, os, signal, socket, sys
 real = REAL_PYTHON
 try:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    server.connect(os.environ["DDPKIT_TEST_RANK_SERVER"])
+    server.connect(os.environ[SERVER_VARIABLE])
 except (OSError, KeyError):  # no server (yet): the real interpreter, as the agent would have started it
     os.execv(real, [real, *sys.argv[1:]])
 socket.send_fds(server, [json.dumps({"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}).encode()],
@@ -198,9 +198,7 @@ def serve(path: str, folder: str) -> None:
         return
     for name in PRELOAD:
         importlib.import_module(name)
-    # The interpreter's own sys.path: without this script's folder and the server's PYTHONPATH (each rank has its own).
-    server_extra = set(os.environ.get("PYTHONPATH", "").split(os.pathsep))
-    INTERPRETER_PATH[:] = [entry for entry in sys.path[1:] if entry not in server_extra]
+    warm.interpreter_path()  # asked once, before the first rank needs it
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path + ".new")
     listener.listen(64)
@@ -272,8 +270,6 @@ def serve(path: str, folder: str) -> None:
 
 def _read_at_import(env: dict[str, str]) -> list[str]:
     """The variables of a rank's environment that a module it imports reads then, set otherwise than in this one's."""
-    import warm
-
     names = {name for name in [*env, *os.environ] if name.startswith(warm.IMPORT_TIME)} - set(READ_AT_RUN_TIME)
     return sorted(name for name in names if env.get(name) != os.environ.get(name))
 
@@ -309,26 +305,22 @@ def _become(request: dict, fds: list[int]) -> int:
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
-                                                   errors="backslashreplace")
-    env, argv = request["env"], list(request["argv"])
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(env)
+    argv = list(request["argv"])
+    while argv and argv[0] in ("-u", "-B", "-E", "-s"):  # -u: warm.become's streams are unbuffered
+        argv.pop(0)
+    module = argv[1] if argv[:1] == ["-m"] else None
+    # sys.path's first entry as Python sets it: the current folder under -m, else the script's.
+    first = request["cwd"] if module else os.path.dirname(os.path.abspath(os.path.join(request["cwd"], argv[0])))
+    warm.become(request["env"], request["cwd"], first, warm.interpreter_path())
     import numpy
     import torch
 
     numpy.random.seed()  # a fresh process draws its own global NumPy state
-    if env.get("OMP_NUM_THREADS", "").isdigit():  # what OpenMP reads when torch loads it
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    while argv and argv[0] in ("-u", "-B", "-E", "-s"):  # -u: the streams above are unbuffered already
-        argv.pop(0)
-    extra = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # what OpenMP reads when torch loads it
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
-        if argv[:1] == ["-m"]:
-            module, sys.argv = argv[1], [argv[1], *argv[2:]]
-            sys.path[:] = [request["cwd"], *extra, *INTERPRETER_PATH]
+        if module:
+            sys.argv = [module, *argv[2:]]
             # Run afresh as __main__, as in a fresh interpreter, where nothing imported it before (a package runs
             # its __main__, and stays imported).
             sys.modules.pop(module + ".__main__", None)
@@ -336,23 +328,21 @@ def _become(request: dict, fds: list[int]) -> int:
                 sys.modules.pop(module, None)
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
-            script = argv[0]
             sys.argv = argv
-            sys.path[:] = [os.path.dirname(os.path.abspath(script)), *extra, *INTERPRETER_PATH]
-            runpy.run_path(script, run_name="__main__")
+            runpy.run_path(argv[0], run_name="__main__")
         status = 0
     except SystemExit as stop:
         status = _status_of(stop.code)
     except KeyboardInterrupt as interrupt:
         _print_traceback(interrupt)
-        _at_exit()
+        warm.run_exit_functions()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
         return 130
     except BaseException as error:  # noqa: BLE001 - as the interpreter: the traceback, then status 1
         _print_traceback(error)
         status = 1
-    _at_exit()
+    warm.run_exit_functions()
     return status
 
 
@@ -369,15 +359,6 @@ def _status_of(code) -> int:
         return code & 0xFF
     print(code, file=sys.stderr)
     return 1
-
-
-def _at_exit() -> None:
-    """What the interpreter runs at its exit, which a forked process that ends with os._exit skips."""
-    threading._shutdown()  # noqa: SLF001 - waits for the threads that are not daemons
-    atexit._run_exitfuncs()  # noqa: SLF001
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
 
 
 if __name__ == "__main__":
