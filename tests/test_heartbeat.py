@@ -46,9 +46,19 @@ def test_the_rank_behind_is_named():
 
 def test_a_rank_whose_beat_stopped_is_named_before_any_other():
     # Rank 2's last beat, published before it was stopped, shows it ahead; its silence names it.
-    lost = seen(2, step=12, silent_s=heartbeat.LOST_BEATS * heartbeat.INTERVAL_S)
+    lost = seen(2, step=12, silent_s=heartbeat.LOST_BEATS * heartbeat.beat_interval_s())
     assert lost.lost
     assert find_stall([seen(0), seen(1, step=9), lost], after_s=60).rank == 2
+
+
+def test_the_beat_is_read_from_the_environment_when_asked_not_at_import(monkeypatch):
+    # A worker whose launcher sets the variable after ddpkit was imported (a Ray worker, a notebook) gets it.
+    monkeypatch.setenv(heartbeat.INTERVAL_ENV, "0.5")
+    assert heartbeat.beat_interval_s() == 0.5 and heartbeat.min_timeout_s() == 2 * heartbeat.LOST_BEATS * 0.5
+    assert seen(1, silent_s=1.5).lost and not seen(1, silent_s=1.4).lost
+    for outside in ("0.1", "61", "soon"):
+        monkeypatch.setenv(heartbeat.INTERVAL_ENV, outside)
+        assert heartbeat.beat_interval_s() == 5.0
 
 
 def test_a_rank_working_alone_is_not_a_stall_while_it_lives():
@@ -65,7 +75,7 @@ def test_the_stall_threshold_adapts_to_the_step_time_and_never_passes_the_timeou
     assert stall_after(60, 100, [seen(0, step_s=9.0)]) == 100  # the collective timeout comes first
     assert stall_after(60, 40, fast) == 0.8 * 40
     # Never below the time a stopped beat takes to show.
-    assert stall_after(1, 1800, fast) == heartbeat.LOST_BEATS * heartbeat.INTERVAL_S
+    assert stall_after(1, 1800, fast) == heartbeat.LOST_BEATS * heartbeat.beat_interval_s()
 
 
 def test_the_setting_comes_from_the_argument_or_the_environment(monkeypatch):
@@ -98,7 +108,7 @@ def test_bad_stall_timeouts_are_one_line_errors(argv, message, capsys):
 def test_two_heartbeats_through_a_real_store(monkeypatch):
     """Ranks 0 and 1 of one job in this process, publishing through a real TCPStore: rank 0's watch sees
     rank 1 alive but not advancing, then, its beat stopped, lost."""
-    monkeypatch.setattr(heartbeat, "INTERVAL_S", 0.05)  # LOST_BEATS intervals: 0.15 s
+    monkeypatch.setattr(heartbeat, "beat_interval_s", lambda: 0.05)  # LOST_BEATS intervals: 0.15 s
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=10))
     beats = [Heartbeat(store, rank=rank, world_size=2, stall_s=0.1, timeout_s=1800) for rank in (0, 1)]

@@ -96,7 +96,7 @@ def watch_when_up() -> None:
         store.set(f"{WHO_KEY}/{dist.get_rank()}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         # A stall takes longer than this to call: a script whose group lives less needs no watch, and its ranks
         # then end with no heartbeat thread waiting in the store for a rank that has gone already.
-        deadline = time.monotonic() + 2 * heartbeat.INTERVAL_S
+        deadline = time.monotonic() + 2 * heartbeat.beat_interval_s()
         while up() and time.monotonic() < deadline:
             time.sleep(POLL_S)
         beat = start_heartbeat(store) if up() else None
@@ -119,7 +119,7 @@ def start_heartbeat(store) -> heartbeat.Heartbeat | None:
     stall_s = heartbeat.stall_setting(None)
     timeout_s = float(os.environ.get(process_group.TIMEOUT_ENV) or dist.constants.default_pg_timeout.total_seconds())
     world_size = dist.get_world_size()
-    if not stall_s or world_size < 2 or timeout_s < heartbeat.MIN_TIMEOUT_S:
+    if not stall_s or world_size < 2 or timeout_s < heartbeat.min_timeout_s():
         return None
     pace = progress.Pace()
     pace.mark("running")  # the script's own code: no phases to tell apart, its signs of work say whether it moves
@@ -128,7 +128,7 @@ def start_heartbeat(store) -> heartbeat.Heartbeat | None:
                                activity=Activity(threading.main_thread().ident))
     atexit.register(beat.close)  # before the interpreter ends: no store call left running into its teardown
     # The start waits for every rank's first beat: not longer than a beat (a rank may be ending already).
-    store.set_timeout(datetime.timedelta(seconds=heartbeat.INTERVAL_S))
+    store.set_timeout(datetime.timedelta(seconds=heartbeat.beat_interval_s()))
     beat.start()
     store.set_timeout(datetime.timedelta(seconds=heartbeat.STORE_TIMEOUT_S))
     return beat

@@ -3,7 +3,7 @@
 A rank that stops advancing (stopped with SIGSTOP, asleep in Python, stuck in a read or a deadlock) makes
 every other rank wait in the next collective, and PyTorch says so only when the collective's timeout runs
 out (30 minutes by default), without naming the rank. Here each rank of a ``Job`` (so of ``ddpkit train``)
-runs a daemon thread that publishes, every ``INTERVAL_S`` seconds, its step, its phase and how long ago it
+runs a daemon thread that publishes, every ``beat_interval_s()`` seconds, its step, its phase and how long ago it
 last moved, to the job's own key-value store; ranks 0 and 1 read everyone's. A rank moves when its training
 thread marks progress (``ddpkit.core.progress``: a batch from a loader ddpkit made or prepared, a forward of a
 model it wrapped, a step of an optimizer it prepared) and whenever its process is seen at work without a mark (an
@@ -50,8 +50,8 @@ INTERVAL_ENV = "DDPKIT_HEARTBEAT_S"  # how often a rank publishes its beat: a wa
 
 
 def interval_from(environ: dict[str, str]) -> float:
-    """DDPKIT_HEARTBEAT_S, a number of seconds from 0.2 to 60, else 5. Every rank reads it at start: a shorter
-    beat names a stalled rank sooner (the least stall timeout is three beats) for a store write per beat."""
+    """DDPKIT_HEARTBEAT_S, a number of seconds from 0.2 to 60, else 5: a shorter beat names a stalled rank sooner
+    (the least stall timeout is three beats) for a store write per beat."""
     try:
         value = float(environ.get(INTERVAL_ENV, "5"))
     except ValueError:
@@ -59,7 +59,13 @@ def interval_from(environ: dict[str, str]) -> float:
     return value if 0.2 <= value <= 60 else 5.0
 
 
-INTERVAL_S = interval_from(os.environ)  # how often a rank publishes its beat, and a watcher reads everyone's
+def beat_interval_s() -> float:
+    """How often a rank publishes its beat, and a watcher reads everyone's: DDPKIT_HEARTBEAT_S as the environment
+    says when asked, not when ddpkit was imported (a process that imports ddpkit before its launcher's variables
+    are set, or a notebook that sets it later, gets the interval it set)."""
+    return interval_from(os.environ)
+
+
 DEFAULT_STALL_S = 60.0  # `stall_s`' default: named within STALL + INTERVAL seconds, well inside 2 minutes
 STEP_TIMES = 20  # a stall is never called before this many of the slowest rank's typical steps
 LOST_BEATS = 3  # a rank whose beat did not change for this many intervals is stopped or frozen
@@ -71,9 +77,11 @@ STORE_TIMEOUT_S = 30.0  # the heartbeat's store calls; the job's own store waits
 EXIT_STALLED = 1  # a job ended for a stalled rank failed: not a usage error
 KEY = "ddpkit/heartbeat"
 RUNNER_FRAMES = ("ddpkit/app/watched.py", "<frozen runpy>")  # left out of a stack: below the script's own frames
-# Under a collective timeout this short, the timeout names the missing rank about as soon: no heartbeats.
-MIN_TIMEOUT_S = 2 * LOST_BEATS * INTERVAL_S
 
+
+def min_timeout_s() -> float:
+    """Under a collective timeout this short, the timeout names the missing rank about as soon: no heartbeats."""
+    return 2 * LOST_BEATS * beat_interval_s()
 
 
 def stall_setting(stall_s: float | None) -> float:
@@ -109,7 +117,7 @@ class Seen:
 
     @property
     def lost(self) -> bool:
-        return self.silent_s >= LOST_BEATS * INTERVAL_S
+        return self.silent_s >= LOST_BEATS * beat_interval_s()
 
 
 def stall_after(stall_s: float, timeout_s: float, seen: list[Seen]) -> float:
@@ -117,7 +125,7 @@ def stall_after(stall_s: float, timeout_s: float, seen: list[Seen]) -> float:
     collective timeout), at least STEP_TIMES typical steps, and never beyond the timeout."""
     steps = [beat.step_s for beat in seen if beat.step_s]
     # Not below the time a lost beat takes to show (LOST_BEATS intervals), unless the timeout is shorter.
-    floor = min(max(stall_s, LOST_BEATS * INTERVAL_S), 0.8 * timeout_s)
+    floor = min(max(stall_s, LOST_BEATS * beat_interval_s()), 0.8 * timeout_s)
     return min(timeout_s, max(floor, STEP_TIMES * max(steps, default=0.0)))
 
 
@@ -146,13 +154,14 @@ class Heartbeat:
     """This rank's progress and, on a watcher, everyone's. ``start()`` begins, ``close()`` ends its thread."""
 
     def __init__(self, store, *, rank: int, world_size: int, stall_s: float, timeout_s: float,
-                 pace: Pace | None = None, interval_s: float = INTERVAL_S, status_path: str | None = None,
+                 pace: Pace | None = None, interval_s: float | None = None, status_path: str | None = None,
                  store_address: tuple[str, int] | None = None, activity: Activity | None = None):
         self.store, self.rank, self.world_size = store, rank, world_size
         self.store_address = store_address  # (host, port) of the job's store, probed when it stops answering
         # Rank 0 writes everyone's last beats there (``ddpkit status`` reads it); None: nowhere.
         self.status_path = status_path if rank == 0 else None
-        self.stall_s, self.timeout_s, self.interval_s = stall_s, timeout_s, interval_s
+        self.stall_s, self.timeout_s = stall_s, timeout_s
+        self.interval_s = interval_s if interval_s is not None else beat_interval_s()
         self.pace = pace if pace is not None else Pace()  # the training thread's marks: its phase and step
         self.activity = activity  # signs of work between marks (CPU time, allocations): a rank at work is not idle
         self.host, self.pid = socket.gethostname(), os.getpid()
@@ -375,7 +384,7 @@ def watch(runtime, *, pace: Pace, stall_s: float | None, timeout_s: float, statu
 
     Yields the Heartbeat (None when off). An error out of the block after a stall was called ends the
     process with EXIT_STALLED and without a second report: the one that matters was said."""
-    if not stall_s or runtime.backend is None or runtime.world_size < 2 or timeout_s < MIN_TIMEOUT_S:
+    if not stall_s or runtime.backend is None or runtime.world_size < 2 or timeout_s < min_timeout_s():
         yield None
         return
     import torch.distributed as dist
