@@ -43,6 +43,14 @@ def warm_ranks_env(**extra: str) -> dict[str, str]:
     return warm_ranks.environment(child_env(**extra), leave_out=(MARKER_KEY,))
 
 
+def warm_python(argv: list[str], env: dict[str, str]) -> list[str]:
+    """``argv`` with this interpreter (``sys.executable``) replaced by the warm rank client that ``env``
+    (``warm_ranks_env``) names, for a command whose Python is started by something other than torchrun's agent
+    (mpirun, srun, a node's shell): that process, too, runs forked from a warm interpreter."""
+    python = env.get("PYTHON_EXEC", sys.executable)
+    return [python if arg == sys.executable else arg for arg in argv]
+
+
 @contextlib.contextmanager
 def _locked(path: Path, mode: int):
     with path.open("a") as handle:
@@ -122,8 +130,10 @@ def _pids_with(key: str, value: str) -> list[int]:
     return pids
 
 
-def run_command(argv: list[str], *, timeout: float, cwd: Path | None = None, **extra_env: str) -> subprocess.CompletedProcess:
-    """``subprocess.run(argv, timeout=...)`` that leaves no process behind, even when it times out.
+def run_command(argv: list[str], *, timeout: float, cwd: Path | None = None, warm: bool = False,
+                **extra_env: str) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, timeout=...)`` that leaves no process behind, even when it times out. ``warm``: the
+    command's ``sys.executable`` and the ranks it starts run warm (``warm_python``).
 
     subprocess.run's timeout kills only the launcher; torchrun starts each worker in a session of its
     own, so the workers would live on holding the output pipes. Here a timeout sends SIGTERM to the
@@ -131,8 +141,11 @@ def run_command(argv: list[str], *, timeout: float, cwd: Path | None = None, **e
     still carries this run's marker.
     """
     run_marker = uuid.uuid4().hex
+    env = (warm_ranks_env if warm else child_env)(DDPKIT_TEST_RUN=run_marker, **extra_env)
+    if warm:
+        argv = warm_python(argv, env)
     with subprocess.Popen(
-        argv, cwd=cwd, env=child_env(DDPKIT_TEST_RUN=run_marker, **extra_env), stdout=subprocess.PIPE,
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True,
     ) as proc:
         try:
@@ -314,6 +327,7 @@ def leftover_processes() -> list[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def no_process_left_behind():
+    warm_ranks_env()  # the warm rank server starts importing now, before the first run needs it
     yield
     deadline = time.monotonic() + 10  # a process that is exiting gets a moment to finish
     while leftover_processes() and time.monotonic() < deadline:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import _pids_with, child_env
+from conftest import _pids_with, warm_python, warm_ranks_env
 
 SUBNET = "10.231.0"
 
@@ -66,14 +66,18 @@ def run_on_nodes(commands: list[tuple[str, str, list[str]]], timeout: float,
                   meanwhile: Callable[[list[subprocess.Popen]], None] | None = None) -> list[subprocess.CompletedProcess]:
     """Start each command in its namespace, under its hostname, at once; call ``meanwhile(processes)``; wait for all. On
     a timeout, kill every process of the run (torchrun's workers have sessions of their own: found by their
-    marker)."""
+    marker).
+
+    The Python of a command (``sys.executable``), and its ranks, start warm (tests/warm_ranks.py: forked from a warm
+    interpreter, in the node's namespaces): a test that reads a process of the node (its sockets, its children)
+    asks ``warm_ranks.worker_of`` for the one that does the work."""
     marker = uuid.uuid4().hex
+    # One thread per process, as the one-node reference's 2 processes on 2 cores have (ddpkit gives each process
+    # its share of the cores): the same sums, to the bit.
+    env = warm_ranks_env(DDPKIT_TEST_RUN=marker, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen(["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c",
-                               f'hostname {host} && exec "$@"', "node", *argv],
-                              # One thread per process, as the one-node reference's 2 processes on 2 cores have
-                              # (ddpkit gives each process its share of the cores): the same sums, to the bit.
-                              env=child_env(DDPKIT_TEST_RUN=marker, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE,
+                               f'hostname {host} && exec "$@"', "node", *warm_python(argv, env)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for name, host, argv in commands]
     results = []
     deadline = time.monotonic() + timeout  # one deadline for all nodes

@@ -398,19 +398,16 @@ def test_run_under_srun_makes_each_task_one_rank(tmp_path):
     import subprocess
     import sys
 
-    from conftest import child_env
+    from conftest import warm_python, warm_ranks_env
     from ddpkit.core.process_group import free_port
 
     script = tmp_path / "task.py"
     script.write_text(SLURM_TASK)
     common = {"SLURM_NTASKS": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost",
               "SLURM_TASKS_PER_NODE": "2", "MASTER_PORT": str(free_port())}
-    tasks = [
-        subprocess.Popen([sys.executable, "-m", "ddpkit", "run", str(script), str(tmp_path)],
-                         env=child_env(SLURM_PROCID=str(r), SLURM_LOCALID=str(r), **common),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in (0, 1)
-    ]
+    envs = [warm_ranks_env(SLURM_PROCID=str(r), SLURM_LOCALID=str(r), **common) for r in (0, 1)]
+    tasks = [subprocess.Popen(warm_python([sys.executable, "-m", "ddpkit", "run", str(script), str(tmp_path)], env),
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for env in envs]
     outputs = [task.communicate(timeout=120) for task in tasks]
     assert [task.returncode for task in tasks] == [0, 0], outputs
     # Two processes in all (no extra launch), ranks from SLURM_PROCID, and a real all-reduce: 1 + 2.

@@ -30,7 +30,8 @@ def passed(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 def run_example(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return passed(run_command([sys.executable, *args], timeout=TIMEOUT_S, cwd=cwd))
+    """``python ARGS``, and what it starts as Python (mp.spawn's processes), forked from a warm interpreter."""
+    return passed(run_command([sys.executable, *args], timeout=TIMEOUT_S, cwd=cwd, warm=True))
 
 
 def ddpkit_run(script: str, *script_args: str, cwd: Path) -> str:

@@ -21,8 +21,9 @@ AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
 def mpirun(*command: str, cwd=None) -> subprocess.CompletedProcess:
+    # Each rank's Python (mpirun starts it) forked from a warm interpreter, in the environment mpirun gave it.
     return run_command([MPIRUN, "-np", "2", "--oversubscribe", sys.executable, "-m", "ddpkit", *command],
-                       timeout=120, cwd=cwd, **AS_ROOT)
+                       timeout=120, cwd=cwd, warm=True, **AS_ROOT)
 
 
 def test_mpirun_ddpkit_train_equals_ddpkits_own_launcher(ddp_digits, tmp_path):

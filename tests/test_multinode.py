@@ -27,6 +27,7 @@ import torch
 from conftest import DIGITS_CONVNET, child_env, every_sample_once, max_relative_difference
 from listening import listening
 from nodes import SUBNET, ip as _ip, make_nodes as _make_nodes, run_on_nodes as _run_on_nodes
+import warm_ranks
 
 RUN = [*DIGITS_CONVNET, "--no-progress"]  # the job of conftest's shared 2-process run
 
@@ -78,7 +79,7 @@ def _rendezvous_listeners(port: int, found: list) -> Callable[[list[subprocess.P
         while time.monotonic() < deadline and procs[0].poll() is None:
             with contextlib.suppress(OSError):  # still `ip netns exec` or `sh`, or gone meanwhile
                 if b"ddpkit" in Path(f"/proc/{procs[0].pid}/cmdline").read_bytes():
-                    seen = listening(procs[0].pid)
+                    seen = listening(warm_ranks.worker_of(procs[0].pid))  # the launcher, started warm
                     if any(listened == port for _, listened in seen):
                         found.append(seen)
                         return

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import child_env, leftover_processes, rank_pid
+from conftest import leftover_processes, rank_pid, warm_ranks_env
 from ddpkit.core import progress
 from ddpkit.core.progress import Pace
 from ddpkit.watch import pace
@@ -150,7 +150,7 @@ def slowed_run(tmp_path_factory):
     not before: its start (imports, the process group) would take half a minute more so slowed."""
     out = tmp_path_factory.mktemp("slowed")
     proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--nproc-per-node", "2", "--epochs", "2",
-                             "--output-dir", str(out), "--no-progress"], env=child_env(),
+                             "--output-dir", str(out), "--no-progress"], env=warm_ranks_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     done = threading.Event()
     slower = None

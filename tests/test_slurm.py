@@ -109,8 +109,9 @@ def slurm():
 
 
 def _srun(env: dict, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    # run_command: on a timeout it also kills the tasks (srun passes them its environment, marker included).
-    return run_command(["srun", "-n", "2", *args], timeout=timeout, SLURM_CONF=env["SLURM_CONF"])
+    # run_command: on a timeout it also kills the tasks (srun passes them its environment, marker included); each
+    # task's Python forked from a warm interpreter, in the environment Slurm gave the task.
+    return run_command(["srun", "-n", "2", *args], timeout=timeout, warm=True, SLURM_CONF=env["SLURM_CONF"])
 
 
 def test_srun_ddpkit_train_makes_each_task_one_rank(slurm, tmp_path):

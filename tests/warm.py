@@ -29,9 +29,8 @@ from multiprocessing import reduction
 # What the launcher of `ddpkit run` and `ddpkit train` imports, once for all the launches of this pytest process.
 PRELOAD = ["ddpkit.app.cli", "ddpkit.launch.launcher", "ddpkit.launch.rank_logs", "ddpkit.launch.rendezvous",
            "torch.distributed.run", "torch.distributed.elastic.agent.server.local_elastic_agent", "warm"]
-# Variables a module reads when it is imported (ddpkit.watch.heartbeat's interval; torch's logging): a run that sets
-# one starts a fresh interpreter.
-IMPORT_TIME = ("DDPKIT_HEARTBEAT_S", "TORCH_")
+# Variables a module reads when it is imported (torch's logging): a run that sets one starts a fresh interpreter.
+IMPORT_TIME = ("TORCH_",)
 
 _context = None
 _interpreter_path: list[str] = []
@@ -78,6 +77,17 @@ def become(env: dict[str, str], cwd: str, first: str, interpreter: list[str]) ->
     sys.path[:] = [first, *extra, *interpreter]
 
 
+def python_is(client: str) -> None:
+    """In a forked process: the Python it starts is ``client`` (tests/warm_ranks.py's), so that what it starts as
+    Python starts warm too: ddpkit's own children (a replica group's launcher; under a scheduler, `ddpkit run`'s
+    script, which it starts with ``sys.executable``) and multiprocessing's spawn (``--launcher spawn``, a script's
+    ``mp.spawn``). The client's folder holds the tools ddpkit looks for beside its Python (py-spy)."""
+    import multiprocessing
+
+    sys.executable = client
+    multiprocessing.set_executable(client)
+
+
 def run_exit_functions() -> None:
     """What the interpreter runs at its exit, which a forked process skips: it waits for the threads that are not
     daemons, runs atexit's functions and flushes the streams."""
@@ -110,6 +120,8 @@ def _main(argv: list[str], env: dict[str, str], cwd: str, interpreter_path: list
     os.close(stdout)
     os.close(stderr)
     become(env, cwd, cwd, interpreter_path)  # `python -m`: the current folder first
+    if env.get("PYTHON_EXEC"):  # a run whose ranks start warm (tests/warm_ranks.py): so does what it starts as Python
+        python_is(env["PYTHON_EXEC"])
     import ddpkit
     from ddpkit.app.cli import main
 

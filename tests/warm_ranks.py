@@ -1,30 +1,40 @@
-"""The suite's ranks without starting Python and torch for each: torchrun's agent starts a tiny client in place of
-the interpreter (``PYTHON_EXEC``, which torchrun reads), and the client has its rank run in a process forked from a
-warm one (``serve``: torch, torch._dynamo, torchvision and ddpkit imported once per pytest worker).
+"""The suite's Python processes without starting Python and torch for each: torchrun's agent starts a tiny client in
+place of the interpreter (``PYTHON_EXEC``, which torchrun reads), and the client has its rank run in a process forked
+from a warm one (``serve``: torch, torch._dynamo, torchvision and ddpkit imported once per pytest worker).
 
 A fresh rank spends about 5 s of CPU before its first line of work (importing torch, then torch._dynamo, which
 DDP's constructor imports): the suite starts about 150 of them. ``tests/warm.py`` does the same for launchers.
 
 What the agent sees is a process of its own, as ever: the client, with the rank's environment, command line and
-process group. The client passes its standard input and output and its environment to the server, which forks the
-rank (``_become``: that environment, folder, ``sys.argv``, ``sys.path``, signal handlers and thread count, its output
-unbuffered as ``python -u``'s), and answers with the rank's pid, then with how it ended; the client forwards the
-signals a rank gets from its launcher (SIGTERM, SIGINT, ...) to the rank's process group, ends as the rank ended
-(its status, or killed by its signal), and ends the rank when the launcher dies (``PR_SET_PDEATHSIG``, as ddpkit's
-own ranks ask for). The server kills a rank whose client is gone. Where the server is not up yet or is gone, the
-client runs the real interpreter in its place (``exec``): a run is never lost to this.
+process group. The client passes its environment and the file descriptors it inherited (standard input and output,
+and any other: multiprocessing's spawn passes two) to the server, which forks the rank (``_become``: those
+descriptors at their numbers, that environment, folder, ``sys.argv``, ``sys.path``, signal handlers and thread
+count, its output unbuffered as ``python -u``'s; ``-m MODULE``, ``-c CODE`` or a script), and answers with the rank's
+pid, then with how it ended; the client forwards the signals a rank gets from its launcher (SIGTERM, SIGINT, ...) to
+the rank's process group, ends as the rank ended (its status, or killed by its signal), and ends the rank when the
+launcher dies (``PR_SET_PDEATHSIG``, as ddpkit's own ranks ask for). The server kills a rank whose client is gone.
+While the server is starting, the client waits for it; where it is not there or is gone, the client runs the real
+interpreter in its place (``exec``): a run is never lost to this.
+
+The same client starts what something other than torchrun starts as Python (``conftest.warm_python``: mpirun's and
+srun's tasks, a node's launcher in tests/nodes.py), and a warm process's own ``sys.executable`` is the client
+(``warm.python_is``): a replica group's launcher, `ddpkit run`'s script under a scheduler, multiprocessing's spawn.
+A client started in other namespaces (a node of tests/nodes.py: its network, host name and /etc/hosts) has its
+process join them (``_join_namespaces``).
 
 What differs from a fresh rank, and where a test needs one (``run_ddpkit(..., fresh=True)``, or a launcher
 started by the test itself, which never sets ``PYTHON_EXEC``): the rank's pid is not the one its agent started
 (``worker_of`` maps one to the other for a test that stops or kills a rank), its ``/proc`` command line and
-environment are the server's, its parent is the server, and every rank shares the server's hash seed (a fresh one
-draws its own): code whose collectives follow the order of a set of strings can pass here and deadlock fresh.
+environment are the server's, its parent is the server (ddpkit's replica-group fence, which ends only its launcher's
+descendants, needs fresh ranks), and every rank shares the server's hash seed (a fresh one draws its own): code
+whose collectives follow the order of a set of strings can pass here and deadlock fresh.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import importlib
 import io
 import json
@@ -40,6 +50,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 from pathlib import Path
 
 import warm
@@ -52,6 +63,7 @@ PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "
            "torchvision", "torchvision.models", "numpy", "sklearn.datasets", "ddpkit", "ddpkit.app.trainer",
            "ddpkit.app.cli", "ddpkit.job"]
 MESSAGE_MAX = 1 << 20
+FDS_MAX = 64  # the file descriptors a client hands over, at most
 # Variables torchrun and ddpkit's launcher set for every rank that start with one of tests/warm.py's IMPORT_TIME
 # prefixes, but that are read when they are used, not when a module is imported. A rank whose environment differs
 # from the server's in another such variable (--find-hangs sets TORCH_DISTRIBUTED_DEBUG, which torch.distributed
@@ -60,6 +72,7 @@ READ_AT_RUN_TIME = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV
 
 _server: subprocess.Popen | None = None
 _folder: Path | None = None
+_folder_served = ""  # in the server: its folder (the client is its `python`)
 
 
 # ------------------------------------------------------------------------------------------------ in pytest
@@ -79,11 +92,16 @@ def environment(base: dict[str, str], *, leave_out: tuple[str, ...]) -> dict[str
         client.write_text(f"#!{sys.executable} -IS\n" + CLIENT.replace("REAL_PYTHON", repr(sys.executable))
                           .replace("SERVER_VARIABLE", repr(SERVER_VARIABLE)))
         client.chmod(0o755)
+        # What ddpkit looks for beside its Python (tests/warm.py's python_is): the stack tests' py-spy.
+        spy = shutil.which("py-spy", path=os.path.dirname(sys.executable))
+        if spy:
+            (_folder / "py-spy").symlink_to(spy)
         # The server's own environment is what modules read when they are imported: the pytest process's, without
         # variables read at import that a run may set (tests/warm.py's IMPORT_TIME: such runs start fresh) and
         # OpenMP's thread count (each rank sets its own).
         env = {key: value for key, value in os.environ.items()
                if key not in leave_out and not key.startswith(warm.IMPORT_TIME) and key != "OMP_NUM_THREADS"}
+        (_folder / "starting").touch()  # until the server accepts ranks (or has ended): clients wait for it
         with (_folder / "server.log").open("w") as log:
             _server = subprocess.Popen([sys.executable, __file__, str(_folder / "socket"), str(_folder)], env=env,
                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
@@ -144,16 +162,26 @@ def stop() -> None:
 # Run by torchrun's agent as the interpreter: `client -u [-m MODULE | SCRIPT] ARGS`. Standard library only, and
 # Python started with -I -S: it costs a few milliseconds, not seconds.
 CLIENT = r'''
-import ctypes, json, os, signal, socket, sys
+import ctypes, json, os, signal, socket, sys, time
 
 real = REAL_PYTHON
+path = os.environ.get(SERVER_VARIABLE, "")
+starting = os.path.join(os.path.dirname(path), "starting") if path else ""
+for _ in range(600):  # the server still importing (up to 30 s): wait for it, rather than import all of it again
+    if not starting or os.path.exists(path) or not os.path.exists(starting):
+        break
+    time.sleep(0.05)
+# What it inherited: standard input and output, and any other (multiprocessing's spawn passes a pipe and its
+# resource tracker's), handed to the rank at the same numbers.
+inherited = sorted(int(name) for name in os.listdir("/proc/self/fd"))
+inherited = [fd for fd in inherited if fd > 2 and os.path.exists(f"/proc/self/fd/{fd}")]
 try:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    server.connect(os.environ[SERVER_VARIABLE])
-except (OSError, KeyError):  # no server (yet): the real interpreter, as the agent would have started it
+    server.connect(path)
+except OSError:  # no server (yet): the real interpreter, as the agent would have started it
     os.execv(real, [real, *sys.argv[1:]])
-socket.send_fds(server, [json.dumps({"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}).encode()],
-                [0, 1, 2])
+socket.send_fds(server, [json.dumps({"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(),
+                                     "fds": [0, 1, 2, *inherited]}).encode()], [0, 1, 2, *inherited])
 started = json.loads(server.recv(4096) or b'{"fresh": true}')
 if started.get("fresh"):  # variables of its own that torch reads when it is imported: a fresh interpreter
     server.close()
@@ -193,23 +221,28 @@ def serve(path: str, folder: str) -> None:
     """Import PRELOAD, then fork a rank for each client that connects to ``path``, until SIGTERM."""
     import ctypes
 
+    global _folder_served
+    _folder_served = folder
     ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: ends with its pytest process
-    if os.getppid() == 1:  # which ended before the request was made
-        return
-    for name in PRELOAD:
-        importlib.import_module(name)
-    warm.interpreter_path()  # asked once, before the first rank needs it
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path + ".new")
-    listener.listen(64)
-    os.rename(path + ".new", path)  # clients connect once it accepts
+    try:
+        if os.getppid() == 1:  # which ended before the request was made
+            return
+        for name in PRELOAD:
+            importlib.import_module(name)
+        warm.interpreter_path()  # asked once, before the first rank needs it
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(path + ".new")
+        listener.listen(64)
+        os.rename(path + ".new", path)  # clients connect once it accepts
+    finally:  # accepting, or failed to: no client waits any longer
+        Path(folder, "starting").unlink(missing_ok=True)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, ("accept",))
     ranks: dict[int, tuple[int, socket.socket | None, int]] = {}  # pidfd -> (pid, the client's connection, its pid)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     while not stopping:
-        for key, _ in selector.select(timeout=1.0):
+        for key, _ in selector.select(timeout=0.1):  # SIGTERM seen within 0.1 s
             what = key.data
             if what[0] == "accept":
                 connection, _ = listener.accept()
@@ -217,22 +250,24 @@ def serve(path: str, folder: str) -> None:
             elif what[0] == "request":
                 connection = key.fileobj
                 selector.unregister(connection)
-                message, fds, _, _ = socket.recv_fds(connection, MESSAGE_MAX, 3)
-                if not message or len(fds) != 3:
+                message, fds, _, _ = socket.recv_fds(connection, MESSAGE_MAX, FDS_MAX)
+                request = json.loads(message) if message else {}
+                if len(fds) != len(request.get("fds", ())):
+                    for fd in fds:
+                        os.close(fd)
                     connection.close()
                     continue
-                request = json.loads(message)
                 if _read_at_import(request["env"]):
                     for fd in fds:
                         os.close(fd)
                     connection.send(json.dumps({"fresh": True}).encode())
                     connection.close()
                     continue
-                pid = _fork(request, fds)
-                for fd in fds:
-                    os.close(fd)
                 client = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                                      struct.calcsize("3i")))[0]
+                pid = _fork(request, fds, client)
+                for fd in fds:
+                    os.close(fd)
                 Path(folder, f"{client}.pid").write_text(str(pid))
                 connection.send(json.dumps({"pid": pid}).encode())
                 pidfd = os.pidfd_open(pid)
@@ -274,13 +309,15 @@ def _read_at_import(env: dict[str, str]) -> list[str]:
     return sorted(name for name in names if env.get(name) != os.environ.get(name))
 
 
-def _fork(request: dict, fds: list[int]) -> int:
-    """Fork the rank ``request`` describes, its standard input and output ``fds``; returns its pid."""
+def _fork(request: dict, fds: list[int], client: int) -> int:
+    """Fork the rank ``request`` describes, its standard input and output ``fds``, in the namespaces of the process
+    ``client``; returns its pid."""
     pid = os.fork()
     if pid:
         return pid
     status = 1
     try:
+        _join_namespaces(client)
         status = _become(request, fds)
     except BaseException:  # noqa: BLE001 - a failure to start the rank: said on its stderr, status 1
         traceback.print_exc()
@@ -288,13 +325,44 @@ def _fork(request: dict, fds: list[int]) -> int:
         os._exit(status)
 
 
+# The namespaces a client may have apart from the server's: a "node" of tests/nodes.py is a network namespace and a
+# mount namespace (`ip netns exec` mounts the node's /etc/hosts) with a host name of its own (`unshare --uts`).
+NAMESPACES = {"net": 0x40000000, "uts": 0x04000000, "mnt": 0x00020000}  # CLONE_NEWNET, CLONE_NEWUTS, CLONE_NEWNS
+
+
+def _join_namespaces(client: int) -> None:
+    """In the forked process (one thread, as setns wants for a mount namespace): into each of the client's
+    namespaces that is not the server's, so that the rank listens, connects, resolves names and calls itself as
+    where its client was started. Root only, as the tests that make such nodes are."""
+    import ctypes
+
+    joins = []
+    for name, kind in NAMESPACES.items():
+        theirs, ours = os.stat(f"/proc/{client}/ns/{name}"), os.stat(f"/proc/self/ns/{name}")
+        if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino):
+            joins.append((name, kind, os.open(f"/proc/{client}/ns/{name}", os.O_RDONLY)))  # all opened first
+    libc = ctypes.CDLL(None, use_errno=True)
+    for name, kind, fd in joins:
+        if libc.setns(fd, kind) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"cannot join the client's {name} namespace: {os.strerror(error)}")
+        os.close(fd)
+
+
 def _become(request: dict, fds: list[int]) -> int:
     """In the forked process: run what ``python ARGV`` started in the client's folder with its environment would
     run, and return its exit status (after what the interpreter runs at exit)."""
     os.setsid()  # a process group of its own, which the client signals
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-    os.closerange(3, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") < 1 << 16 else 1 << 16)
+    # The client's descriptors at its numbers (through copies above them all: a number may be one of the received),
+    # and no other.
+    targets = request["fds"]
+    copies = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, max([*fds, *targets]) + 1) for fd in fds]
+    for copy, target in zip(copies, targets):
+        os.dup2(copy, target)
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) not in targets:
+            with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+                os.close(int(name))
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     for number in range(1, signal.NSIG):
         if number in (signal.SIGKILL, signal.SIGSTOP):
@@ -309,9 +377,12 @@ def _become(request: dict, fds: list[int]) -> int:
     while argv and argv[0] in ("-u", "-B", "-E", "-s"):  # -u: warm.become's streams are unbuffered
         argv.pop(0)
     module = argv[1] if argv[:1] == ["-m"] else None
-    # sys.path's first entry as Python sets it: the current folder under -m, else the script's.
-    first = request["cwd"] if module else os.path.dirname(os.path.abspath(os.path.join(request["cwd"], argv[0])))
+    code = argv[1] if argv[:1] == ["-c"] else None
+    # sys.path's first entry as Python sets it: the current folder under -m, '' under -c, else the script's.
+    first = (request["cwd"] if module else "" if code is not None
+             else os.path.dirname(os.path.abspath(os.path.join(request["cwd"], argv[0]))))
     warm.become(request["env"], request["cwd"], first, warm.interpreter_path())
+    warm.python_is(os.path.join(_folder_served, "python"))
     import numpy
     import torch
 
@@ -319,7 +390,11 @@ def _become(request: dict, fds: list[int]) -> int:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # what OpenMP reads when torch loads it
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
-        if module:
+        if code is not None:  # in a new __main__, as the interpreter runs `-c CODE`
+            sys.argv = ["-c", *argv[2:]]
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            exec(compile(code, "<string>", "exec"), main.__dict__)  # noqa: S102 - what the client was asked to run
+        elif module:
             sys.argv = [module, *argv[2:]]
             # Run afresh as __main__, as in a fresh interpreter, where nothing imported it before (a package runs
             # its __main__, and stays imported).
@@ -363,3 +438,4 @@ def _status_of(code) -> int:
 
 if __name__ == "__main__":
     serve(*sys.argv[1:3])
+    os._exit(0)  # its ranks ended: nothing of the interpreter's own teardown (torch's) is needed
