@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddpkit
-from conftest import REPO, child_env, leftover_processes, run_ddpkit
+from conftest import REPO, leftover_processes, run_ddpkit, warm_python, warm_ranks_env
 
 SCRIPT = r'''
 import json, os, sys
@@ -181,7 +181,8 @@ job.prepare(nn.Linear(2, 2), "not a loader")
 def test_a_usage_error_outside_with_is_one_line_and_status_2(tmp_path):
     script = tmp_path / "oops.py"
     script.write_text(USAGE_ERROR)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=child_env(),
+    env = warm_ranks_env()
+    done = subprocess.run(warm_python([sys.executable, str(script)], env), capture_output=True, text=True, env=env,
                           timeout=120)
     assert done.returncode == 2, done.stderr  # before: 1, after a traceback
     assert "Traceback" not in done.stderr
@@ -206,10 +207,12 @@ def test_a_stop_before_the_first_step_ends_the_rank_at_once(tmp_path):
     waiting = {}
     for sig in (signal.SIGTERM, signal.SIGINT):
         port = free_port()
-        env = child_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(port))
-        waiting[sig] = (port, subprocess.Popen([sys.executable, "-c", WAITS_FOR_A_PEER], env=env, text=True,
-                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        # Forked from a warm interpreter (tests/warm_ranks.py): the signal reaches it through its client, as a
+        # launcher's reaches a rank.
+        env = warm_ranks_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                             MASTER_PORT=str(port))
+        waiting[sig] = (port, subprocess.Popen(warm_python([sys.executable, "-c", WAITS_FOR_A_PEER], env), env=env,
+                                               text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     try:
         for sig, (port, proc) in waiting.items():
             deadline = time.monotonic() + 60

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from conftest import child_env, children_of, leftover_processes, run_ddpkit
+from conftest import children_of, leftover_processes, run_ddpkit, warm_python, warm_ranks_env
+import warm_ranks
 from ddpkit import checkpoint
 from ddpkit.watch import heartbeat
 from ddpkit.core.errors import UsageError
@@ -187,10 +188,14 @@ class StoppedRank:
     def __init__(self, out: Path, rank: int, *flags: str):
         self.out, self.rank = out, rank
         self.err = out.with_name("stderr.txt")  # a file, not a pipe: nobody reads it while another job is awaited
+        # The launcher, and the ranks it starts (torchrun's or spawn's), forked from a warm interpreter
+        # (tests/warm_ranks.py): the stopped rank is the process that publishes its beat.
+        self.env = warm_ranks_env()
         with self.err.open("w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "ddpkit", "train", "--nproc-per-node", "2", "--epochs",
-                                          "400", "--output-dir", str(out), "--no-progress", *flags], env=child_env(),
-                                         stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+            self.proc = subprocess.Popen(warm_python([sys.executable, "-m", "ddpkit", "train", "--nproc-per-node", "2",
+                                                      "--epochs", "400", "--output-dir", str(out), "--no-progress",
+                                                      *flags], self.env),
+                                         env=self.env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         self.pid, self.stopped, self.ended = None, None, None
         self.status: subprocess.Popen | None = None  # `ddpkit status` while the rank is stopped
 
@@ -201,9 +206,13 @@ class StoppedRank:
             time.sleep(0.5)
         # The pid each rank publishes with its heartbeat (whichever launcher started it).
         self.pid = json.loads((self.out / "status.json").read_text())["ranks"][self.rank]["pid"]
-        assert self.pid in children_of(self.proc.pid), f"rank {self.rank} (pid {self.pid}) is not the launcher's"
+        assert self.pid in self.ranks(), f"rank {self.rank} (pid {self.pid}) is not the launcher's"
         os.kill(self.pid, signal.SIGSTOP)
         self.stopped = time.monotonic()
+
+    def ranks(self) -> set[int]:
+        """The processes that run the launcher's ranks."""
+        return {warm_ranks.worker_of(pid) for pid in children_of(warm_ranks.worker_of(self.proc.pid))}
 
     def look_while_stopped(self) -> None:
         """Once the job's status shows the stopped rank silent for 10 s, run `ddpkit status` on it (once)."""
@@ -212,9 +221,9 @@ class StoppedRank:
         with contextlib.suppress(OSError, ValueError):  # not written yet
             beats = json.loads((self.out / "status.json").read_text())["ranks"]
             if beats[self.rank]["silent_s"] >= 10:
-                self.status = subprocess.Popen([sys.executable, "-m", "ddpkit", "status", str(self.out)],
-                                               env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                               text=True)
+                self.status = subprocess.Popen(warm_python([sys.executable, "-m", "ddpkit", "status", str(self.out)],
+                                                           self.env),
+                                               env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def ended_by_now(self) -> bool:
         if self.ended is None and self.proc.poll() is not None:
@@ -230,8 +239,9 @@ class StoppedRank:
             self.status.kill()
             self.status.communicate()
         if self.proc.poll() is None:
-            for pid in children_of(self.proc.pid):
-                os.kill(pid, signal.SIGKILL)
+            for pid in [*self.ranks(), *children_of(warm_ranks.worker_of(self.proc.pid))]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 

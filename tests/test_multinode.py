@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DIGITS_CONVNET, child_env, every_sample_once, max_relative_difference
+from conftest import DIGITS_CONVNET, every_sample_once, max_relative_difference, warm_python, warm_ranks_env
 from listening import listening
 from nodes import SUBNET, ip as _ip, make_nodes as _make_nodes, run_on_nodes as _run_on_nodes
 import warm_ranks
@@ -161,18 +161,19 @@ def test_a_node_named_loopback_with_several_interfaces_and_no_route_says_which_t
         for index in (1, 2):
             _ip("-n", name, "addr", "add", f"10.24{index}.0.5/24", "dev", f"eth{index}")
             _ip("-n", name, "link", "set", f"eth{index}", "up")
+        env = warm_ranks_env()  # its Python forked from a warm interpreter, in the namespace (tests/warm_ranks.py)
         argv = [sys.executable, "-m", "ddpkit", "train", *RUN, "--nnodes", "2", "--node-rank", "1",
                 "--master-addr", "10.250.0.1", "--output-dir", str(tmp_path)]
         result = subprocess.run(["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c",
-                                 'hostname node-c && exec "$@"', "node", *argv],
-                                env=child_env(), capture_output=True, text=True, timeout=60)
+                                 'hostname node-c && exec "$@"', "node", *warm_python(argv, env)],
+                                env=env, capture_output=True, text=True, timeout=60)
         # With one interface besides loopback, the node that is the rendezvous host itself (its own name, which
         # resolves to loopback here) takes that one.
         _ip("-n", name, "addr", "del", "10.242.0.5/24", "dev", "eth2")
         chosen = subprocess.run(["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c",
-                                 'hostname node-c && exec "$@"', "node", sys.executable, "-c",
-                                 "from ddpkit.core import network; print(network.gloo_interface('node-c'))"],
-                                env=child_env(), capture_output=True, text=True, timeout=60)
+                                 'hostname node-c && exec "$@"', "node", *warm_python([sys.executable, "-c",
+                                 "from ddpkit.core import network; print(network.gloo_interface('node-c'))"], env)],
+                                env=env, capture_output=True, text=True, timeout=60)
     finally:
         with contextlib.suppress(subprocess.CalledProcessError):
             _ip("netns", "delete", name)

@@ -409,21 +409,26 @@ def _become(request: dict, fds: list[int]) -> int:
     except SystemExit as stop:
         status = _status_of(stop.code)
     except KeyboardInterrupt as interrupt:
-        _print_traceback(interrupt)
+        _uncaught(interrupt)
         warm.run_exit_functions()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
         return 130
-    except BaseException as error:  # noqa: BLE001 - as the interpreter: the traceback, then status 1
-        _print_traceback(error)
-        status = 1
+    except BaseException as error:  # noqa: BLE001 - as the interpreter: sys.excepthook, then status 1
+        status = _uncaught(error)
     warm.run_exit_functions()
     return status
 
 
-def _print_traceback(error: BaseException) -> None:
-    """The traceback as the interpreter prints it, from runpy's frames on (without this module's)."""
-    traceback.print_exception(type(error), error, error.__traceback__.tb_next)
+def _uncaught(error: BaseException) -> int:
+    """What the interpreter does with an exception that ends the program: ``sys.excepthook`` (a traceback from runpy's
+    frames on, without this module's; or what the program hooked there, which may end the process itself, as
+    ddpkit's one line for a UsageError does), then status 1."""
+    try:
+        sys.excepthook(type(error), error, error.__traceback__.tb_next)
+    except SystemExit as stop:
+        return _status_of(stop.code)
+    return 1
 
 
 def _status_of(code) -> int:
