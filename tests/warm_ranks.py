@@ -159,8 +159,9 @@ def stop() -> None:
 
 # ------------------------------------------------------------------------------------------------ the client
 
-# Run by torchrun's agent as the interpreter: `client -u [-m MODULE | SCRIPT] ARGS`. Standard library only, and
-# Python started with -I -S: it costs a few milliseconds, not seconds.
+# Run by torchrun's agent as the interpreter, `client -u [-m MODULE | SCRIPT] ARGS`, and as Python by whatever a warm
+# process or a test starts (`-c CODE`: multiprocessing's spawn). Standard library only, and Python started with -I
+# -S: it costs a few milliseconds, not seconds.
 CLIENT = r'''
 import ctypes, json, os, signal, socket, sys, time
 
@@ -252,7 +253,7 @@ def serve(path: str, folder: str) -> None:
                 selector.unregister(connection)
                 message, fds, _, _ = socket.recv_fds(connection, MESSAGE_MAX, FDS_MAX)
                 request = json.loads(message) if message else {}
-                if len(fds) != len(request.get("fds", ())):
+                if not message or len(fds) != len(request.get("fds", ())):  # a client gone before it asked
                     for fd in fds:
                         os.close(fd)
                     connection.close()
