@@ -1,9 +1,10 @@
 """Run every script in examples/ for real: 2 CPU processes (gloo), tiny sizes, through the real launchers.
 
 Each example is started as ``python -m ddpkit run --nproc-per-node 2 ...`` (conftest.run_ddpkit: warm), the spawn
-demo as ``python examples/mp_spawn_demo.py``, which starts its own processes. The checks go beyond "it exited 0": rank-0-only logging (each log line appears once, not
-once per process), the training set split over the ranks (the step count per epoch), the validation set
-counted exactly once, the replicas in sync, and the checkpoint loadable into the bare model.
+demo as ``python examples/mp_spawn_demo.py``, which starts its own processes. The checks go beyond "it exited 0":
+rank-0-only logging (each log line appears once, not once per process), the training set split over the ranks (the
+step count per epoch), the validation set counted exactly once, the replicas in sync, and the checkpoint loadable
+into the bare model.
 """
 
 from __future__ import annotations

@@ -210,9 +210,13 @@ class StoppedRank:
         os.kill(self.pid, signal.SIGSTOP)
         self.stopped = time.monotonic()
 
+    def clients(self) -> list[int]:
+        """The launcher's children: its ranks, or the clients that have them run warm (tests/warm_ranks.py)."""
+        return children_of(warm_ranks.worker_of(self.proc.pid))
+
     def ranks(self) -> set[int]:
         """The processes that run the launcher's ranks."""
-        return {warm_ranks.worker_of(pid) for pid in children_of(warm_ranks.worker_of(self.proc.pid))}
+        return {warm_ranks.worker_of(pid) for pid in self.clients()}
 
     def look_while_stopped(self) -> None:
         """Once the job's status shows the stopped rank silent for 10 s, run `ddpkit status` on it (once)."""
@@ -239,7 +243,8 @@ class StoppedRank:
             self.status.kill()
             self.status.communicate()
         if self.proc.poll() is None:
-            for pid in [*self.ranks(), *children_of(warm_ranks.worker_of(self.proc.pid))]:
+            clients = self.clients()
+            for pid in {*clients, *map(warm_ranks.worker_of, clients)}:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             os.killpg(self.proc.pid, signal.SIGKILL)

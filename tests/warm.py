@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import threading
-import traceback
 from multiprocessing import reduction
 
 # What the launcher of `ddpkit run` and `ddpkit train` imports, once for all the launches of this pytest process.
@@ -82,10 +81,19 @@ def python_is(client: str) -> None:
     Python starts warm too: ddpkit's own children (a replica group's launcher; under a scheduler, `ddpkit run`'s
     script, which it starts with ``sys.executable``) and multiprocessing's spawn (``--launcher spawn``, a script's
     ``mp.spawn``). The client's folder holds the tools ddpkit looks for beside its Python (py-spy)."""
-    import multiprocessing
-
     sys.executable = client
     multiprocessing.set_executable(client)
+
+
+def uncaught(error: BaseException):
+    """What the interpreter does with an exception that ends the program, caught by its caller: ``sys.excepthook``
+    (a traceback without the caller's own frame; or what the program hooked there, which may end the process itself,
+    as ddpkit's one line for a UsageError does). Returns the exit code: 1, or what the hook exited with."""
+    try:
+        sys.excepthook(type(error), error, error.__traceback__.tb_next)
+    except SystemExit as stop:
+        return stop.code
+    return 1
 
 
 def run_exit_functions() -> None:
@@ -131,8 +139,7 @@ def _main(argv: list[str], env: dict[str, str], cwd: str, interpreter_path: list
         status = main(argv)
     except SystemExit as stop:
         status = stop.code
-    except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, then status 1
-        traceback.print_exc()
-        status = 1
+    except BaseException as error:  # noqa: BLE001 - as the interpreter would: sys.excepthook, then status 1
+        status = uncaught(error)
     run_exit_functions()
     sys.exit(status)

@@ -410,26 +410,15 @@ def _become(request: dict, fds: list[int]) -> int:
     except SystemExit as stop:
         status = _status_of(stop.code)
     except KeyboardInterrupt as interrupt:
-        _uncaught(interrupt)
+        warm.uncaught(interrupt)
         warm.run_exit_functions()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
         return 130
     except BaseException as error:  # noqa: BLE001 - as the interpreter: sys.excepthook, then status 1
-        status = _uncaught(error)
+        status = _status_of(warm.uncaught(error))  # the traceback from runpy's frames on, without this module's
     warm.run_exit_functions()
     return status
-
-
-def _uncaught(error: BaseException) -> int:
-    """What the interpreter does with an exception that ends the program: ``sys.excepthook`` (a traceback from runpy's
-    frames on, without this module's; or what the program hooked there, which may end the process itself, as
-    ddpkit's one line for a UsageError does), then status 1."""
-    try:
-        sys.excepthook(type(error), error, error.__traceback__.tb_next)
-    except SystemExit as stop:
-        return _status_of(stop.code)
-    return 1
 
 
 def _status_of(code) -> int:
