@@ -15,6 +15,7 @@ from listening import not_loopback
 from ddpkit.app.cli import main
 
 NO_GPU = torch.cuda.device_count() == 0
+DEMO = str(Path(__file__).resolve().parents[1] / "examples" / "ddp_demo.py")  # a script that exists
 
 
 @pytest.mark.parametrize(
@@ -84,6 +85,21 @@ NO_GPU = torch.cuda.device_count() == 0
         (["bench", "--precision", "fp8"], "invalid choice: 'fp8'"),
         (["status", "/no/such/dir"], "ddpkit status /no/such/dir: no such folder (give a run's --output-dir)"),
         (["status", "/tmp", "--every", "0"], "--every must be a number of seconds above 0, got 0.0"),
+        (["run", "--launcher", "spawn", DEMO], "ddpkit run starts a script with torchrun's agent or on Ray: drop "
+                                              "--launcher spawn (it is for ddpkit train)"),
+        (["run", "--address", "head:6379", DEMO], "--address names a Ray cluster: add --launcher ray, or drop --address"),
+        (["train", "--address", "head:6379"], "--address names a Ray cluster: add --launcher ray"),
+        (["run", "--launcher", "ray", "--master-addr", "10.0.0.1", "--nnodes", "2", DEMO],
+         "--launcher ray: Ray places the ranks and picks rank 0's node as the master; drop --master-addr"),
+        (["run", "--launcher", "ray", "--nnodes", "1:2", DEMO], "--launcher ray runs on a fixed number of nodes: give "
+                                                               "--nnodes 2, not 1:2"),
+        (["run", "--launcher", "ray", "--log-dir", "logs", DEMO], "--log-dir: under --launcher ray each rank's output"),
+        (["run", "--launcher", "ray", "--replica-groups", "2", DEMO],
+         "--replica-groups starts each group with torchrun's agent: drop --launcher ray"),
+        (["train", "--launcher", "ray", "--address", "localhost"],
+         "--address 'localhost': give the Ray cluster's head as HOST:PORT"),
+        (["run", "--launcher", "ray", "--address", "127.0.0.1:1", DEMO],
+         "no Ray cluster answers at 127.0.0.1:1 (Connection refused): start one there with `ray start --head --port 1`"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(argv, message, capsys):

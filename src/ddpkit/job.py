@@ -55,6 +55,7 @@ from torch.utils.data import DataLoader
 
 from ddpkit import checkpoint, data, strategies
 from ddpkit.core import progress
+from ddpkit.core import ray_reports
 from ddpkit.watch import heartbeat, pace, replicas
 from ddpkit.core import process_group, signals
 from ddpkit.core.errors import UsageError
@@ -441,11 +442,14 @@ class Job:
 
     # -- evaluation, output
 
-    def evaluate(self, model: nn.Module, loader, loss_fn=F.cross_entropy, *, topk=(1,)) -> tuple:
+    def evaluate(self, model: nn.Module, loader, loss_fn=F.cross_entropy, *, topk=(1,), report: bool = True) -> tuple:
         """``(loss, accuracy, count)`` over the whole validation set, each sample once, with rank 0's BatchNorm
         statistics on every rank (what ``save_model`` writes); ``topk=(1, 5)``: ``(loss, top1, top5, count)``;
         ``topk=()``: ``(loss, count)``. Per token for a language model's outputs, on the first item of a model
-        that returns a tuple (``ddpkit.evaluate``). Every rank calls it.
+        that returns a tuple (``ddpkit.evaluate``). Every rank calls it. Under Ray Train (``report``, the default)
+        the result also goes to ``ray.train.report`` as ``val_loss``, ``val_acc`` (or ``val_top1``, ``val_top5``),
+        ``val_count`` and ``global_step``, from every rank (``ddpkit.core.ray_reports``); elsewhere ``report`` does
+        nothing.
 
             loss, top1, top5, count = job.evaluate(model, val_loader, topk=(1, 5))
         """
@@ -454,8 +458,11 @@ class Job:
         if isinstance(loader, data.DeviceLoader):
             loader = loader.for_evaluation()  # a training loader's data, each sample once (not its padded pass)
         with self._between_steps():
-            return evaluate(self.strategy.eval_module(model), loader, self.runtime, self.amp,
-                            lockstep=self.strategy.eval_lockstep, loss_fn=loss_fn, topk=topk)
+            result = evaluate(self.strategy.eval_module(model), loader, self.runtime, self.amp,
+                              lockstep=self.strategy.eval_lockstep, loss_fn=loss_fn, topk=topk)
+        if report:
+            ray_reports.report(evaluation_metrics(result, topk, self.global_step))
+        return result
 
     def _between_steps(self):
         """A block between two steps that the replica groups' fence does not time (evaluation, saving)."""
@@ -594,6 +601,15 @@ class GroupCheckpointer(checkpoint.Checkpointer):
 
     def resume(self, source: str | os.PathLike | None = "auto"):
         return self.progress._loop.join(read=lambda: super(GroupCheckpointer, self).resume(source))
+
+
+def evaluation_metrics(result: tuple, topk, global_step: int) -> dict:
+    """``Job.evaluate``'s result by name: val_loss, val_acc (one k of 1) or val_top<k> for each k, val_count."""
+    loss, *accuracies, count = result
+    topk = tuple(topk)
+    names = ["val_acc"] if topk == (1,) else [f"val_top{k}" for k in topk]
+    return {"val_loss": float(loss), **{name: float(value) for name, value in zip(names, accuracies)},
+            "val_count": int(count), "global_step": global_step}
 
 
 def in_replica_groups() -> bool:

@@ -51,7 +51,7 @@ def cmd_doctor(ns: argparse.Namespace, argv: Sequence[str]) -> int:
 
     from ddpkit.app import doctor
 
-    if _already_a_rank():
+    if _already_a_rank() and not _in_ray_workers_group():
         from ddpkit.core import process_group
 
         with process_group.distributed() as runtime:
@@ -77,6 +77,14 @@ def cmd_doctor(ns: argparse.Namespace, argv: Sequence[str]) -> int:
             with open(ns.json, "w") as handle:
                 json.dump(report, handle, indent=2)
     return 0 if check is None or check["ok"] else 1
+
+
+def _in_ray_workers_group() -> bool:
+    """Whether this process runs beside a Ray Train worker's own process group (in the worker, or started by it
+    other than as a ``--launcher ray`` rank): MASTER_PORT is Ray's, whose store is not for a check of ddpkit's."""
+    from ddpkit.core.ray_reports import REPORTS_ENV
+
+    return env_mod.detect(os.environ).launcher == "ray" and REPORTS_ENV not in os.environ
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
@@ -125,8 +133,9 @@ def _launch_options(ns: argparse.Namespace, launcher: str = "torchrun", one_proc
     )
 
 
-def _check_before_launch(cfg, options: LaunchOptions) -> None:
-    """Refuse what this machine or the world size cannot run, before starting any process."""
+def _check_before_launch(cfg, options: LaunchOptions, cuda_count: int | None = None) -> None:
+    """Refuse what this machine (or, given ``cuda_count``, each node of a cluster with that many GPUs for the job's
+    processes on it) or the world size cannot run, before starting any process."""
     import torch
 
     from ddpkit import zoo
@@ -134,7 +143,8 @@ def _check_before_launch(cfg, options: LaunchOptions) -> None:
     from ddpkit.app.trainer import strategy_for
 
     strategy = strategy_for(cfg)
-    nproc, cuda_count = options.nproc_per_node, torch.cuda.device_count()
+    nproc = options.nproc_per_node
+    cuda_count = torch.cuda.device_count() if cuda_count is None else cuda_count
     # The last local rank is the one that runs out of GPUs first.
     device = choose_device(cfg.device, local_rank=nproc - 1, local_world_size=nproc, cuda_count=cuda_count)
     choose_backend(cfg.backend, device=device, local_world_size=nproc, cuda_count=cuda_count)
@@ -203,6 +213,9 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str], parser: argparse.Argu
     if ns.replica_groups is not None:
         return _train_replica_groups(ns, argv, parser, cfg)
     _refuse_replica_flags_alone(ns)
+    if ns.launcher == "ray":
+        return _train_on_ray(ns, argv, parser, cfg)
+    _refuse_address(ns)
     options = _launch_options(ns, ns.launcher, one_process=trainer.strategy_for(cfg).one_process)
     _check_before_launch(cfg, options)
     warn_earlier_run(cfg.output_dir)
@@ -218,6 +231,24 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str], parser: argparse.Argu
     # warnings and errors (ddpkit.launch.rank_logs).
     options = dataclasses.replace(options, rank_logs=os.path.join(cfg.output_dir, trainer.LOGS_FOLDER))
     return _workers_done(elastic(options, ["-m", "ddpkit", *argv]))
+
+
+def _train_on_ray(ns: argparse.Namespace, argv: Sequence[str], parser: argparse.ArgumentParser, cfg) -> int:
+    """``ddpkit train`` with one rank per Ray Train worker: each runs this command line again as its rank."""
+    from ddpkit.app import trainer
+
+    if trainer.strategy_for(cfg).one_process and ns.nproc_per_node == "auto":
+        ns.nproc_per_node = "1"  # single and dp are one process per node by nature
+
+    def prepare(nproc_per_node: int, use_gpu: bool) -> None:
+        _check_before_launch(cfg, LaunchOptions(nproc_per_node=nproc_per_node, nnodes=parse_nnodes(ns.nnodes)[1],
+                                                launcher="ray"), cuda_count=nproc_per_node if use_gpu else 0)
+        warn_earlier_run(cfg.output_dir)
+        _write_resolved_config(ns, parser, cfg, nproc_per_node)
+        os.environ[CONFIG_WRITTEN_ENV] = "1"  # the ranks run this command again: they need not write it again
+
+    return _on_ray(ns, ["-m", "ddpkit", *argv], name=f"ddpkit-train-{cfg.model}", want_gpu=cfg.device != "cpu",
+                   prepare=prepare)
 
 
 def _workers_done(status: int) -> int:
@@ -283,12 +314,23 @@ def cmd_run(ns: argparse.Namespace) -> int:
     elif not os.path.isfile(ns.script):
         raise UsageError(f"script {ns.script!r} does not exist")
     script = (["-m"] if ns.module else []) + [ns.script]
+    if ns.launcher == "spawn":
+        raise UsageError("ddpkit run starts a script with torchrun's agent or on Ray: drop --launcher spawn (it is for "
+                         "ddpkit train), or give --launcher torchrun or ray")
     if ns.replica_groups is not None:
+        if ns.launcher != "torchrun":
+            raise UsageError(f"--replica-groups starts each group with torchrun's agent: drop --launcher {ns.launcher}")
         return _run_replica_groups(ns, script)
     _refuse_replica_flags_alone(ns)
     # Each worker runs the script unedited, under ddpkit's watch (--timeout and the stall watch reach a script
     # that starts its own process group too): ddpkit.app.watched.
     watched = ["-m", WATCHED]
+    if ns.launcher == "ray" and not _already_a_rank():
+        if ns.log_dir is not None:
+            raise UsageError("--log-dir: under --launcher ray each rank's output goes to Ray's logs and to this console, "
+                             "prefixed with its Ray worker; drop --log-dir")
+        return _on_ray(ns, [*watched, *script, *ns.script_args], name=os.path.basename(ns.script))
+    _refuse_address(ns)
     if _already_a_rank():
         # srun -n N ddpkit run script.py: this task is one rank. Give the script torchrun's variables
         # (rank, world, master from Slurm) and become it; starting N more processes would be wrong.
@@ -308,6 +350,30 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if ns.log_dir is None and (not os.listdir(folder) or (status == 0 and not rank_logs.folder_named())):
         # No rank wrote anything, or every line is on the console and nothing failed: no copy is needed.
         shutil.rmtree(folder, ignore_errors=True)
+    return _workers_done(status)
+
+
+def _refuse_address(ns: argparse.Namespace) -> None:
+    if getattr(ns, "address", None) is not None:
+        raise UsageError("--address names a Ray cluster: add --launcher ray, or drop --address")
+
+
+def _on_ray(ns: argparse.Namespace, command: list[str], *, name: str, want_gpu: bool = True, prepare=None) -> int:
+    """``command`` as one rank per Ray Train worker on the cluster at --address (``ddpkit.launch.on_ray``), with
+    the launch flags checked first: the nodes, the processes on each, the restarts. ``prepare(nproc_per_node,
+    use_gpu)`` runs once the cluster said what it holds, before any rank starts."""
+    from ddpkit.launch import on_ray
+
+    min_nodes, nnodes = parse_nnodes(ns.nnodes)
+    if min_nodes is not None and min_nodes != nnodes:
+        raise UsageError(f"--launcher ray runs on a fixed number of nodes: give --nnodes {nnodes}, not {ns.nnodes} "
+                         "(Ray restarts the whole group, --max-restarts times)")
+    nproc = ns.nproc_per_node if ns.nproc_per_node == "auto" else resolve_nproc(ns.nproc_per_node)
+    LaunchOptions(nproc_per_node=1 if nproc == "auto" else nproc, nnodes=nnodes, node_rank=ns.node_rank,
+                  master_addr=ns.master_addr, master_port=ns.master_port, max_restarts=ns.max_restarts,
+                  launcher="ray", rdzv_endpoint=ns.rdzv_endpoint, rdzv_id=ns.rdzv_id)
+    status = on_ray.launch(command, address=ns.address, nnodes=nnodes, nproc_per_node=nproc,
+                           max_restarts=ns.max_restarts, want_gpu=want_gpu, name=name, prepare=prepare)
     return _workers_done(status)
 
 
@@ -475,6 +541,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    signals.end_with_parent_if_asked()  # a rank a Ray worker started (ddpkit train --launcher ray) ends with it
     try:
         logs.configure()
         parser = build_parser()

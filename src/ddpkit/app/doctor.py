@@ -76,6 +76,39 @@ def variables(environ: dict[str, str] | None = None) -> list[dict[str, str]]:
             for name in names]
 
 
+def launched_by(environ: dict[str, str] | None = None) -> dict | None:
+    """Which launcher made this process a rank and what ddpkit read from it (None when none did): torchrun, Slurm,
+    MPI, or a Ray worker (Ray Train's TorchTrainer, or a rank ``--launcher ray`` started from one)."""
+    from ddpkit.core import env as env_mod
+
+    environ = dict(os.environ if environ is None else environ)
+    try:
+        if not env_mod.is_launched(environ):
+            return None
+        found = env_mod.detect(environ)
+    except ValueError as error:
+        return {"launcher": "unreadable", "error": str(error)}
+    read = {"launcher": found.launcher, "rank": found.rank, "world_size": found.world_size,
+            "local_rank": found.local_rank, "local_world_size": found.local_world_size, "node_rank": found.node_rank,
+            "master": f"{found.master_addr}:{found.master_port}", "restart_count": found.restart_count}
+    if found.launcher == "ray":
+        read["ray"] = {name: environ[name] for name in ("RAY_RAYLET_PID", "RAY_JOB_ID", "RAY_NODE_ID")
+                       if name in environ}
+    return read
+
+
+def launched_line(read: dict) -> str:
+    """``launched_by``'s finding in one line."""
+    if read["launcher"] == "unreadable":
+        return f"started by a launcher whose variables ddpkit cannot read: {read['error']}"
+    where = read["launcher"]
+    if where == "ray":
+        where = "a Ray worker (Ray Train; " + ", ".join(f"{name}={value}" for name, value in read["ray"].items()) + ")"
+    restarted = f", restart {read['restart_count']}" if read["restart_count"] else ""
+    return (f"started by {where}: rank {read['rank']} of {read['world_size']}, local rank {read['local_rank']} of "
+            f"{read['local_world_size']}, node {read['node_rank']}, master {read['master']}{restarted}")
+
+
 def gpus() -> list[dict]:
     found = []
     for index in range(torch.cuda.device_count()):
@@ -105,6 +138,7 @@ def machine_report(port: int | None = None) -> dict:
         "port_holders": processes.port_holders(port),
         "gpu_processes": processes.gpu_processes() if cuda else [],
         "host_name": None if os.environ.get(GLOO_VARIABLE) else loopback_name_warning(),
+        "launched_by": launched_by(),
     }
     return report
 
@@ -155,6 +189,7 @@ def format_report(report: dict) -> str:
     v = report["versions"]
     lines = [f"torch {v['torch']}, python {v['python']}, CUDA {v['cuda'] or '-'}, cuDNN {v['cudnn'] or '-'}, "
              f"NCCL {v['nccl'] or '-'}",
+             *([launched_line(report["launched_by"])] if report.get("launched_by") else []),
              "backends: " + ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in report["backends"].items()),
              f"CPU cores usable: {report['cpu_cores']}"]
     if report["gpus"]:

@@ -33,7 +33,13 @@ def add_launch_flags(parser: argparse.ArgumentParser, *, with_launcher: bool = F
     group = parser.add_argument_group("launching (as torchrun)")
     if with_launcher:
         group.add_argument("--launcher", default="torchrun", choices=LAUNCHERS,
-                           help="torchrun (its elastic agent) or spawn (torch.multiprocessing.spawn) (default: torchrun)")
+                           help="torchrun (its elastic agent), spawn (torch.multiprocessing.spawn; train only) or ray "
+                                "(one Ray Train worker per process on a Ray cluster, placed by Ray: --address; "
+                                "docs/ray.md) (default: torchrun)")
+        group.add_argument("--address", default=None, metavar="HOST:PORT",
+                           help="with --launcher ray: the Ray cluster's head (its GCS port, as `ray start --head` "
+                                "prints it), auto, or ray://HOST:10001 (default: RAY_ADDRESS, else a cluster started "
+                                "on this machine, else a new local one)")
     group.add_argument("--nproc-per-node", default="auto", metavar="N|auto",
                        help="processes on this node; auto = one per GPU, or 2 without GPUs (default: auto)")
     group.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
@@ -121,7 +127,7 @@ def add_run_command(commands) -> None:
         "run", help="start a torchrun-style script on N processes",
         description="Run SCRIPT on every process, like torchrun: each gets RANK, LOCAL_RANK, WORLD_SIZE, "
                     "MASTER_ADDR and MASTER_PORT in its environment.")
-    add_launch_flags(run)
+    add_launch_flags(run, with_launcher=True)
     add_log_flag(run)
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help="how long a collective waits for the other ranks before failing, for scripts on ddpkit "

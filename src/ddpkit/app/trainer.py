@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from ddpkit import checkpoint, data, strategies, zoo
 from ddpkit.watch import heartbeat, replicas, status
-from ddpkit.core import logs, preempt, process_group
+from ddpkit.core import logs, preempt, process_group, ray_reports
 from ddpkit.launch import nccl
 from ddpkit.app import trackers
 from ddpkit.zoo import user_code
@@ -458,6 +458,7 @@ def train(cfg: TrainConfig, job: Job, replica=None) -> dict:
                 continue
             except OthersFinished:
                 return others_finished(replica, record)
+            ray_reports.report(record)  # under Ray: to ray.train.report, from every rank
             if run_state.leads:
                 append_record(metrics_path, record)
                 tracked.log(record)
@@ -773,7 +774,7 @@ class EpochLoop:
         process_group.synchronize(job.device)
         elapsed = time.perf_counter() - started
         with run.paused():
-            val_loss, val_acc, val_count = job.evaluate(run.model, run.val_loader)
+            val_loss, val_acc, val_count = job.evaluate(run.model, run.val_loader, report=False)  # the epoch's, below
         record = {
             "epoch": epoch, "train_loss": train_loss, "val_loss": val_loss, "val_acc": val_acc, "val_count": val_count,
             "images_per_sec": steps_run * run.global_batch / elapsed, "epoch_time_s": elapsed,

@@ -36,7 +36,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddpkit.core import exits, logs, process_group, progress
+from ddpkit.core import exits, logs, process_group, progress, signals
 from ddpkit.core.errors import UsageError
 from ddpkit.core.logs import logger
 from ddpkit.watch import heartbeat
@@ -50,6 +50,7 @@ def main(argv: list[str]) -> None:
     """Run the script ``argv`` names (``SCRIPT ARGS`` or ``-m MODULE ARGS``) as ``python`` would, watched."""
     # torchrun's legacy --local-rank=N (ddpkit run --local-rank-arg) comes before the script: it belongs after it.
     local_rank = [argv.pop(0)] if argv and argv[0].startswith("--local-rank=") else []
+    signals.end_with_parent_if_asked()  # a rank a Ray worker started ends with it
     logs.configure(rank=int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None)
     module = argv[:1] == ["-m"]
     target, args = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
@@ -99,13 +100,15 @@ def watch_when_up() -> None:
         deadline = time.monotonic() + 2 * heartbeat.beat_interval_s()
         while up() and time.monotonic() < deadline:
             time.sleep(POLL_S)
-        beat = start_heartbeat(store) if up() else None
+        beat = start_heartbeat(store) if up() and not process_group.set_up_by_ddpkit() else None
     except (RuntimeError, ValueError, UsageError) as error:  # a group torn down already, a store gone, a bad setting
         logger.debug(f"no watch over this script: {error}")
         return
     if beat is None:
         return
-    while up():  # the script's destroy_process_group ends the watch (its ranks may part from here on)
+    # The script's destroy_process_group ends the watch (its ranks may part from here on); so does a Job that adopts
+    # the script's group (process_group.adopt), which watches it itself.
+    while up() and not process_group.set_up_by_ddpkit():
         time.sleep(POLL_S)
     beat.close()
 

@@ -54,7 +54,7 @@ class DistEnv:
     master_port: int | None = None
     # How many times torchrun's elastic agent has restarted this worker group.
     restart_count: int = 0
-    # "single", "torchrun", "torch.distributed.launch", "env", "slurm", "mpi" or "spawn".
+    # "single", "torchrun", "torch.distributed.launch", "ray", "env", "slurm", "mpi" or "spawn".
     launcher: str = "single"
 
     def __post_init__(self) -> None:
@@ -123,6 +123,8 @@ def from_torchrun(environ: Mapping[str, str], argv: Sequence[str] = ()) -> DistE
         launcher = "torch.distributed.launch"
     elif "TORCHELASTIC_RUN_ID" in environ:
         launcher = "torchrun"
+    elif is_ray_worker(environ):
+        launcher = "ray"
     else:
         launcher = "env"
     local_rank = _int(environ, "LOCAL_RANK", argv_local_rank if argv_local_rank is not None else 0)
@@ -139,6 +141,16 @@ def from_torchrun(environ: Mapping[str, str], argv: Sequence[str] = ()) -> DistE
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
         launcher=launcher,
     )
+
+
+# Set by Ray in every process it starts (its workers and theirs): the node's raylet.
+RAY_WORKER = "RAY_RAYLET_PID"
+
+
+def is_ray_worker(environ: Mapping[str, str]) -> bool:
+    """True in a process that Ray started (a Ray Train worker, or a rank ``ddpkit run --launcher ray`` started
+    from one): Ray Train gives it torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, ...) and nothing of its own."""
+    return bool(environ.get(RAY_WORKER))
 
 
 def _guess_local_world_size(world_size: int, local_rank: int) -> int:

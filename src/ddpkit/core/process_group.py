@@ -146,7 +146,8 @@ def setup(
     device_type = choose_device(
         device, local_rank=environment.local_rank, local_world_size=environment.local_world_size, cuda_count=cuda_count
     )
-    chosen_backend = choose_backend(
+    adopting = dist.is_available() and dist.is_initialized()  # the group's backend is decided: ``adopt`` checks it
+    chosen_backend = None if adopting else choose_backend(
         backend, device=device_type, local_world_size=environment.local_world_size, cuda_count=cuda_count
     )
     if device_type == "cuda":
@@ -160,6 +161,8 @@ def setup(
     if under_agent:
         signals.end_with_parent()  # the agent is the parent: if it is killed, this rank ends too
     exits.usage_errors_in_one_line()  # a script's own UsageError outside `with Job()`: one line, status 2 too
+    if adopting:
+        return adopt(environment, backend, bound, timeout_s)
     if not (environment.is_distributed or force_group or init_method):
         return Runtime(env=environment, backend=None, device=bound, timeout_s=timeout_s)
     # ddpkit makes the store itself unless the caller named a rendezvous or torchrun's agent hosts one.
@@ -196,6 +199,29 @@ def setup(
     return Runtime(env=environment, backend=chosen_backend, device=bound, timeout_s=timeout_s)
 
 
+def adopt(environment: env_mod.DistEnv, backend: str, device: torch.device, timeout_s: float) -> Runtime:
+    """The Runtime of a process group that is up already: one Ray Train started in its worker, or the script's own
+    ``init_process_group`` before its Job. ddpkit uses it as it is (no second group) and leaves it up at the end
+    (``teardown`` destroys only ddpkit's side groups): whoever started it ends it. Its rank and size must be what
+    the launcher's variables say, and a backend asked for by name must be its own."""
+    global _adopted
+    if backend not in BACKENDS:
+        raise UsageError(f"`backend` must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    rank, world_size, running = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    if (rank, world_size) != (environment.rank, environment.world_size):
+        raise UsageError(
+            f"a process group is up already as rank {rank} of {world_size}, but the launcher ({environment.launcher}) "
+            f"says rank {environment.rank} of {environment.world_size}: start the group with RANK and WORLD_SIZE "
+            "as the launcher set them, or let ddpkit start it (no init_process_group before the Job)")
+    if backend not in ("auto", running):
+        raise UsageError(f"`backend` {backend} was asked for, but the process group that is up already (started by "
+                         f"{'Ray' if environment.launcher == 'ray' else 'the script'}) uses {running}: ask for "
+                         f"`backend` auto or {running}")
+    logger.debug(f"using the process group that is up already: rank {rank} of {world_size} over {running}")
+    _adopted = True
+    return Runtime(env=environment, backend=running, device=device, timeout_s=timeout_s)
+
+
 def under_launcher_agent(environ: Mapping[str, str] | None = None) -> bool:
     """Whether torchrun's agent (``ddpkit run``/``train``'s launcher) started this process (read from ``environ``,
     by default this process's environment)."""
@@ -203,12 +229,14 @@ def under_launcher_agent(environ: Mapping[str, str] | None = None) -> bool:
 
 
 _set_up_here = False  # this process's group was started by ``setup`` (a Job, ``ddpkit.distributed``), not by a script
+_adopted = False  # ``setup`` found a group up already (Ray's, the script's own) and uses it: ``adopt``
 
 
 def set_up_by_ddpkit() -> bool:
-    """Whether the process group that is up was started by ``setup`` rather than by a script's own
-    ``init_process_group`` (``ddpkit run`` watches such a script itself: ``ddpkit.app.watched``)."""
-    return _set_up_here and dist.is_available() and dist.is_initialized()
+    """Whether ddpkit's own setup runs the process group that is up, having started it or adopted it, rather than
+    a script on its own ``init_process_group`` only (``ddpkit run`` watches such a script itself:
+    ``ddpkit.app.watched``)."""
+    return (_set_up_here or _adopted) and dist.is_available() and dist.is_initialized()
 
 
 def _agent_serves_store(environment: env_mod.DistEnv) -> bool:
@@ -285,12 +313,19 @@ def _quiet_teardown() -> None:
 
 
 def teardown() -> None:
-    """Destroy the process group if one is up; safe to call twice."""
-    global _set_up_here
+    """Destroy the process group if one is up; safe to call twice. An adopted group (``adopt``) stays up for whoever
+    started it: only ddpkit's side groups beside it go."""
+    global _set_up_here, _adopted
+    side_groups = list(_side_groups.values())
     _side_groups.clear()
-    _set_up_here = False
-    if dist.is_available() and dist.is_initialized():
+    adopted, _adopted, _set_up_here = _adopted, False, False
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if not adopted:
         dist.destroy_process_group()
+        return
+    for group in side_groups:
+        dist.destroy_process_group(group)
 
 
 # Waiting for rank 0 to finish writing a checkpoint may take long on a slow disk; that wait must not be

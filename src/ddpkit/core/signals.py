@@ -128,6 +128,17 @@ def _unless_repeat(handler: object) -> Handler:
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when the thread that started it ends
 
 
+END_WITH_PARENT_ENV = "DDPKIT_END_WITH_PARENT"  # set by a parent that is not torchrun's agent (a Ray worker)
+
+
+def end_with_parent_if_asked(environ=None) -> bool:
+    """``end_with_parent`` in a process whose starter asked for it through DDPKIT_END_WITH_PARENT=1 (a rank that
+    ``--launcher ray`` started from a Ray worker: when Ray kills the worker, its rank goes too)."""
+    if (os.environ if environ is None else environ).get(END_WITH_PARENT_ENV) != "1":
+        return False
+    return end_with_parent()
+
+
 def end_with_parent(sig: int = signal.SIGTERM) -> bool:
     """Have Linux send ``sig`` to this process when its parent ends, whatever ends it (SIGKILL included);
     return whether that is set (not on other systems).

@@ -31,7 +31,7 @@ from ddpkit.launch import processes
 
 DEFAULT_MULTINODE_PORT = 29500
 DEFAULT_RDZV_ID = "ddpkit"  # jobs that share a rendezvous endpoint need different --rdzv-id values
-LAUNCHERS = ("torchrun", "spawn")
+LAUNCHERS = ("torchrun", "spawn", "ray")
 
 
 DEFAULT_RDZV_TIMEOUT_S = 900.0  # torchrun's
@@ -83,6 +83,14 @@ class LaunchOptions:
             raise UsageError("--launcher spawn starts processes on this machine only; use torchrun for several nodes")
         if self.launcher == "spawn" and self.max_restarts > 0:
             raise UsageError("--max-restarts needs torchrun's elastic agent; drop --launcher spawn")
+        if self.launcher == "ray":
+            given = [flag for flag, value in (("--master-addr", self.master_addr), ("--master-port", self.master_port),
+                                              ("--node-rank", self.node_rank), ("--rdzv-endpoint", self.rdzv_endpoint))
+                     if value]
+            if given:
+                raise UsageError(f"--launcher ray: Ray places the ranks and picks rank 0's node as the master; drop "
+                                 f"{', '.join(given)} (--address names the cluster)")
+            return
         if self.nnodes > 1 and not self.master_addr and not self.rdzv_endpoint:
             raise UsageError(
                 f"--nnodes {self.nnodes} needs --master-addr: the address of node 0 that every node can reach"

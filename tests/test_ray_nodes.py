@@ -1,0 +1,75 @@
+"""`ddpkit train --launcher ray` on a Ray cluster of two nodes: a Ray head in one network namespace and a Ray worker
+node in another (tests/nodes.py), one rank on each, trains the weights of the one-machine 2-process run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+from conftest import DIGITS_CONVNET, MARKER_KEY, child_env, leftover_processes
+from nodes import SUBNET, make_nodes
+from test_ray import RAY_ENV, ranks_left, stop_ray
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+PORT = 6379  # each namespace has its own ports: Ray's default is free in it
+
+
+@pytest.fixture
+def nodes():
+    yield from make_nodes()
+
+
+def ray_node(namespace: str, host: str, address: str, *args: str) -> subprocess.Popen:
+    """``ray start --block ...`` as a node of the cluster, in ``namespace`` under the host name ``host`` (which the
+    namespaces' /etc/hosts give its address, as a cluster's DNS would: gloo binds to what it resolves to), once it
+    says it started."""
+    temp = tempfile.mkdtemp(prefix="ddpkit-ray-", dir="/tmp")
+    env = {key: value for key, value in child_env(**RAY_ENV).items() if key != MARKER_KEY}
+    node = subprocess.Popen(["ip", "netns", "exec", namespace, "unshare", "--uts", "sh", "-c",
+                             f'hostname {host} && exec "$@"', "node", RAY, "start", "--block", "--node-ip-address", address,
+                             "--num-cpus", "1", "--disable-usage-stats", "--temp-dir", temp, *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    node.temp = temp  # type: ignore[attr-defined]
+    said = []
+    deadline = time.monotonic() + 90
+    for line in node.stdout:
+        said.append(line)
+        if "Ray runtime started" in line:
+            return node
+        if time.monotonic() > deadline:
+            break
+    stop_ray(node)
+    raise AssertionError(f"ray start in {namespace} did not start:\n{''.join(said)}")
+
+
+def test_ddpkit_train_on_two_ray_nodes_equals_the_one_machine_run(nodes, ddp_digits, tmp_path):
+    _, state, _, _ = ddp_digits
+    (a, host_a), (b, host_b) = nodes
+    head_address = f"{SUBNET}.1:{PORT}"
+    head = ray_node(a, host_a, f"{SUBNET}.1", "--head", "--port", str(PORT), "--include-dashboard", "false")
+    try:
+        worker = ray_node(b, host_b, f"{SUBNET}.2", "--address", head_address)
+        try:
+            result = subprocess.run(
+                ["ip", "netns", "exec", a, sys.executable, "-m", "ddpkit", "train", "--launcher", "ray", "--address",
+                 head_address, "--nnodes", "2", "--nproc-per-node", "1", *DIGITS_CONVNET, "--no-progress",
+                 "--output-dir", str(tmp_path)], env=child_env(**RAY_ENV), capture_output=True, text=True, timeout=240)
+        finally:
+            stop_ray(worker)
+    finally:
+        stop_ray(head)
+    said = result.stdout + result.stderr
+    assert result.returncode == 0, said
+    assert "2 process(es) via ray" in said, said
+    assert "ip=10.231.0.1" in said and "ip=10.231.0.2" in said, said  # one Ray worker on each node
+    mine = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert all(torch.equal(mine[key], state[key]) for key in state), "not the weights of --nproc-per-node 2"
+    assert not leftover_processes() and not ranks_left()
