@@ -269,7 +269,9 @@ def ray_worker_of_rank(rank: int, marker: str, first_checkpoint: Path, timeout: 
                 except OSError:
                     continue
                 if marker.encode() in command and f"RANK={rank}".encode() in environ:
-                    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+                    parent = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+                    if parent in processes_with(b"ray::RayTrainWorker"):
+                        return parent  # (not a loader process of the rank, whose parent is the rank)
         time.sleep(0.05)
     raise AssertionError(f"no rank {rank} with a checkpoint in {first_checkpoint} after {timeout} s")
 
