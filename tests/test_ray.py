@@ -44,22 +44,39 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+
+
+def ray_node(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+    """``ray start --block ARGS`` (run through ``prefix``, a namespace's say), once it says it started; its temp
+    folder (short: Ray's socket paths must stay so) in ``.temp``, for ``stop_ray``. Its processes do not carry the
+    session's marker (a cluster outlives each test, like the warm rank server): the tests check that no rank is left
+    (``ranks_left``), and ``stop_ray`` that the node's processes are gone."""
+    temp = tempfile.mkdtemp(prefix="ddpkit-ray-", dir="/tmp")
+    env = {key: value for key, value in child_env(**RAY_ENV).items() if key != MARKER_KEY}
+    node = subprocess.Popen([*prefix, RAY, "start", "--block", "--disable-usage-stats", "--temp-dir", temp, *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    node.temp = temp  # type: ignore[attr-defined]
+    said = []
+    deadline = time.monotonic() + 90
+    for line in node.stdout:
+        said.append(line)
+        if "Ray runtime started" in line:
+            return node
+        if time.monotonic() > deadline:
+            break
+    stop_ray(node)
+    raise AssertionError(f"ray start {' '.join(args)} did not start:\n{''.join(said)}")
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A one-node Ray cluster of 4 CPUs (more than the 2 cores: Ray counts slots, not cores), its address. Its
-    processes do not carry the session's marker (they outlive each test, like the warm rank server): the tests check
-    that no rank is left (``ranks_left``), and the end of the module that the cluster's processes are gone."""
+    """A one-node Ray cluster of 4 CPUs (more than the 2 cores: Ray counts slots, not cores), its address."""
     port = free_port()
-    temp = tempfile.mkdtemp(prefix="ddpkit-ray-", dir="/tmp")  # Ray's socket paths must stay short
-    head = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block", "--port", str(port),
-         "--num-cpus", "4", "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp],
-        env={key: value for key, value in child_env(**RAY_ENV).items() if key != MARKER_KEY}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    address = f"127.0.0.1:{port}"
-    head.temp = temp
+    head = ray_node("--head", "--port", str(port), "--num-cpus", "4", "--include-dashboard", "false")
     try:
-        wait_for_head(head, address)
-        yield address
+        yield f"127.0.0.1:{port}"
     finally:
         stop_ray(head)
 
@@ -101,22 +118,6 @@ def ranks_left() -> list[int]:
     while processes_with(b"DDPKIT_RAY_REPORTS=", "environ") and time.monotonic() < deadline:
         time.sleep(0.2)
     return processes_with(b"DDPKIT_RAY_REPORTS=", "environ")
-
-
-def wait_for_head(head: subprocess.Popen, address: str, timeout: float = 60) -> None:
-    import socket
-
-    host, port = address.split(":")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if head.poll() is not None:
-            raise AssertionError(f"ray start ended with {head.returncode}: {head.stdout.read()}")
-        try:
-            socket.create_connection((host, int(port)), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.3)
-    raise AssertionError(f"no Ray head at {address} after {timeout} s")
 
 
 @pytest.fixture(scope="module")

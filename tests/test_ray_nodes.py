@@ -3,22 +3,17 @@ node in another (tests/nodes.py), one rank on each, trains the weights of the on
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 
 import pytest
 import torch
 
-from conftest import DIGITS_CONVNET, MARKER_KEY, child_env, leftover_processes
+from conftest import DIGITS_CONVNET, child_env, leftover_processes
 from nodes import SUBNET, make_nodes
-from test_ray import RAY_ENV, ranks_left, stop_ray
+from test_ray import RAY_ENV, ranks_left, ray_node, stop_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 PORT = 6379  # each namespace has its own ports: Ray's default is free in it
 
 
@@ -27,36 +22,21 @@ def nodes():
     yield from make_nodes()
 
 
-def ray_node(namespace: str, host: str, address: str, *args: str) -> subprocess.Popen:
-    """``ray start --block ...`` as a node of the cluster, in ``namespace`` under the host name ``host`` (which the
-    namespaces' /etc/hosts give its address, as a cluster's DNS would: gloo binds to what it resolves to), once it
-    says it started."""
-    temp = tempfile.mkdtemp(prefix="ddpkit-ray-", dir="/tmp")
-    env = {key: value for key, value in child_env(**RAY_ENV).items() if key != MARKER_KEY}
-    node = subprocess.Popen(["ip", "netns", "exec", namespace, "unshare", "--uts", "sh", "-c",
-                             f'hostname {host} && exec "$@"', "node", RAY, "start", "--block", "--node-ip-address", address,
-                             "--num-cpus", "1", "--disable-usage-stats", "--temp-dir", temp, *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    node.temp = temp  # type: ignore[attr-defined]
-    said = []
-    deadline = time.monotonic() + 90
-    for line in node.stdout:
-        said.append(line)
-        if "Ray runtime started" in line:
-            return node
-        if time.monotonic() > deadline:
-            break
-    stop_ray(node)
-    raise AssertionError(f"ray start in {namespace} did not start:\n{''.join(said)}")
+def ray_node_in(namespace: str, host: str, address: str, *args: str) -> subprocess.Popen:
+    """A Ray node of the cluster in ``namespace`` under the host name ``host`` (which the namespaces' /etc/hosts give
+    its address, as a cluster's DNS would: gloo binds to what it resolves to)."""
+    return ray_node("--node-ip-address", address, "--num-cpus", "1", *args,
+                    prefix=("ip", "netns", "exec", namespace, "unshare", "--uts", "sh", "-c",
+                            f'hostname {host} && exec "$@"', "node"))
 
 
 def test_ddpkit_train_on_two_ray_nodes_equals_the_one_machine_run(nodes, ddp_digits, tmp_path):
     _, state, _, _ = ddp_digits
     (a, host_a), (b, host_b) = nodes
     head_address = f"{SUBNET}.1:{PORT}"
-    head = ray_node(a, host_a, f"{SUBNET}.1", "--head", "--port", str(PORT), "--include-dashboard", "false")
+    head = ray_node_in(a, host_a, f"{SUBNET}.1", "--head", "--port", str(PORT), "--include-dashboard", "false")
     try:
-        worker = ray_node(b, host_b, f"{SUBNET}.2", "--address", head_address)
+        worker = ray_node_in(b, host_b, f"{SUBNET}.2", "--address", head_address)
         try:
             result = subprocess.run(
                 ["ip", "netns", "exec", a, sys.executable, "-m", "ddpkit", "train", "--launcher", "ray", "--address",

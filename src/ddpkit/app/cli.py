@@ -288,19 +288,6 @@ def _already_a_rank() -> bool:
         raise UsageError(f"cannot read the launcher's environment: {error}") from None
 
 
-def torchrun_variables(environment: env_mod.DistEnv) -> dict[str, str]:
-    """The variables torchrun gives each worker, for a rank some other launcher (Slurm) started."""
-    return {
-        "RANK": str(environment.rank),
-        "LOCAL_RANK": str(environment.local_rank),
-        "WORLD_SIZE": str(environment.world_size),
-        "LOCAL_WORLD_SIZE": str(environment.local_world_size),
-        "GROUP_RANK": str(environment.node_rank),
-        "MASTER_ADDR": environment.master_addr,
-        "MASTER_PORT": str(environment.master_port),
-    }
-
-
 def cmd_run(ns: argparse.Namespace) -> int:
     if ns.module:
         import importlib.util
@@ -335,7 +322,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
         # srun -n N ddpkit run script.py: this task is one rank. Give the script torchrun's variables
         # (rank, world, master from Slurm) and become it; starting N more processes would be wrong.
         environment = read_environment(argv=())
-        os.environ.update(torchrun_variables(environment))
+        os.environ.update(env_mod.torchrun_variables(environment))
         # Where torchrun puts it: right after the script, before the script's own arguments.
         local_rank = [f"--local-rank={environment.local_rank}"] if ns.local_rank_arg else []
         sys.stdout.flush()

@@ -158,6 +158,19 @@ def _guess_local_world_size(world_size: int, local_rank: int) -> int:
     return min(world_size, max(local_rank + 1, 1))
 
 
+def torchrun_variables(environment: DistEnv) -> dict[str, str]:
+    """The variables torchrun gives each worker, for a rank some other launcher started (Slurm's srun, a Ray worker)."""
+    return {
+        "RANK": str(environment.rank),
+        "LOCAL_RANK": str(environment.local_rank),
+        "WORLD_SIZE": str(environment.world_size),
+        "LOCAL_WORLD_SIZE": str(environment.local_world_size),
+        "GROUP_RANK": str(environment.node_rank),
+        "MASTER_ADDR": environment.master_addr,
+        "MASTER_PORT": str(environment.master_port),
+    }
+
+
 def expand_nodelist(nodelist: str) -> list[str]:
     """Expand Slurm's compressed host list.
 

@@ -85,11 +85,9 @@ def connect(address: str | None):
     ray = import_ray()
     try:
         ray.init(address=address, log_to_driver=True, logging_level="warning", configure_logging=True)
-    except (ConnectionError, RuntimeError, ValueError) as error:
-        raise UsageError(f"cannot connect to the Ray cluster at {address or 'RAY_ADDRESS/local'}: {first_line(error)}") \
-            from None
     except Exception as error:  # noqa: BLE001 - Ray's own errors (authentication, versions) have no common base
-        if type(error).__module__.split(".")[0] != "ray":
+        if not isinstance(error, (ConnectionError, RuntimeError, ValueError)) and \
+                type(error).__module__.split(".")[0] != "ray":
             raise
         raise UsageError(f"cannot connect to the Ray cluster at {address or 'RAY_ADDRESS/local'}: {first_line(error)}") \
             from None
@@ -212,7 +210,10 @@ def run_rank(config: dict) -> None:
         logger.warning(f"Ray restarted the group (start {start['attempt'] + 1} of the run): the ranks start again, "
                        "and a script on ddpkit's checkpoints resumes from its newest (TORCHELASTIC_RESTART_COUNT="
                        f"{start['attempt']})")
-    environ = {**os.environ, **config["env"], **rank_variables(context, master, start["port"]),
+    ranked = env_mod.DistEnv(rank=rank, local_rank=context.get_local_rank(), world_size=context.get_world_size(),
+                             local_world_size=context.get_local_world_size(), node_rank=context.get_node_rank(),
+                             master_addr=master, master_port=start["port"], launcher="ray")
+    environ = {**os.environ, **config["env"], **env_mod.torchrun_variables(ranked),
                "TORCHELASTIC_RESTART_COUNT": str(start["attempt"]), END_WITH_PARENT_ENV: "1"}
     if not os.path.isdir(config["cwd"]):
         raise UsageError(f"rank {rank} on {socket.gethostname()}: the driver's folder {config['cwd']} is not on this "
@@ -259,11 +260,3 @@ def shared_start(store, rank: int, master: str, run: str) -> dict:
         internal_kv._internal_kv_put(key, str(attempt + 1))  # noqa: SLF001
         store.set(SHARED_KEY, json.dumps({"port": free_port(master), "attempt": attempt}))
     return json.loads(store.get(SHARED_KEY))
-
-
-def rank_variables(context, master: str, port: int) -> dict[str, str]:
-    """torchrun's variables for this worker's rank, from Ray Train's context."""
-    return {"RANK": str(context.get_world_rank()), "LOCAL_RANK": str(context.get_local_rank()),
-            "WORLD_SIZE": str(context.get_world_size()), "LOCAL_WORLD_SIZE": str(context.get_local_world_size()),
-            "GROUP_RANK": str(context.get_node_rank()), "NODE_RANK": str(context.get_node_rank()),
-            "MASTER_ADDR": master, "MASTER_PORT": str(port)}
