@@ -26,9 +26,11 @@ def ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
 
-def make_nodes(own_name_loopback: bool = False):
+def make_nodes(own_name_loopback: bool = False, names: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())):
     """Yields [(namespace, hostname), (namespace, hostname)], torn down afterwards whatever happened; with
-    ``own_name_loopback``, each one's /etc/hosts maps its own name to 127.0.1.1 (as Debian installs it)."""
+    ``own_name_loopback``, each one's /etc/hosts maps its own name to 127.0.1.1 (as Debian installs it). ``names``:
+    more names of each node in both /etc/hosts, first on its line (as a pod's own file and a cluster's DNS give a
+    pod's service name: the first is what ``socket.getfqdn`` returns)."""
     if os.geteuid() != 0:
         pytest.skip("needs root to create network namespaces (ip netns)")
     if shutil.which("ip") is None:
@@ -44,8 +46,8 @@ def make_nodes(own_name_loopback: bool = False):
             made.append(name)
             (Path("/etc/netns") / name).mkdir(parents=True, exist_ok=True)
             hosts = "127.0.0.1 localhost\n" + "".join(
-                f"{'127.0.1.1' if own_name_loopback and side == own else f'{SUBNET}.{index + 1}'} node-{side}\n"
-                for index, side in enumerate("ab"))
+                f"{'127.0.1.1' if own_name_loopback and side == own else f'{SUBNET}.{index + 1}'} "
+                f"{' '.join([*names[index], f'node-{side}'])}\n" for index, side in enumerate("ab"))
             (Path("/etc/netns") / name / "hosts").write_text(hosts)
         (a, _, veth_a), (b, _, veth_b) = nodes
         ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b)

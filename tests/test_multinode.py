@@ -10,6 +10,7 @@ interface from the hostname's address. Needs root (to make namespaces); skipped,
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -295,3 +296,83 @@ def test_two_nodes_read_every_sample_of_a_folder_and_a_pack_once_per_epoch(tmp_p
     assert all(result.returncode == 0 for result in results), [result.stderr for result in results]
     every_sample_once(tmp_path / "seen.folder")
     every_sample_once(tmp_path / "seen.shards")
+
+
+# Two pods of one job, each given the variables its operator injects (ddpkit.core.platforms and docs/kubernetes.md
+# say where each is set), its host name and the names a pod's /etc/hosts and a cluster's DNS give (both in its
+# /etc/hosts: its fully qualified name first, as Kubernetes writes it), and each running
+# the container command that `ddpkit manifest` writes for that operator: (the manifest's kind, host names, names in
+# /etc/hosts, each pod's variables, the platform doctor names).
+KUBERNETES = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}  # in every pod
+PODS = {
+    # Kubeflow Trainer v2.3's torch runtime, TrainJob "train": numNodes 2, numProcPerNode 1.
+    "trainjob": ("trainjob", ("train-node-0-0", "train-node-0-1"),
+                 (("train-node-0-0.train", "train-node-0-0"), ("train-node-0-1.train", "train-node-0-1")),
+                 [{"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(node),
+                   "PET_MASTER_ADDR": "train-node-0-0.train", "PET_MASTER_PORT": "29500"} for node in (0, 1)],
+                 "Kubeflow TrainJob"),
+    # training-operator v1.9's PyTorchJob "train": a Master and a Worker, nprocPerNode "1".
+    "pytorchjob": ("pytorchjob", ("train-master-0", "train-worker-0"), (("train-master-0",), ("train-worker-0",)),
+                   [{"PYTHONUNBUFFERED": "1", "MASTER_PORT": "23456", "PET_MASTER_PORT": "23456",
+                     "MASTER_ADDR": "train-master-0", "PET_MASTER_ADDR": "train-master-0", "WORLD_SIZE": "2",
+                     "RANK": str(node), "PET_NODE_RANK": str(node), "PET_NPROC_PER_NODE": "1", "PET_NNODES": "2"}
+                    for node in (0, 1)], "Kubeflow PyTorchJob"),
+    # An older operator's PyTorchJob: torchrun's four names only; each pod is one rank.
+    "pytorchjob-classic": ("pytorchjob", ("train-master-0", "train-worker-0"), (("train-master-0",), ("train-worker-0",)),
+                           [{"MASTER_ADDR": "train-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "2",
+                             "RANK": str(node)} for node in (0, 1)], "Kubernetes pod"),
+    # An Indexed Job "train" of 2 pods whose subdomain is the headless Service "train".
+    "indexed-job": ("indexed-job", ("train-0", "train-1"), (("train-0.train.default.svc.cluster.local", "train-0"),
+                                                            ("train-1.train.default.svc.cluster.local", "train-1")),
+                    [{"JOB_COMPLETION_INDEX": str(node)} for node in (0, 1)], "Kubernetes Indexed Job"),
+}
+
+
+def _container_command(kind: str) -> list[str]:
+    """The container command of ``ddpkit manifest KIND`` for the 2-node job of RUN, one process per node."""
+    from ddpkit.app.manifests import Pods, build
+
+    objects = build(kind, ["train", *RUN, "--nnodes", "2", "--nproc-per-node", "1", "--output-dir", "out"],
+                    Pods(image="ddpkit", name="train"))
+    job = objects[-1]["spec"]
+    if kind == "trainjob":
+        return job["trainer"]["command"]
+    template = job["pytorchReplicaSpecs"]["Master"]["template"] if kind == "pytorchjob" else job["template"]
+    return template["spec"]["containers"][0]["command"]
+
+
+@pytest.mark.parametrize("platform", list(PODS))
+def test_the_same_command_in_two_pods_trains_like_one_node(tmp_path, single_node, platform):
+    kind, hosts, names, variables, named = PODS[platform]
+    command = _container_command(kind)
+    assert command[:2] == ["ddpkit", "train"] and ("--nnodes" in command) == (kind == "indexed-job"), command
+    folders = [tmp_path / "pod0", tmp_path / "pod1"]  # each pod's own working folder: the same relative --output-dir
+    for folder in folders:
+        folder.mkdir()
+
+    def in_pods(*argv: str) -> list[list[str]]:
+        return [["env", "-C", str(folder), *(f"{key}={value}" for key, value in {**KUBERNETES, **pod}.items()),
+                 sys.executable, "-m", *argv] for folder, pod in zip(folders, variables)]
+
+    with contextlib.contextmanager(_make_nodes)(names=names) as nodes:
+        results = _run_on_nodes([(name, host, argv) for (name, _), host, argv in zip(nodes, hosts, in_pods(*command))],
+                                timeout=180)
+        reports = _run_on_nodes([(name, host, argv) for (name, _), host, argv in
+                                 zip(nodes, hosts, in_pods("ddpkit", "doctor", "--json", "-"))], timeout=60)
+    for result in results:
+        assert result.returncode == 0, result.stdout + result.stderr
+    said = "".join(result.stderr for result in results)
+    if platform != "pytorchjob-classic":  # there each pod is one rank already: nothing to launch
+        assert said.count(f"ddpkit: launching as a node of a job that {named}: node ") == 2, said
+    assert not (folders[1] / "out" / "model.pt").exists()  # only global rank 0 writes, in pod 0
+    assert max_relative_difference(torch.load(folders[0] / "out" / "model.pt", weights_only=True),
+                                   single_node[0]) <= 1e-6
+    for node, report in enumerate(reports):
+        assert report.returncode == 0, report.stdout + report.stderr
+        if platform == "pytorchjob-classic" and node == 1:
+            # Each pod is a rank already: doctor checks the two ranks' connection, and rank 0 reports for both.
+            assert report.stdout == "" and json.loads(reports[0].stdout)["connectivity"]["world_size"] == 2
+            continue
+        found = json.loads(report.stdout)["platform"]
+        assert found["platform"] == named, found
+        assert found.get("node_rank", node) == node, found

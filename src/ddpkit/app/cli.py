@@ -39,6 +39,15 @@ def cmd_checkpoint(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_manifest(ns: argparse.Namespace) -> int:
+    from ddpkit.app import manifests
+
+    pods = manifests.Pods(image=ns.image, name=ns.name, namespace=ns.namespace, gpus_per_node=ns.gpus_per_node,
+                          cpus_per_node=ns.cpus_per_node, memory_per_node=ns.memory_per_node, shm_size=ns.shm_size)
+    sys.stdout.write(manifests.render(manifests.build(ns.kind, ns.command_line, pods)))
+    return 0
+
+
 def cmd_plot(ns: argparse.Namespace) -> int:
     from ddpkit.app import plot
 
@@ -133,6 +142,36 @@ def _launch_options(ns: argparse.Namespace, launcher: str = "torchrun", one_proc
     )
 
 
+def _from_platform(ns: argparse.Namespace) -> None:
+    """Fill ``ns``'s launch flags from the platform that started this node (a Kubeflow TrainJob's or PyTorchJob's
+    pod, an Indexed Job's, SkyPilot, dstack: ``ddpkit.core.platforms``), where the command line did not set them, and
+    say once what was read. Nothing under ``--launcher ray``, which places the ranks itself."""
+    import socket
+
+    from ddpkit.core import platforms
+
+    if ns.launcher == "ray":
+        return
+    try:
+        asked_nodes = parse_nnodes(ns.nnodes)[1]
+        fqdn = socket.getfqdn() if platforms.INDEX in os.environ and asked_nodes > 1 else ""
+        shape = platforms.read_platform(os.environ, nnodes=asked_nodes, fqdn=fqdn)
+        if shape is None:
+            return
+        import torch
+
+        given = platforms.LaunchFlags(
+            nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr, master_port=ns.master_port,
+            nproc_per_node=ns.nproc_per_node, rdzv_endpoint=ns.rdzv_endpoint, rdzv_id=ns.rdzv_id,
+            max_restarts=ns.max_restarts)
+        flags = platforms.merge(shape, given, gpus=torch.cuda.device_count(), cpus=os.cpu_count() or 1)
+    except platforms.PlatformError as error:
+        raise UsageError(f"this node's platform variables: {error} (docs/kubernetes.md)") from None
+    for name, value in dataclasses.asdict(flags).items():
+        setattr(ns, name, value)
+    logger.info(f"launching as a node of a job that {shape.line()}")
+
+
 def _check_before_launch(cfg, options: LaunchOptions, cuda_count: int | None = None) -> None:
     """Refuse what this machine (or, given ``cuda_count``, each node of a cluster with that many GPUs for the job's
     processes on it) or the world size cannot run, before starting any process."""
@@ -210,6 +249,7 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str], parser: argparse.Argu
         trainer.run(cfg)
         freeze_for_exit()  # done, and the group is down: end in a fraction of a second, not two
         return 0
+    _from_platform(ns)
     if ns.replica_groups is not None:
         return _train_replica_groups(ns, argv, parser, cfg)
     _refuse_replica_flags_alone(ns)
@@ -304,6 +344,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if ns.launcher == "spawn":
         raise UsageError("ddpkit run starts a script with torchrun's agent or on Ray: drop --launcher spawn (it is for "
                          "ddpkit train), or give --launcher torchrun or ray")
+    _from_platform(ns)
     if ns.replica_groups is not None:
         if ns.launcher != "torchrun":
             raise UsageError(f"--replica-groups starts each group with torchrun's agent: drop --launcher {ns.launcher}")
@@ -517,6 +558,11 @@ def _export_debug_settings(ns: argparse.Namespace) -> None:
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """The command line, with a ``train --config FILE``'s settings put before the command line's own flags
     (which therefore override them)."""
+    if argv[:1] == ["manifest"]:  # ddpkit manifest KIND [options] -- COMMAND: the command is not manifest's flags
+        split = argv.index("--") if "--" in argv else len(argv)
+        ns = parser.parse_args(argv[:split])
+        ns.command_line = argv[split + 1:]
+        return ns
     ns = parser.parse_args(argv)
     if ns.command == "train" and ns.config is not None:
         from ddpkit.app.config import read_config_file
@@ -547,6 +593,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_plot(ns)
         if ns.command == "checkpoint":
             return cmd_checkpoint(ns)
+        if ns.command == "manifest":
+            return cmd_manifest(ns)
         if ns.command == "data":
             from ddpkit.app import data_tools
 

@@ -109,6 +109,41 @@ def launched_line(read: dict) -> str:
             f"{read['local_world_size']}, node {read['node_rank']}, master {read['master']}{restarted}")
 
 
+def platform_of(environ: dict[str, str] | None = None, fqdn: str | None = None) -> dict | None:
+    """The platform that started this machine as a node of a job (``ddpkit.core.platforms``) and what ddpkit makes of
+    its variables, or why it cannot read them; a Kubernetes pod with torchrun's own names (an older PyTorchJob: one
+    rank per pod, ``launched_by``) says so too. None elsewhere."""
+    from ddpkit.core import platforms
+
+    environ = dict(os.environ if environ is None else environ)
+    indexed = platforms.INDEX in environ
+    if indexed and fqdn is None:
+        fqdn = socket.getfqdn()
+    try:
+        # An Indexed Job's pod does not say how many pods there are (--nnodes does): read it as one of index + 1.
+        nodes = max(2, int(environ[platforms.INDEX]) + 1) if environ.get(platforms.INDEX, "").isdigit() else 2
+        shape = platforms.read_platform(environ, nnodes=nodes, fqdn=fqdn or "")
+    except platforms.PlatformError as error:
+        return {"platform": "unreadable", "error": str(error)}
+    if shape is not None:
+        return {"platform": shape.platform, "line": shape.line(), "read": shape.read, "nnodes": shape.nnodes,
+                "node_rank": shape.node_rank, "master": shape.master_addr, "master_port": shape.master_port,
+                "nproc_per_node": shape.nproc_per_node, "rdzv_endpoint": shape.rdzv_endpoint}
+    if platforms.is_kubernetes_pod(environ) and "RANK" in environ and "WORLD_SIZE" in environ:
+        read = {name: environ[name] for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK") if name in environ}
+        said = ", ".join(f"{name}={value}" for name, value in read.items())
+        return {"platform": "Kubernetes pod", "read": read,
+                "line": f"Kubernetes pod with torchrun's variables (a PyTorchJob's: one rank per pod; {said})"}
+    return None
+
+
+def platform_line(found: dict) -> str:
+    """``platform_of``'s finding in one line."""
+    if found["platform"] == "unreadable":
+        return f"platform: its variables cannot be read: {found['error']}"
+    return f"platform: {found['line']}"
+
+
 def gpus() -> list[dict]:
     found = []
     for index in range(torch.cuda.device_count()):
@@ -139,6 +174,7 @@ def machine_report(port: int | None = None) -> dict:
         "gpu_processes": processes.gpu_processes() if cuda else [],
         "host_name": None if os.environ.get(GLOO_VARIABLE) else loopback_name_warning(),
         "launched_by": launched_by(),
+        "platform": platform_of(),
     }
     return report
 
@@ -190,6 +226,7 @@ def format_report(report: dict) -> str:
     lines = [f"torch {v['torch']}, python {v['python']}, CUDA {v['cuda'] or '-'}, cuDNN {v['cudnn'] or '-'}, "
              f"NCCL {v['nccl'] or '-'}",
              *([launched_line(report["launched_by"])] if report.get("launched_by") else []),
+             *([platform_line(report["platform"])] if report.get("platform") else []),
              "backends: " + ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in report["backends"].items()),
              f"CPU cores usable: {report['cpu_cores']}"]
     if report["gpus"]:

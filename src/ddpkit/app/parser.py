@@ -78,7 +78,8 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                              "OUTPUT_DIR/config.toml, which --config takes back to repeat it")
 
 def build_parser() -> argparse.ArgumentParser:
-    """The whole command line: one sub-command each for train, run, doctor, bench, status, checkpoint, data and plot."""
+    """The whole command line: one sub-command each for train, run, doctor, bench, status, checkpoint, data, plot and
+    manifest."""
     parser = Parser(prog="ddpkit", description="Data-parallel PyTorch training, launched and checked.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     add_train_command(commands)
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_command(commands)
     add_data_command(commands)
     add_plot_command(commands)
+    add_manifest_command(commands)
     return parser
 
 
@@ -287,6 +289,35 @@ def add_plot_command(commands) -> None:
                     "images per second and each rank's own step time (needs matplotlib: ddpkit[bench]).")
     plot.add_argument("output_dir", metavar="OUTPUT_DIR", help="the run's --output-dir")
     plot.add_argument("--output", default=None, metavar="FILE.png", help="default: OUTPUT_DIR/metrics.png")
+
+
+MANIFEST_KINDS = ("trainjob", "pytorchjob", "indexed-job")  # what ddpkit.app.manifests writes
+
+
+def add_manifest_command(commands) -> None:
+    """``ddpkit manifest KIND -- COMMAND``."""
+    manifest = commands.add_parser(
+        "manifest", usage="ddpkit manifest {trainjob,pytorchjob,indexed-job} --image IMAGE [options] -- COMMAND",
+        help="write a Kubernetes manifest that runs a ddpkit command on every node of a job",
+        description="Write a TrainJob (Kubeflow Trainer), a PyTorchJob (Kubeflow training-operator) or an Indexed "
+                    "Job with its headless Service, which runs the ddpkit command given after -- in every pod: its "
+                    "--nnodes, --nproc-per-node and --max-restarts become the operator's fields, --replica-groups "
+                    "adds torchft's lighthouse (a Deployment and a Service), each pod gets a memory-backed /dev/shm. "
+                    "The output (JSON documents, which are YAML) applies with `kubectl apply -f -`. "
+                    "docs/kubernetes.md",
+        epilog="example: ddpkit manifest trainjob --image ghcr.io/me/train:1 --gpus-per-node 8 -- "
+               "train --nnodes 2 --model resnet50 --data folder:/data/imagenet")
+    manifest.add_argument("kind", choices=MANIFEST_KINDS, help="the kind of job")
+    manifest.add_argument("--image", required=True, help="the container image, with ddpkit and PyTorch installed")
+    manifest.add_argument("--name", default="ddpkit", help="the job's name (a DNS label; default: ddpkit)")
+    manifest.add_argument("--namespace", default=None, help="the Kubernetes namespace (default: kubectl's)")
+    manifest.add_argument("--gpus-per-node", type=int, default=0, metavar="G",
+                          help="nvidia.com/gpu per pod; --nproc-per-node auto is then one process per GPU (default: 0)")
+    manifest.add_argument("--cpus-per-node", default=None, metavar="CPU", help="CPU request per pod, e.g. 16")
+    manifest.add_argument("--memory-per-node", default=None, metavar="QUANTITY",
+                          help="memory request and limit per pod, e.g. 200Gi")
+    manifest.add_argument("--shm-size", default="16Gi", metavar="QUANTITY",
+                          help="the memory-backed /dev/shm of each pod, for DataLoader workers (default: 16Gi)")
 
 
 def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:

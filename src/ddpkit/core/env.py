@@ -356,16 +356,31 @@ def is_slurm_task(environ: Mapping[str, str]) -> bool:
     return bool(environ.get("SLURM_PROCID")) and _int(environ, "SLURM_NTASKS", 1) > 1
 
 
+TORCHRUN_WORKER = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent in its workers: a rank, not a node
+PET_NODE_LEVEL = ("PET_NNODES", "PET_NPROC_PER_NODE")  # torchrun's flags as variables, as Kubeflow's pods get them
+
+
+def is_node_of_a_job(environ: Mapping[str, str]) -> bool:
+    """True where torchrun's node-level ``PET_`` variables say this process is a node to launch ranks on, not a rank:
+    a Kubeflow pod (whose ``RANK``/``WORLD_SIZE``, where set, are the node's), not one of torchrun's own workers.
+    What such a node is to do: ``ddpkit.core.platforms``."""
+    return any(name in environ for name in PET_NODE_LEVEL) and TORCHRUN_WORKER not in environ
+
+
 def is_launched(environ: Mapping[str, str]) -> bool:
-    """True when some launcher has already made this process one rank of a group."""
+    """True when some launcher has already made this process one rank of a group. Not in a Kubeflow pod whose
+    torchrun ``PET_`` variables make it a node to launch ranks on (``is_node_of_a_job``): the ``RANK`` and
+    ``WORLD_SIZE`` a PyTorchJob also sets there are the node's index and the job's size."""
+    if is_node_of_a_job(environ):
+        return False
     return ("RANK" in environ and "WORLD_SIZE" in environ) or is_mpi_task(environ) or is_slurm_task(environ)
 
 
 def detect(environ: Mapping[str, str], argv: Sequence[str] = ()) -> DistEnv:
     """Read the environment of whichever launcher started this process: torchrun first, then mpirun, then
     Slurm (an mpirun inside a Slurm allocation inherits the allocation's SLURM_* variables, which describe
-    the batch script, not this rank)."""
-    if "RANK" in environ and "WORLD_SIZE" in environ:
+    the batch script, not this rank). In a Kubeflow pod that is a node, not a rank (``is_launched``), one process."""
+    if "RANK" in environ and "WORLD_SIZE" in environ and is_launched(environ):
         return from_torchrun(environ, argv)
     if is_mpi_task(environ):
         return from_mpi(environ)

@@ -180,6 +180,11 @@ def elastic(options: LaunchOptions, command: Sequence[str], *, local_rank_arg: b
     # 135712, seen here with torch 2.15 and --max-restarts). A store of their own avoids it. (On one
     # machine ddpkit's rendezvous serves them a fresh one each round instead: ddpkit.launch.rendezvous.)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # torchrun takes PET_<FLAG> (a Kubeflow pod's PET_NNODES, PET_NODE_RANK, ...) as the default of each flag it is
+    # not given: ddpkit gives every flag it means, having read those variables already (ddpkit.core.platforms),
+    # and they must not add what it did not mean (PET_NNODES under a one-node launch), here or in the workers.
+    for name in [name for name in os.environ if name.startswith("PET_")]:
+        del os.environ[name]
     check_names(options)
     warn_leftovers(options)
     if options.nnodes > 1:
