@@ -33,6 +33,8 @@ VOLUME = {"type": "object", "required": ["name"], "properties": {
 CONTAINER = {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
     "name": STRING, "image": STRING, "command": {"type": "array", "items": STRING},
     "args": {"type": "array", "items": STRING}, "resources": RESOURCES,
+    "env": {"type": "array", "items": {"type": "object", "required": ["name"], "additionalProperties": False,
+                                       "properties": {"name": STRING, "value": STRING}}},
     "volumeMounts": {"type": "array", "items": VOLUME_MOUNT},
     "ports": {"type": "array", "items": {"type": "object", "required": ["containerPort"], "properties": {
         "name": {"type": "string", "maxLength": 15}, "containerPort": {"type": "integer", "minimum": 1,
@@ -154,7 +156,7 @@ TRAIN = ["train", "--model", "resnet50", "--data", "folder:/data/imagenet", "--e
 
 @pytest.mark.parametrize("kind", ["trainjob", "pytorchjob", "indexed-job"])
 @pytest.mark.parametrize("pods, command, nodes", [
-    (["--gpus-per-node", "8"], [*TRAIN, "--nnodes", "2"], 2),
+    (["--gpus-per-node", "8"], [*TRAIN, "--nnodes", "2", "--nccl", "no-ib", "--nccl=NCCL_SOCKET_IFNAME=eth0"], 2),
     (["--gpus-per-node", "8", "--cpus-per-node", "96", "--memory-per-node", "900Gi", "--namespace", "ml"],
      [*TRAIN, "--nnodes=4", "--nproc-per-node", "4"], 4),
     ([], ["run", "--nnodes", "2", "--nproc-per-node", "2", "train.py", "--nnodes", "7", "--lr", "0.1"], 2),
@@ -202,6 +204,10 @@ def test_every_manifest_validates_against_what_its_operator_requires(kind, pods,
         resources = main_object["spec"]["trainer"]["resourcesPerNode"] if kind == "trainjob" else container["resources"]
         assert resources == {"limits": {"nvidia.com/gpu": 8, **({"memory": "900Gi"} if "900Gi" in pods else {})},
                 **({"requests": {"cpu": "96", "memory": "900Gi"}} if "96" in pods else {})}
+    if "--nccl" in command:  # the pods' environment, not the command
+        env = main_object["spec"]["trainer"]["env"] if kind == "trainjob" else container["env"]
+        assert env == [{"name": "NCCL_IB_DISABLE", "value": "1"}, {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"}]
+        assert not [item for item in container_command if item.startswith("--nccl")], container_command
     if "--replica-groups" in command:
         deployment, service = objects["Deployment/llm-lighthouse"], objects["Service/llm-lighthouse"]
         labels = deployment["spec"]["template"]["metadata"]["labels"]

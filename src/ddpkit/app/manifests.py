@@ -7,7 +7,8 @@ node of a job, ready for ``kubectl apply -f -``.
 
 The launch flags of the command (``--nnodes``, ``--nproc-per-node``, ``--max-restarts``, ``--replica-groups``) become
 the operator's fields; the container's command is the rest, which reads the rest of the job's shape from the
-variables the operator gives each pod (``ddpkit.core.platforms``). Every pod gets a memory-backed ``/dev/shm``.
+variables the operator gives each pod (``ddpkit.core.platforms``). ``--nccl`` settings become the pods' environment.
+Every pod gets a memory-backed ``/dev/shm``.
 
 The output is JSON, one document per object, separated by ``---`` lines: YAML (JSON is YAML), which kubectl
 applies as it is. The objects' fields are those of Kubeflow Trainer v2.3's ``TrainJob``, training-operator v1.9's
@@ -35,6 +36,7 @@ SHM = "dshm"
 # The command's flags that become the operator's fields (kept in an Indexed Job's command: --nnodes and
 # --nproc-per-node, which Kubernetes does not say), and those the operator's variables give each pod.
 PLATFORM_FLAGS = ("--nnodes", "--nproc-per-node", "--max-restarts")
+MOVED_TO_ENV = ("--nccl",)  # NCCL settings: the pods' environment (each rank's, as --nccl would set it)
 GIVEN_BY_THE_PLATFORM = ("--node-rank", "--master-addr", "--master-port", "--rdzv-endpoint", "--rdzv-id")
 NAME = re.compile(r"[a-z]([-a-z0-9]{0,40}[a-z0-9])?")  # a DNS label, short enough for the names derived from it
 
@@ -123,8 +125,11 @@ def build(kind: str, argv: Sequence[str], pods: Pods) -> list[dict]:
     if ns.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more, got {ns.max_restarts}")
     replicas = getattr(ns, "replica_groups", None)
-    command = ["ddpkit", *without_flags(argv, PLATFORM_FLAGS if kind != "indexed-job" else ["--max-restarts"],
-                                        stop)]
+    from ddpkit.launch import nccl
+
+    env = [{"name": name, "value": value} for name, value in nccl.settings(ns.nccl).items()]
+    moved = (*PLATFORM_FLAGS, *MOVED_TO_ENV) if kind != "indexed-job" else ("--max-restarts", *MOVED_TO_ENV)
+    command = ["ddpkit", *without_flags(argv, moved, stop)]
     if kind == "indexed-job" and nproc != ns.nproc_per_node:
         command = [*command[:2], "--nproc-per-node", nproc, *command[2:]]
     objects: list[dict] = []
@@ -140,14 +145,14 @@ def build(kind: str, argv: Sequence[str], pods: Pods) -> list[dict]:
             raise UsageError("--max-restarts: a TrainJob's restarts are its runtime's (the JobSet's failurePolicy); "
                              "drop --max-restarts, or use `ddpkit manifest pytorchjob` (its restartPolicy and "
                              "backoffLimit)")
-        objects.append(trainjob(pods, command, nodes, nproc))
+        objects.append(trainjob(pods, command, nodes, nproc, env))
     elif kind == "pytorchjob":
-        objects.append(pytorchjob(pods, command, nodes, min_nodes if elastic else None, nproc, ns.max_restarts))
+        objects.append(pytorchjob(pods, command, env, nodes, min_nodes if elastic else None, nproc, ns.max_restarts))
     else:
         if elastic:
             raise UsageError(f"--nnodes {ns.nnodes}: an Indexed Job runs a fixed number of pods; give --nnodes N, or "
                              "use `ddpkit manifest pytorchjob`")
-        objects += indexed_job(pods, command, nodes, ns.max_restarts)
+        objects += indexed_job(pods, command, env, nodes, ns.max_restarts)
     return objects
 
 
@@ -179,18 +184,22 @@ def _shm_volume(pods: Pods) -> dict:
 SHM_MOUNT = {"name": SHM, "mountPath": "/dev/shm"}
 
 
-def _container(pods: Pods, name: str, command: list[str], port: int) -> dict:
+def _container(pods: Pods, name: str, command: list[str], env: list[dict], port: int) -> dict:
     container = {"name": name, "image": pods.image, "command": command,
                  "ports": [{"name": "ddpkit", "containerPort": port}], "volumeMounts": [SHM_MOUNT]}
+    if env:
+        container["env"] = env
     resources = _resources(pods)
     if resources:
         container["resources"] = resources
     return container
 
 
-def trainjob(pods: Pods, command: list[str], nodes: int, nproc: str) -> dict:
+def trainjob(pods: Pods, command: list[str], nodes: int, nproc: str, env: list[dict]) -> dict:
     """A Kubeflow Trainer ``TrainJob`` on the ``torch-distributed`` runtime; ``/dev/shm`` through its runtime patch."""
     trainer: dict = {"image": pods.image, "command": command, "numNodes": nodes}
+    if env:
+        trainer["env"] = env
     if nproc != "auto":
         trainer["numProcPerNode"] = int(nproc)
     resources = _resources(pods)
@@ -203,14 +212,15 @@ def trainjob(pods: Pods, command: list[str], nodes: int, nproc: str) -> dict:
             "spec": {"runtimeRef": {"name": TRAINJOB_RUNTIME}, "trainer": trainer, "runtimePatches": [patch]}}
 
 
-def pytorchjob(pods: Pods, command: list[str], nodes: int, min_nodes: int | None, nproc: str,
+def pytorchjob(pods: Pods, command: list[str], env: list[dict], nodes: int, min_nodes: int | None, nproc: str,
                max_restarts: int) -> dict:
     """A Kubeflow ``PyTorchJob`` (training-operator v1): a Master and N-1 Workers, or, elastic, MIN..MAX Workers."""
     restart = "OnFailure" if max_restarts else "Never"
 
     def replica(count: int) -> dict:
         return {"replicas": count, "restartPolicy": restart, "template": {"spec": {
-            "containers": [_container(pods, "pytorch", command, PYTORCHJOB_PORT)], "volumes": [_shm_volume(pods)]}}}
+            "containers": [_container(pods, "pytorch", command, env, PYTORCHJOB_PORT)],
+            "volumes": [_shm_volume(pods)]}}}
 
     spec: dict = {"nprocPerNode": nproc, "runPolicy": {"cleanPodPolicy": "None", "backoffLimit": max_restarts}}
     if min_nodes is not None:
@@ -223,7 +233,7 @@ def pytorchjob(pods: Pods, command: list[str], nodes: int, min_nodes: int | None
             "spec": spec}
 
 
-def indexed_job(pods: Pods, command: list[str], nodes: int, max_restarts: int) -> list[dict]:
+def indexed_job(pods: Pods, command: list[str], env: list[dict], nodes: int, max_restarts: int) -> list[dict]:
     """A headless Service and an Indexed Job of ``nodes`` pods whose subdomain it is: pod 0 is
     ``NAME-0.NAME``. A pod that fails fails the job after ``max_restarts`` retries (the others end with it through
     ddpkit's own timeouts), and the Job starts it again."""
@@ -234,7 +244,7 @@ def indexed_job(pods: Pods, command: list[str], nodes: int, max_restarts: int) -
            "spec": {"completionMode": "Indexed", "completions": nodes, "parallelism": nodes,
                     "backoffLimit": max_restarts, "template": {"spec": {
                         "subdomain": pods.name, "restartPolicy": "Never",
-                        "containers": [_container(pods, "ddpkit", command, INDEXED_PORT)],
+                        "containers": [_container(pods, "ddpkit", command, env, INDEXED_PORT)],
                         "volumes": [_shm_volume(pods)]}}}}
     return [service, job]
 

@@ -301,8 +301,8 @@ def add_manifest_command(commands) -> None:
         help="write a Kubernetes manifest that runs a ddpkit command on every node of a job",
         description="Write a TrainJob (Kubeflow Trainer), a PyTorchJob (Kubeflow training-operator) or an Indexed "
                     "Job with its headless Service, which runs the ddpkit command given after -- in every pod: its "
-                    "--nnodes, --nproc-per-node and --max-restarts become the operator's fields, --replica-groups "
-                    "adds torchft's lighthouse (a Deployment and a Service), each pod gets a memory-backed /dev/shm. "
+                    "--nnodes, --nproc-per-node and --max-restarts become the operator's fields, --nccl settings the "
+                    "pods' environment, --replica-groups adds torchft's lighthouse (a Deployment and a Service), each pod gets a memory-backed /dev/shm. "
                     "The output (JSON documents, which are YAML) applies with `kubectl apply -f -`. "
                     "docs/kubernetes.md",
         epilog="example: ddpkit manifest trainjob --image ghcr.io/me/train:1 --gpus-per-node 8 -- "
