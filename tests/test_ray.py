@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import MARKER_KEY, REPO, child_env, leftover_processes, run_command, run_ddpkit
+from conftest import MARKER_KEY, REPO, child_env, leftover_processes, run_command, run_ddpkit, warm_ranks_env
 
 pytestmark = [pytest.mark.ray,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None,
@@ -53,7 +53,9 @@ def ray_node(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
     session's marker (a cluster outlives each test, like the warm rank server): the tests check that no rank is left
     (``ranks_left``), and ``stop_ray`` that the node's processes are gone."""
     temp = tempfile.mkdtemp(prefix="ddpkit-ray-", dir="/tmp")
-    env = {key: value for key, value in child_env(**RAY_ENV).items() if key != MARKER_KEY}
+    # The ranks a Ray worker starts run warm (tests/warm_ranks.py: the node's PYTHON_EXEC, which --launcher ray uses
+    # as torchrun's agent does): about 5 s of CPU less each.
+    env = {key: value for key, value in warm_ranks_env(**RAY_ENV).items() if key != MARKER_KEY}
     node = subprocess.Popen([*prefix, RAY, "start", "--block", "--disable-usage-stats", "--temp-dir", temp, *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

@@ -221,8 +221,10 @@ def run_rank(config: dict) -> None:
     read_end, write_end = os.pipe()
     environ[REPORTS_ENV] = str(write_end)
     try:
-        # The worker's own Python (the driver's may not exist on this node), as `python -u ...` would run it.
-        child = subprocess.Popen([sys.executable, "-u", *config["command"]], env=environ, cwd=config["cwd"],
+        # The worker's own Python (the driver's may not exist on this node), as `python -u ...` would run it; or, as
+        # torchrun's agent does, the interpreter PYTHON_EXEC names in the node's environment (`ray start`'s).
+        python = os.environ.get("PYTHON_EXEC") or sys.executable
+        child = subprocess.Popen([python, "-u", *config["command"]], env=environ, cwd=config["cwd"],
                                  pass_fds=(write_end,))
     finally:
         os.close(write_end)
