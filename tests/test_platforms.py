@@ -82,9 +82,10 @@ def test_a_pytorchjob_pod_is_a_node_to_launch_on_and_an_older_operators_pod_is_o
     ({"JOB_COMPLETION_INDEX": "3"}, 3, "train-3.train", "JOB_COMPLETION_INDEX=3 but --nnodes 3 says 3 node(s)"),
     ({"JOB_COMPLETION_INDEX": "1"}, 2, "train-1", "has no DNS name through which the others reach pod 0"),
     ({"JOB_COMPLETION_INDEX": "1"}, 2, "laptop.lan", "host name laptop does not end in -1"),
+    ({**DSTACK, "DSTACK_NODES_NUM": "0"}, 1, "", "DSTACK_NODES_NUM=0: a job has at least one node"),
 ], ids=["rank-beyond-nodes", "no-master", "nnodes-not-a-number", "nproc-not-a-number", "port", "etcd",
         "elastic-without-endpoint", "skypilot-rank", "skypilot-ips", "dstack-master", "index-beyond-nodes",
-        "no-subdomain", "not-an-indexed-pod"])
+        "no-subdomain", "not-an-indexed-pod", "no-nodes"])
 def test_variables_that_cannot_be_right_name_the_variable(environ, nnodes, fqdn, message):
     with pytest.raises(PlatformError) as raised:
         read_platform(environ, nnodes=nnodes, fqdn=fqdn)
@@ -99,6 +100,8 @@ def test_flags_fill_in_or_override_and_a_contradiction_is_an_error():
     mine = LaunchFlags(nnodes="4", nproc_per_node="4", master_addr="10.0.0.1", master_port=29600, max_restarts=2)
     assert merge(trainjob, mine, gpus=8, cpus=64) == LaunchFlags(
         nnodes="4", node_rank=3, master_addr="10.0.0.1", master_port=29600, nproc_per_node="4", max_restarts=2)
+    elastic_fixed = read_platform({**PYTORCHJOB_ELASTIC, "PET_NNODES": "2:2"})
+    assert merge(elastic_fixed, LaunchFlags(nnodes="2"), gpus=0, cpus=8).nnodes == "2:2"  # the same two nodes
     with pytest.raises(PlatformError, match=r"--nnodes 2, but Kubeflow TrainJob says 4 node\(s\) \(PET_NNODES=4\)"):
         merge(trainjob, LaunchFlags(nnodes="2"), gpus=8, cpus=64)
     with pytest.raises(PlatformError, match=r"--node-rank 1, but Kubeflow TrainJob says this is node 3 "

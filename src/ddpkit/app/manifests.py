@@ -28,7 +28,6 @@ from ddpkit.app.parser import build_parser, subcommand
 from ddpkit.core.errors import UsageError
 
 TRAINJOB_RUNTIME = "torch-distributed"  # Kubeflow Trainer's ClusterTrainingRuntime for PyTorch
-TRAINJOB_PORT = 29500  # the port a TrainJob's torch runtime opens and names in PET_MASTER_PORT
 PYTORCHJOB_PORT = 23456  # a PyTorchJob's default pytorchjob-port
 INDEXED_PORT = 29500  # ddpkit's default master port, which an Indexed Job's pods use
 LIGHTHOUSE_PORT = 29510
@@ -117,8 +116,10 @@ def build(kind: str, argv: Sequence[str], pods: Pods) -> list[dict]:
     nproc = ns.nproc_per_node
     if nproc != "auto" and not (nproc.isdigit() and int(nproc) >= 1):
         raise UsageError(f"--nproc-per-node must be a whole number of at least 1 or auto, got {nproc!r}")
-    if nproc == "auto" and not pods.gpus_per_node and kind != "trainjob":
-        nproc = "1"  # auto without GPUs is 2 on a machine of one's own; a pod's CPUs are its request's
+    if nproc == "auto" and not pods.gpus_per_node:
+        # auto without GPUs is 2 on a machine of one's own, and a TrainJob's runtime would make it the CPU count: one
+        # process per pod, which the pod's CPU request then serves.
+        nproc = "1"
     if nproc.isdigit() and pods.gpus_per_node and int(nproc) > pods.gpus_per_node:
         raise UsageError(f"--nproc-per-node {nproc} with --gpus-per-node {pods.gpus_per_node}: one process per GPU "
                          "at most")
@@ -133,7 +134,7 @@ def build(kind: str, argv: Sequence[str], pods: Pods) -> list[dict]:
     if kind == "indexed-job" and nproc != ns.nproc_per_node:
         command = [*command[:2], "--nproc-per-node", nproc, *command[2:]]
     objects: list[dict] = []
-    if replicas is not None:
+    if replicas is not None and getattr(ns, "lighthouse", None) is None:  # (one given: the user's own lighthouse)
         url = f"http://{pods.name}-lighthouse:{LIGHTHOUSE_PORT}"
         command = [*command[:2], "--lighthouse", url, *command[2:]]
         objects += lighthouse(pods, min_replicas=getattr(ns, "min_replicas", None) or 1)

@@ -88,6 +88,8 @@ def _number(environ: Mapping[str, str], name: str, read: dict[str, str], *, requ
 
 
 def _rank_below(rank: int, nodes: int, name: str, nodes_name: str) -> int:
+    if nodes < 1:
+        raise PlatformError(f"{nodes_name}: a job has at least one node")
     if rank >= nodes:
         raise PlatformError(f"{name}={rank} but {nodes_name} says {nodes} node(s): a node's rank is 0..{nodes - 1}")
     return rank
@@ -249,6 +251,12 @@ class LaunchFlags:
     max_restarts: int = 0
 
 
+def _nodes(nnodes: str) -> str:
+    """``N:N`` is ``N``."""
+    low, colon, high = nnodes.partition(":")
+    return low if colon and low == high else nnodes
+
+
 def merge(shape: NodeShape, given: LaunchFlags, *, gpus: int, cpus: int) -> LaunchFlags:
     """The launch flags for this node: what the platform says, where the command line did not say otherwise. A
     flag that sets the job's shape (``--nnodes``, ``--node-rank``) and disagrees with the platform is a mistake (one
@@ -256,7 +264,7 @@ def merge(shape: NodeShape, given: LaunchFlags, *, gpus: int, cpus: int) -> Laun
     and ``--master-port`` (another name for the same node), ``--nproc-per-node`` (fewer processes than GPUs),
     ``--max-restarts``, ``--rdzv-endpoint``/``--rdzv-id``. ``gpus``/``cpus``: this node's, for ``auto``/``cpu``."""
     said = f"{shape.platform} says"
-    if given.nnodes != "1" and given.nnodes != shape.nnodes:
+    if given.nnodes != "1" and _nodes(given.nnodes) != _nodes(shape.nnodes):
         raise PlatformError(f"--nnodes {given.nnodes}, but {said} {shape.nnodes} node(s) ({shape.nnodes_from}="
                             f"{shape.read.get(shape.nnodes_from, shape.nnodes)}): drop --nnodes, ddpkit reads it")
     elastic = shape.rdzv_endpoint is not None or given.rdzv_endpoint is not None
