@@ -18,6 +18,7 @@ against what those CRDs require.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import re
@@ -53,22 +54,22 @@ class Pods:
     shm_size: str = "16Gi"
 
 
-def command_of(argv: Sequence[str]) -> tuple[list[str], object]:
+def command_of(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[list[str], argparse.Namespace]:
     """The ddpkit command line after ``--`` (``train ...`` or ``run ...``, ``ddpkit`` in front or not), parsed as
-    ``ddpkit`` parses it (a mistake in it is the same one line): (its argv, its namespace)."""
+    ``ddpkit`` parses it (``parser``: a mistake in it is the same one line): (its argv, its namespace)."""
     argv = list(argv[1:] if argv and argv[0] == "ddpkit" else argv)
     if not argv or argv[0] not in ("train", "run"):
         raise UsageError("ddpkit manifest KIND [options] -- train ... | run SCRIPT ...: give the ddpkit command every "
                          "pod runs after --")
-    return argv, build_parser().parse_args(argv)
+    return argv, parser.parse_args(argv)
 
 
-def script_index(argv: Sequence[str], ns) -> int:
+def script_index(argv: Sequence[str], ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Where ``run``'s script stands in ``argv`` (its own arguments follow, which are not ddpkit's); ``len(argv)`` for
     ``train``."""
     if argv[0] != "run":
         return len(argv)
-    valued = {flag for action in subcommand(build_parser(), "run")._actions  # noqa: SLF001 - no public list
+    valued = {flag for action in subcommand(parser, "run")._actions  # noqa: SLF001 - no public list
               if action.nargs != 0 for flag in action.option_strings}
     index = 1
     while index < len(argv) and argv[index] != ns.script:
@@ -100,8 +101,9 @@ def build(kind: str, argv: Sequence[str], pods: Pods) -> list[dict]:
                          "starting with a letter (the pods' and services' names derive from it)")
     if pods.gpus_per_node < 0:
         raise UsageError(f"--gpus-per-node must be 0 or more, got {pods.gpus_per_node}")
-    argv, ns = command_of(argv)
-    stop = script_index(argv, ns)
+    parser = build_parser()
+    argv, ns = command_of(argv, parser)
+    stop = script_index(argv, ns, parser)
     given = [flag for flag in GIVEN_BY_THE_PLATFORM if any(item.split("=", 1)[0] == flag for item in argv[:stop])]
     if given:
         raise UsageError(f"ddpkit manifest: each pod learns its node's rank and the master from the operator; drop "

@@ -379,8 +379,9 @@ def is_launched(environ: Mapping[str, str]) -> bool:
 def detect(environ: Mapping[str, str], argv: Sequence[str] = ()) -> DistEnv:
     """Read the environment of whichever launcher started this process: torchrun first, then mpirun, then
     Slurm (an mpirun inside a Slurm allocation inherits the allocation's SLURM_* variables, which describe
-    the batch script, not this rank). In a Kubeflow pod that is a node, not a rank (``is_launched``), one process."""
-    if "RANK" in environ and "WORLD_SIZE" in environ and is_launched(environ):
+    the batch script, not this rank). In a Kubeflow pod that is a node, not a rank (``is_node_of_a_job``), one
+    process."""
+    if "RANK" in environ and "WORLD_SIZE" in environ and not is_node_of_a_job(environ):
         return from_torchrun(environ, argv)
     if is_mpi_task(environ):
         return from_mpi(environ)
