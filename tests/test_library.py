@@ -14,15 +14,29 @@ import ddpkit
 from ddpkit.strategies.sync_bn import CPUSyncBatchNorm
 
 
-def test_one_plain_process_still_gets_ddp_and_is_torn_down():
+def test_one_plain_process_gets_ddps_interface_without_its_work_and_is_torn_down():
+    from ddpkit.strategies import DDP, OneProcessDDP, strategy_of
+
     with ddpkit.distributed(device="cpu") as rt:
         assert (rt.rank, rt.world_size, rt.backend, rt.device.type) == (0, 1, "gloo", "cpu")
-        model = ddpkit.prepare_model(nn.Linear(3, 2), rt)
-        assert isinstance(model, DistributedDataParallel)
-        # PyTorch's own bucket default (small first bucket) unless the user sets one.
-        default = DistributedDataParallel(nn.Linear(3, 2))
-        assert model.bucket_bytes_cap == default.bucket_bytes_cap
-        model(torch.randn(4, 3)).sum().backward()
+        torch.manual_seed(0)
+        bare = nn.Linear(3, 2)
+        reference = nn.Linear(3, 2)
+        reference.load_state_dict(bare.state_dict())
+        model = ddpkit.prepare_model(bare, rt)
+        # No DistributedDataParallel (no reducer, no buckets, no broadcast before each forward): the model itself,
+        # behind DDP's interface, and still known as DDP's.
+        assert type(model) is OneProcessDDP and not isinstance(model, DistributedDataParallel)
+        assert model.module is bare and ddpkit.unwrap(model) is bare and strategy_of(model) == DDP()
+        assert list(model.state_dict()) == ["weight", "bias"]
+        x = torch.randn(4, 3)
+        with model.no_sync():
+            model(x).sum().backward()
+        model(x).sum().backward()
+        reference(x).sum().backward()
+        reference(x).sum().backward()
+        assert torch.equal(bare.weight.grad, reference.weight.grad)  # what DDP averages over one process
+        assert dist.is_initialized()  # the group a script's own collectives use is there all the same
     assert not dist.is_initialized()
 
 
@@ -93,33 +107,6 @@ def test_model_state_dict_has_no_module_prefix():
     with ddpkit.distributed(device="cpu") as rt:
         model = ddpkit.prepare_model(nn.Linear(3, 2), rt)
         assert sorted(ddpkit.model_state_dict(model)) == ["bias", "weight"]
-
-
-def test_accumulation_all_reduces_once_per_optimizer_step():
-    # Without no_sync the weights would come out the same (an all-reduce per micro-step is linear), so
-    # count the all-reduces themselves with a DDP communication hook.
-    from torch.utils.data import TensorDataset
-
-    calls = []
-
-    def counting_hook(state, bucket):
-        calls.append(bucket.index())
-        future = torch.futures.Future()
-        future.set_result(bucket.buffer())
-        return future
-
-    with ddpkit.Job("ddp", accumulate=4, device="cpu") as job:
-        model, optimizer = job.setup(nn.Sequential(nn.Flatten(), nn.Linear(4, 3)), torch.optim.SGD, lr=0.1)
-        model.register_comm_hook(None, counting_hook)
-        # 17 batches: the 17th would start a 5th step that never completes, so the loader leaves it out.
-        data = TensorDataset(torch.randn(68, 4), torch.randint(0, 3, (68,)))
-        loader = job.train_loader(data, batch_size=4)
-        assert (len(loader), loader.steps_per_epoch, loader.global_batch) == (16, 4, 16)
-        steps = 0
-        for images, labels in loader:
-            job.backward(F.cross_entropy(model(images), labels))
-            steps += job.step(optimizer)
-    assert steps == 4 and job.global_step == 4 and calls == [0, 0, 0, 0]  # 16 micro-steps, one bucket each
 
 
 def test_unwrap_removes_only_parallel_wrappers():

@@ -215,6 +215,9 @@ class WithLoss(nn.Module):  # returns (logits, loss), as HF models and nanoGPT d
 
 job = ddpkit.Job()
 model, loader = job.prepare(WithLoss(), DataLoader(TensorDataset(x, y), batch_size=8))
+# Two processes: PyTorch's DDP, with its own bucket default (a small first bucket) unless the script sets one.
+ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+default_buckets = ddp and model.bucket_bytes_cap == torch.nn.parallel.DistributedDataParallel(nn.Linear(1, 1)).bucket_bytes_cap
 loss, top1, top5, count = job.evaluate(model, loader, topk=(1, 5))
 # The script's own loop: sums, then one line; predictions gathered once for a metric over all of them.
 total, hits, seen, predictions = 0.0, 0, 0, []
@@ -235,26 +238,70 @@ expected = {"loss": F.cross_entropy(logits, y).item(), "top1": (logits.argmax(1)
 if job.is_main:
     json.dump({"evaluate": [loss, top1, top5, count], "own": [total / seen, hits / seen, seen],
                "gathered": sorted(gathered.tolist()), "expected": expected,
-               "expected_predictions": sorted(logits.argmax(1).tolist()), "batches": len(loader)},
+               "expected_predictions": sorted(logits.argmax(1).tolist()), "batches": len(loader),
+               "ddp_with_default_buckets": default_buckets},
               open(sys.argv[1], "w"))
 """
 
 
-def test_top5_and_a_model_returning_logits_and_loss_count_every_sample_once(tmp_path):
-    script = tmp_path / "evaluate.py"
-    script.write_text(EVALUATE)
+def on_two_processes(tmp_path, script_text: str) -> dict:
+    """What a script run by ``ddpkit run --nproc-per-node 2 SCRIPT OUT.json`` wrote to OUT.json."""
+    script = tmp_path / "script.py"
+    script.write_text(script_text)
     done = run_ddpkit("run", "--nproc-per-node", "2", str(script), str(tmp_path / "out.json"), timeout=120,
                       cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    out = json.loads((tmp_path / "out.json").read_text())
+    return json.loads((tmp_path / "out.json").read_text())
+
+
+def test_top5_and_a_model_returning_logits_and_loss_count_every_sample_once(tmp_path):
+    out = on_two_processes(tmp_path, EVALUATE)
     expected = out["expected"]
     loss, top1, top5, count = out["evaluate"]
     assert count == 101 and out["batches"] == 7  # rank 0: 51 samples in batches of 8; rank 1: 50
+    assert out["ddp_with_default_buckets"]
     assert loss == pytest.approx(expected["loss"], rel=1e-5)
     assert (top1, top5) == (pytest.approx(expected["top1"]), pytest.approx(expected["top5"]))
     total, hits, seen = out["own"]
     assert seen == 101 and total == pytest.approx(expected["loss"], rel=1e-5) and hits == pytest.approx(expected["top5"])
     assert out["gathered"] == out["expected_predictions"]  # 101 predictions, none twice
+
+
+ACCUMULATE = """
+import json, sys, torch, torch.nn as nn, torch.nn.functional as F, ddpkit
+from torch.utils.data import TensorDataset
+
+calls = []
+
+def counting_hook(state, bucket):  # DDP's all-reduce of a bucket, counted, left out
+    calls.append(bucket.index())
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+with ddpkit.Job("ddp", accumulate=4) as job:
+    model, optimizer = job.setup(nn.Sequential(nn.Flatten(), nn.Linear(4, 3)), torch.optim.SGD, lr=0.1)
+    model.register_comm_hook(None, counting_hook)
+    # 17 batches of 2 x 2: the 17th would start a 5th step that never completes, so the loader leaves it out.
+    data = TensorDataset(torch.randn(68, 4), torch.randint(0, 3, (68,)))
+    loader = job.train_loader(data, batch_size=2)
+    shape = [len(loader), loader.steps_per_epoch, loader.global_batch]
+    steps = 0
+    for images, labels in loader:
+        job.backward(F.cross_entropy(model(images), labels))
+        steps += job.step(optimizer)
+    if job.is_main:
+        json.dump({"shape": shape, "steps": steps, "global_step": job.global_step, "calls": calls},
+                  open(sys.argv[1], "w"))
+"""
+
+
+def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
+    # Without no_sync the weights would come out the same (an all-reduce per micro-step is linear), so count the
+    # all-reduces themselves with a DDP communication hook, in two processes (one has no all-reduce at all).
+    out = on_two_processes(tmp_path, ACCUMULATE)
+    assert out["shape"] == [16, 4, 16] and out["steps"] == out["global_step"] == 4
+    assert out["calls"] == [0, 0, 0, 0]  # 16 micro-steps, one bucket each, all-reduced on the 4 last ones
 
 
 # -- the watch: a long evaluation of the script's own is work; a stopped rank is still named

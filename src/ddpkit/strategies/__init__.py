@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from ddpkit.core.errors import UsageError
 from ddpkit.strategies.base import Strategy, unwrap
-from ddpkit.strategies.ddp import DDP
+from ddpkit.strategies.ddp import DDP, OneProcessDDP
 from ddpkit.strategies.dp import DataParallel
 from ddpkit.strategies.fsdp import FSDP
 from ddpkit.strategies.pipeline import Pipeline, PipelineLayout, PipelineParallel
@@ -74,7 +74,7 @@ def strategy_of(model: nn.Module, optimizer=None) -> Strategy:
         return ZeRO()
     if isinstance(model, nn.DataParallel):
         return DataParallel()
-    if isinstance(model, nn.parallel.DistributedDataParallel):
+    if isinstance(model, (nn.parallel.DistributedDataParallel, OneProcessDDP)):
         return DDP()
     return Single()
 

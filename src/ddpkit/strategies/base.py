@@ -27,13 +27,14 @@ from ddpkit.core.process_group import Runtime
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside a DataParallel / DistributedDataParallel wrapper or ``torch.compile``'s (or the model
-    itself).
+    """The user's model inside a DataParallel / DistributedDataParallel wrapper (DDP's of one process too) or
+    ``torch.compile``'s (or the model itself).
 
     Under FSDP the model is its own (sharded) self; under pipeline parallel, this rank's stage.
     """
     while True:
-        if isinstance(model, (nn.DataParallel, DistributedDataParallel)) or getattr(model, "is_pipeline", False):
+        if isinstance(model, (nn.DataParallel, DistributedDataParallel)) or getattr(model, "is_pipeline", False) \
+                or getattr(model, "calls_module_directly", False):
             model = model.module
         elif is_compiled(model):
             model = model._orig_mod  # noqa: SLF001 - torch.compile's one way to the module it compiled

@@ -1,7 +1,9 @@
-"""DistributedDataParallel: one process per device, gradients all-reduced during backward."""
+"""DistributedDataParallel: one process per device, gradients all-reduced during backward; in a job of one process,
+the model itself behind DDP's interface (``OneProcessDDP``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import ClassVar
 
@@ -39,6 +41,49 @@ class PreparedDDP(BareStateDict, DistributedDataParallel):
             self.require_forward_param_sync = keep
 
 
+class OneProcessDDP(BareStateDict, nn.Module):
+    """What ``DDP().wrap`` hands back in a job of one process: the model, called directly, behind DDP's interface
+    (``module``, ``no_sync()``, the bare model's ``state_dict()``, inputs moved to the model's GPU as DDP's
+    ``device_ids`` move them), so that a script reads the same at one process as at eight.
+
+    DDP over one process all-reduces nothing, yet its work on every step (its autograd hooks, copies into and out
+    of its buckets, the checks and buffer broadcast before each forward) cost 1.6-2.3% of a ResNet-50 step on an
+    H100 with any of its settings, and a fifth of a small model's step on a CPU (docs/benchmarks.md). DataParallel
+    on one GPU calls its module directly too. Gradients, weights, ``model.pt`` and checkpoints are those DDP would
+    give (it averages over one process). One thing DDP does that this does not: with ``find_unused_parameters``
+    False, a parameter that got no gradient in a step is DDP's error from two processes on, not here. A
+    communication hook (``register_comm_hook``) is kept, not run: one process has nothing to communicate.
+    """
+
+    calls_module_directly = True  # what ``unwrap`` looks through
+
+    def __init__(self, module: nn.Module, device: torch.device | None = None):
+        super().__init__()
+        self.module = module
+        self.device = device  # a GPU: inputs elsewhere are moved there, as DDP moves them to its device_ids[0]
+        self.require_backward_grad_sync = True  # what DDP's no_sync() sets (and ddpkit's accumulation): no effect
+        self.comm_hook = None
+
+    def forward(self, *inputs, **kwargs):
+        if self.device is not None:
+            from torch.utils._pytree import tree_map_only
+
+            inputs, kwargs = tree_map_only(torch.Tensor, self._to_device, (inputs, kwargs))
+        return self.module(*inputs, **kwargs)
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, non_blocking=True)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's context for accumulation micro-steps; with one process there is no all-reduce to skip."""
+        yield
+
+    def register_comm_hook(self, state, hook) -> None:
+        """Kept for DDP's interface, not run: one process has no gradients of others to combine."""
+        self.comm_hook = (state, hook)
+
+
 @dataclasses.dataclass(frozen=True)
 class DDP(Strategy):
     # Parameters that may get no gradient in a step (conditional branches). Costs a graph walk per step.
@@ -67,6 +112,8 @@ class DDP(Strategy):
             raise UsageError("DDP needs a process group; start it with ddpkit.setup(force_group=True) or a launcher")
         model = model.to(runtime.device)
         on_gpu = runtime.device.type == "cuda"
+        if runtime.world_size == 1:
+            return OneProcessDDP(model, runtime.device if on_gpu else None)
         return PreparedDDP(
             model,
             device_ids=[runtime.device.index] if on_gpu else None,
