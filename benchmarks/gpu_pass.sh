@@ -7,7 +7,8 @@
 # doctor.json, pytest-gpu.txt (`pytest -m gpu`), bench-*.json and bench-*.txt (`ddpkit bench`, ResNet-50 on
 # synthetic data at fp32, tf32, bf16, bf16 + channels_last, the same with torch.compile, DDP with
 # gradient_as_bucket_view and static_graph, and from a folder of JPEGs and its pack, decoded by the loader's CPU
-# processes and by nvJPEG), profile-folder-*.txt and .json (benchmarks/profile_files.py: where a file-fed step's
+# processes and by nvJPEG), decode-gil.txt (benchmarks/decode_gil.py: whether nvJPEG's decode_jpeg lets go of the
+# GIL), profile-folder-*.txt and .json (benchmarks/profile_files.py: where a file-fed step's
 # time goes), checkpoint-blocking.txt and .json (benchmarks/checkpoint_blocking.py: full, sharded
 # and sharded async saves of FSDP state from the GPU), loader-throughput.txt (benchmarks/loader_throughput.py), image-decode-cpu.txt
 # (benchmarks/image_decode.py), train-*/ (`ddpkit train` resnet18 with --amp bf16/fp16
@@ -83,25 +84,30 @@ train() {  # train NAME ARGS...: resnet18 on synthetic data, one GPU, into train
 
 export PYTHON BATCH OUT_DIR
 export -f ddpkit environment bench train
-# In order of what is most wanted when the budget runs out (issue 30 first): the card; DDP at world size 1
-# against no DDP; from JPEGs against synthetic data; checkpoints; the GPU tests; then the rest.
+# In order of what is most wanted when the budget runs out (issue 45 first): the card; DDP at world size 1 (no
+# DDP wrapper at one process now) against no DDP; from JPEGs against synthetic data; the GPU tests; then the rest.
 step env 60 5 environment
-# The headline: bf16 + channels_last, no DDP vs DDP vs DataParallel on one GPU.
+# The headline: bf16 + channels_last, no DDP vs DDP vs DataParallel on one GPU (goal: DDP >= 99% of no DDP).
 step bench-bf16-cl 150 50 bench bf16-cl --precision bf16 --channels-last --strategies single,ddp,dp
-# DDP at world size 1 against no DDP, with the settings that remove its copies (goal: >= 99%).
-step bench-bf16-cl-ddp-views 150 40 bench bf16-cl-ddp-views --precision bf16 --channels-last --strategies single,ddp \
-    --gradient-as-bucket-view --static-graph
 # From JPEGs (ddpkit data make-images: 500x375, quality 90), beside synthetic data in the same processes: decoded by
-# nvJPEG (gpu), by the loader processes (cpu), and from a pack of the same folder (gpu).
+# nvJPEG on the loader's own thread and stream, crops batched (gpu), by the loader processes (cpu), and from a pack
+# of the same folder (gpu). 30,000 images: 117 steps of 256 an epoch, so a bench run crosses one epoch start at
+# most (the first passes' 6,000 crossed one in most rounds), and the workers of image data now outlive an epoch.
 JPEGS="$OUT_DIR/../gpu-pass-jpegs"
-step jpegs 180 20 ddpkit data make-images "$JPEGS/folder" --images 6000 --val 0 --classes 100
-step pack 120 10 ddpkit data pack "$JPEGS/folder" "$JPEGS/packed"
+step jpegs 300 90 ddpkit data make-images "$JPEGS/folder" --images 30000 --val 0 --classes 100
+step pack 240 40 ddpkit data pack "$JPEGS/folder" "$JPEGS/packed"
 step bench-folder-gpu-decode 200 60 bench folder-gpu-decode --precision bf16 --channels-last --strategies ddp \
     --data "folder:$JPEGS/folder" --decode gpu --steps 20
 step bench-folder-cpu-decode 200 60 bench folder-cpu-decode --precision bf16 --channels-last --strategies ddp \
     --data "folder:$JPEGS/folder" --decode cpu --steps 20
 step bench-shards-gpu-decode 200 60 bench shards-gpu-decode --precision bf16 --channels-last --strategies ddp \
     --data "shards:$JPEGS/packed" --decode gpu --steps 20
+step bench-shards-cpu-decode 200 60 bench shards-cpu-decode --precision bf16 --channels-last --strategies ddp \
+    --data "shards:$JPEGS/packed" --decode cpu --steps 20
+step pytest-gpu 240 70 "$PYTHON" -m pytest -m gpu -n 3 --dist load -p no:cacheprovider tests/test_gpu.py \
+    tests/test_images.py
+# Whether nvJPEG's decode_jpeg lets go of the GIL (a Python loop's pace beside a thread that decodes).
+step decode-gil 60 15 "$PYTHON" benchmarks/decode_gil.py --device cuda --images 64
 # Where a file-fed step's time goes (torch.profiler over 10 steps): the wait for the workers, nvJPEG, the crops,
 # the GPU's busy time per step; and one host core's decoding (the ceiling of the CPU path is cores x this).
 step profile-folder-gpu-decode 180 50 "$PYTHON" benchmarks/profile_files.py --data "folder:$JPEGS/folder" --decode gpu \
@@ -112,8 +118,9 @@ step image-decode-cpu 120 30 "$PYTHON" benchmarks/image_decode.py --images 400 -
 # How long a save blocks training, and what a step costs while the write runs: full, sharded, sharded async.
 step checkpoint-blocking 150 40 ddpkit run --nproc-per-node 1 benchmarks/checkpoint_blocking.py --strategy fsdp \
     --width 4096 --layers 8 --batch 2048 --rounds 3 --json "$OUT_DIR/checkpoint-blocking.json"
-step pytest-gpu 240 70 "$PYTHON" -m pytest -m gpu -n 3 --dist load -p no:cacheprovider tests/test_gpu.py \
-    tests/test_images.py
+# DDP's settings at world size 1 no longer matter (no DDP there); kept to compare with the earlier passes.
+step bench-bf16-cl-ddp-views 150 40 bench bf16-cl-ddp-views --precision bf16 --channels-last --strategies single,ddp \
+    --gradient-as-bucket-view --static-graph
 # Replica groups (issue 31, docs/replica-groups.md): two groups of one process each, which share the GPU when
 # there is one (their all-reduce is gloo's, through host memory), against one process on the same global batch.
 # Needs torchft (pip install 'ddpkit[ft]').

@@ -79,7 +79,7 @@ def test_fsdp_saves_sharded_checkpoints_asynchronously_from_the_gpu(tmp_path):
     assert exported.keys() == state.keys() and all(torch.equal(exported[k], state[k]) for k in state)
 
 
-def test_batches_reach_the_gpu_one_ahead_on_a_side_stream_in_order():
+def test_batches_reach_the_gpu_ahead_on_a_thread_and_stream_of_their_own_in_order():
     import ddpkit
     from torch.utils.data import TensorDataset
 
@@ -132,3 +132,82 @@ def test_asynchronous_saves_from_the_gpu_reuse_one_pinned_copy_and_keep_each_sav
     for step, weight in enumerate(expected, start=1):
         export_model(tmp_path / checkpoint_name(step, sharded=True), tmp_path / f"{step}.pt")
         assert torch.equal(torch.load(tmp_path / f"{step}.pt", weights_only=True)["weight"], weight)
+
+
+def test_the_watch_tells_a_thread_waiting_on_the_gpu_from_one_evaluating():
+    # The watch's GPU signal (ddpkit.watch.activity) on a real GPU: a training thread that waits for the device as
+    # one in a NCCL collective does (the host spins in a synchronize, allocates nothing, its frame does not move)
+    # is not at work; one in a long evaluation of its own (forwards, no progress marks) is.
+    import threading
+    import time
+
+    from ddpkit.watch.activity import Activity
+
+    device = torch.device("cuda")
+    torch.ones(1, device=device)
+
+    def wait_on_the_device(stop: threading.Event) -> None:
+        torch.cuda._sleep(10_000_000_000)  # some seconds of one kernel; the thread waits for it
+        torch.cuda.synchronize(device)
+
+    def evaluate(stop: threading.Event) -> None:
+        model = torch.nn.Linear(512, 512).to(device)
+        with torch.no_grad():
+            while not stop.is_set():
+                model(torch.randn(64, 512, device=device)).sum().item()
+
+    for work, at_work in ((wait_on_the_device, False), (evaluate, True)):
+        stop = threading.Event()
+        thread = threading.Thread(target=work, args=(stop,))
+        thread.start()
+        time.sleep(0.3)
+        activity = Activity(thread.ident, device)
+        readings = []
+        for _ in range(3):
+            time.sleep(0.5)
+            readings.append(activity.working())
+        stop.set()
+        thread.join()
+        assert readings == [at_work] * 3, work.__name__
+
+
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two ranks with NCCL need two GPUs (NCCL refuses "
+                              "two ranks on one); the one-GPU check of the same signal is the test above")
+
+
+@TWO_GPUS
+def test_a_rank_asleep_while_the_other_waits_in_nccl_is_named(tmp_path):
+    from conftest import run_ddpkit
+
+    from test_heartbeat import SLEEPER
+
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    result = run_ddpkit("run", "--stall-timeout", "5", "--nproc-per-node", "2", str(script), timeout=120,
+                        DDPKIT_HEARTBEAT_S="1")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("stalled:") == 1 and "[rank0]: ddpkit: error: rank 1 (host " in result.stderr
+    assert "while its heartbeat goes on: it is alive but not advancing" in result.stderr
+    assert "The other ranks wait for it: 0 at step 3" in result.stderr  # where rank 0's host waits: its phase varies
+
+
+@TWO_GPUS
+def test_a_long_evaluation_on_rank_0_while_rank_1_waits_in_nccl_is_not_a_stall(tmp_path):
+    from conftest import run_ddpkit
+
+    script = tmp_path / "evaluates.py"
+    script.write_text("""import time, torch, torch.nn as nn, ddpkit
+with ddpkit.Job("ddp") as job:
+    model = job.setup(nn.Linear(512, 512))
+    started = time.monotonic()
+    if job.rank == 0:  # a metric of its own over all predictions, say: no progress marks, 2x the stall timeout
+        with torch.no_grad():
+            while time.monotonic() - started < 12:
+                model(torch.randn(64, 512, device=job.device)).sum().item()
+    torch.distributed.barrier()  # rank 1 waits here, in NCCL
+    job.print("evaluated")
+""")
+    result = run_ddpkit("run", "--stall-timeout", "5", "--nproc-per-node", "2", str(script), timeout=120,
+                        DDPKIT_HEARTBEAT_S="1")
+    assert result.returncode == 0 and "evaluated" in result.stdout, result.stderr
+    assert "stalled" not in result.stderr

@@ -269,7 +269,9 @@ class DeviceLoader:
         """The pass's batches; returns how many batches the next pass leaves out (replica groups)."""
         whole = len(self.loader) - len(self.loader) % self.accumulate
         batches = itertools.islice(self.loader, whole)
-        moved = self._ahead_on_a_side_stream(batches) if self.device.type == "cuda" else map(self._move, batches)
+        # On a GPU, made ready on a thread and a stream of their own, ahead of the step that takes them.
+        moved = ahead_on_a_thread(batches, self._move, self.device) if self.device.type == "cuda" else \
+            map(self._move, batches)
         ahead = 0  # batches still to leave out, from the next pass on where this one ends first
         for batch in moved:
             self._yielded += 1  # counted as handed over: a checkpoint taken now is past this batch
@@ -308,24 +310,6 @@ class DeviceLoader:
             return self.finish(batch, self.device, self._non_blocking)
         return to_device(batch, self.device, self._non_blocking)
 
-    def _ahead_on_a_side_stream(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """The batches on the GPU, each one's copy (and decoding) queued on a stream of its own one batch ahead: it
-        runs while the GPU computes the step before, not after it on the training stream. The training stream
-        waits for that batch alone (an event), and the batch's memory is marked as in use there, so the caching
-        allocator does not hand it out again while the step still reads it."""
-        side = torch.cuda.Stream(self.device)
-        pending = None
-        for batch in batches:
-            with torch.cuda.stream(side):
-                moved = self._move(batch)
-                ready = torch.cuda.Event()
-                ready.record(side)
-            if pending is not None:
-                yield _on_current_stream(*pending, self.device)
-            pending = (moved, ready)
-        if pending is not None:
-            yield _on_current_stream(*pending, self.device)
-
     def _warn_unfinished(self) -> None:
         if self._yielded > 1:  # a peek takes one batch; a loop that broke off took more
             from ddpkit.core.logs import logger
@@ -334,6 +318,75 @@ class DeviceLoader:
             logger.warning(f"a pass over this loader stopped after {self._yielded} of {len(self.loader)} batches, so "
                            f"epoch {epoch} did not end: this pass deals epoch {epoch}'s order again. Call "
                            "loader.set_epoch(epoch) before each pass when your loop leaves its passes early")
+
+
+AHEAD = 2  # batches a GPU loader's thread makes ready before the training thread asks for them
+
+
+def ahead_on_a_thread(batches: Iterator[Any], move: Callable[[Any], Any], device: torch.device,
+                      ahead: int = AHEAD) -> Iterator[Any]:
+    """``move(batch)`` of each batch, run on a thread of its own up to ``ahead`` batches before the one the caller
+    takes: the wait for the loader's workers, the copy to the device and what ``move`` does there (nvJPEG's
+    decoding and the crops, for image files) happen while the training thread runs the step before.
+
+    On a GPU the thread queues its work on a stream of its own, and the training stream waits for a batch's
+    event alone when it takes it; the batch's memory is marked as in use on the training stream, so the caching
+    allocator does not hand it out again while the step still reads it. (nvJPEG's ``decode_jpeg`` waits on the
+    host for its own stream: on the training thread that wait was a third of a step.) An error on the thread
+    (an unreadable batch, a worker that died) is raised by the caller's ``next()``, in order; a caller that
+    stops early stops the thread, which leaves the batches it had made ready. ``batches`` is made in the
+    caller's thread (a DataLoader's iterator starts its workers and signal handlers there)."""
+    import queue
+    import threading
+
+    ready: queue.Queue = queue.Queue(maxsize=max(1, ahead - 1))  # + the one the thread holds = ``ahead``
+    stop = threading.Event()
+    done = object()
+    on_gpu = device.type == "cuda"
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def make_ready() -> None:
+        side = torch.cuda.Stream(device) if on_gpu else None
+        try:
+            for batch in batches:
+                if stop.is_set():
+                    return
+                if side is None:
+                    item = (move(batch), None)
+                else:
+                    with torch.cuda.stream(side):
+                        moved = move(batch)
+                        event = torch.cuda.Event()
+                        event.record(side)
+                    item = (moved, event)
+                if not put(item):
+                    return
+        except BaseException as error:  # noqa: BLE001 - handed to the training thread, which raises it
+            put((error, done))
+            return
+        put((None, done))
+
+    thread = threading.Thread(target=make_ready, name="ddpkit-batches-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            batch, event = ready.get()
+            if event is done:
+                if batch is not None:
+                    raise batch
+                return
+            yield _on_current_stream(batch, event, device) if event is not None else batch
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _on_current_stream(batch: Any, ready: torch.cuda.Event, device: torch.device) -> Any:
@@ -440,6 +493,17 @@ def _settings(data: Dataset | DataLoader, batch_size: int | None, workers: int |
     return dataset, settings
 
 
+def keeps_its_workers(data: Dataset | DataLoader, dataset: Dataset, settings: dict[str, Any],
+                      options: dict[str, Any]) -> bool:
+    """Whether a training loader ddpkit makes over image files (``ddpkit.data.images``) keeps its worker processes
+    from one epoch to the next: otherwise each epoch starts a rank's N decoding processes again and waits for their
+    first batches. Safe for those data sets: a sample's crop comes from (seed, epoch, index), not from a worker's
+    random state, and workers that outlive a loop are ended at exit (``signals.kill_children_ignoring_sigterm_at_exit``).
+    A script's own DataLoader, or ``persistent_workers=`` given, keeps its choice."""
+    return (image_data_in(dataset) is not None and not isinstance(data, (DataLoader, DeviceLoader))
+            and bool(settings.get("num_workers")) and "persistent_workers" not in options)
+
+
 def _ignoring_stop_signals(init: Callable[[int], None] | None) -> Callable[[int], None]:
     signals.kill_children_ignoring_sigterm_at_exit()  # a loader still held at exit: its workers would not end
     if init is None or init is signals.ignore_stop_signals:
@@ -485,6 +549,8 @@ def train_loader(
         shuffle = loader_shuffle if shuffle is None else shuffle
         seed = loader_seed if seed is None else seed
     dataset, settings = _settings(data, batch_size, workers, in_memory, runtime, loader_options)
+    if keeps_its_workers(data, dataset, settings, loader_options):
+        settings["persistent_workers"] = True
     shuffle = True if shuffle is None else shuffle
     seed = 0 if seed is None else seed
     if drop_last is None:  # the script's loader's choice, else ddpkit's: whole global batches only
