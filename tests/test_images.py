@@ -333,8 +333,13 @@ def test_batches_are_made_ready_ahead_on_a_thread_in_order_and_stopped_with_the_
     taken = []
     with pytest.raises(UsageError, match="batch 5"):
         for k, batch in enumerate(ahead_on_a_thread(source(pulled, 8), move, CPU)):
-            time.sleep(0.05)  # a step: the thread makes the next ones ready meanwhile, no more than AHEAD
-            assert len(pulled) == min(k + 1 + AHEAD, 6), (k, pulled)  # batch 5 fails: nothing read after it
+            # A step: the thread makes the next ones ready meanwhile, AHEAD of them and no more (batch 5 fails:
+            # nothing is read after it).
+            expected, deadline = min(k + 1 + AHEAD, 6), time.monotonic() + 10
+            while len(pulled) < expected and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.05)
+            assert len(pulled) == expected, (k, pulled)
             taken.append(int(batch[0]))
     assert taken == [0, 10, 20, 30, 40]  # in order; the error where its batch was, after the ones before it
     assert set(where) == {"ddpkit-batches-ahead"}
