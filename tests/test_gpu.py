@@ -85,7 +85,7 @@ def test_batches_reach_the_gpu_ahead_on_a_thread_and_stream_of_their_own_in_orde
 
     x, y = torch.arange(64 * 3, dtype=torch.float32).view(64, 3), torch.arange(64)
     with ddpkit.Job("single", device="cuda") as job:
-        loader = job.train_loader(TensorDataset(x, y), batch_size=8, shuffle=False)
+        loader = job.train_loader(TensorDataset(x, y), batch_size=8, shuffle=False, workers=1)  # on the thread
         for _ in range(2):
             seen = []
             for inputs, labels in loader:

@@ -89,6 +89,7 @@ def test_batched_crops_are_torchs_antialiased_resize_rounded(monkeypatch):
     boxes[0], boxes[7] = (0, 0, 37, 53, True, 0), (52, 36, 1, 1, False, 7)
     out = images.resample_batch(pictures, torch.tensor(boxes), size)
     assert out.shape == (len(shapes), 3, size, size) and out.dtype == torch.uint8
+    assert images.resample_batch([], torch.empty(0, 6, dtype=torch.long), size, channels=1).shape == (0, 1, size, size)
     for picture, (top, left, height, width, flip, _), got in zip(pictures, boxes, out):
         crop = picture[None, :, top:top + height, left:left + width].float()
         expected = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]

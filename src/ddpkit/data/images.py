@@ -133,9 +133,10 @@ def resample(image: torch.Tensor, box: Sequence[int], size: int, flip: bool) -> 
 RESAMPLED_AT_ONCE = 64  # images of one size resampled by one pair of matrix products (bounds its float copies)
 
 
-def resample_batch(images: Sequence[torch.Tensor], boxes: torch.Tensor, size: int) -> torch.Tensor:
+def resample_batch(images: Sequence[torch.Tensor], boxes: torch.Tensor, size: int, channels: int = 3) -> torch.Tensor:
     """Every (C, H, W) uint8 image's box (``boxes``' rows: top, left, height, width, flip, ...) resampled to size x
-    size with antialiasing, as (N, C, size, size) uint8: ``resample``'s arithmetic, batched.
+    size with antialiasing, as (N, C, size, size) uint8 (C: ``channels`` for an empty batch): ``resample``'s
+    arithmetic, batched.
 
     An antialiased bilinear resize is linear and separable: the crop is ``rows @ image @ columns.T``, with one
     weight matrix per axis that holds torch's antialiasing filter over the box's pixels and zeros elsewhere (a
@@ -145,7 +146,7 @@ def resample_batch(images: Sequence[torch.Tensor], boxes: torch.Tensor, size: in
     in float (on a GPU); torch's CPU kernel resamples uint8 in fixed point, within one level of this.
     """
     count = len(images)
-    channels = images[0].shape[0] if count else 1
+    channels = images[0].shape[0] if count else channels
     device = images[0].device if count else boxes.device
     out = torch.empty(count, channels, size, size, dtype=torch.uint8, device=device)
     by_size: dict[tuple[int, int], list[int]] = {}
@@ -346,7 +347,7 @@ class ImageData(Dataset):
         kept = [i for i, image in enumerate(decoded) if isinstance(image, torch.Tensor)]
         unreadable = [f"{self.source.name(int(boxes[i][5]))}: {decoded[i]}" for i in range(len(decoded))
                       if i not in kept]
-        crops = resample_batch([decoded[i] for i in kept], boxes[kept], self.crops.size)
+        crops = resample_batch([decoded[i] for i in kept], boxes[kept], self.crops.size, self.channels)
         return crops, kept, unreadable
 
 

@@ -269,8 +269,10 @@ class DeviceLoader:
         """The pass's batches; returns how many batches the next pass leaves out (replica groups)."""
         whole = len(self.loader) - len(self.loader) % self.accumulate
         batches = itertools.islice(self.loader, whole)
-        # On a GPU, made ready on a thread and a stream of their own, ahead of the step that takes them.
-        moved = ahead_on_a_thread(batches, self._move, self.device) if self.device.type == "cuda" else \
+        # On a GPU, made ready on a thread and a stream of their own, ahead of the step that takes them, where
+        # worker processes make the batches or the data set finishes them (nvJPEG): a data set read in this
+        # process (no workers) stays on the training thread, which its random draws and handles may belong to.
+        moved = ahead_on_a_thread(batches, self._move, self.device) if self._ahead_on_a_thread else \
             map(self._move, batches)
         ahead = 0  # batches still to leave out, from the next pass on where this one ends first
         for batch in moved:
@@ -305,6 +307,10 @@ class DeviceLoader:
             "DataLoader made with shuffle=False (job.prepare makes it an evaluation loader), job.eval_loader(loader), or "
             "job.evaluate; a pass begun under torch.no_grad() is dealt as an evaluation by itself")
 
+    @property
+    def _ahead_on_a_thread(self) -> bool:
+        return self.device.type == "cuda" and (self.finish is not None or self.loader.num_workers > 0)
+
     def _move(self, batch: Any) -> Any:
         if self.finish is not None:  # a data set that finishes its own batches: decodes, normalises, moves
             return self.finish(batch, self.device, self._non_blocking)
@@ -321,6 +327,7 @@ class DeviceLoader:
 
 
 AHEAD = 2  # batches a GPU loader's thread makes ready before the training thread asks for them
+JOIN_S = 10.0  # how long a pass that ends waits for its thread (which finishes the batch it is making) to end
 
 
 def ahead_on_a_thread(batches: Iterator[Any], move: Callable[[Any], Any], device: torch.device,
@@ -354,8 +361,13 @@ def ahead_on_a_thread(batches: Iterator[Any], move: Callable[[Any], Any], device
         return False
 
     def make_ready() -> None:
-        side = torch.cuda.Stream(device) if on_gpu else None
         try:
+            side = None
+            if on_gpu:
+                # A new thread's current device is GPU 0: without this, leaving the stream's context would make it
+                # so, and rank r > 0 would open a CUDA context (and put what moves by default) on GPU 0.
+                torch.cuda.set_device(device)
+                side = torch.cuda.Stream(device)
             for batch in batches:
                 if stop.is_set():
                     return
@@ -386,7 +398,12 @@ def ahead_on_a_thread(batches: Iterator[Any], move: Callable[[Any], Any], device
             yield _on_current_stream(batch, event, device) if event is not None else batch
     finally:
         stop.set()
-        thread.join()
+        thread.join(timeout=JOIN_S)
+        if thread.is_alive():  # inside the loader's next(), on a worker that does not answer: left, a daemon
+            from ddpkit.core.logs import logger
+
+            logger.warning(f"the loader's thread did not end within {JOIN_S:.0f} s of its pass (a loader worker "
+                           "that does not answer?); left to end with the process")
 
 
 def _on_current_stream(batch: Any, ready: torch.cuda.Event, device: torch.device) -> Any:
