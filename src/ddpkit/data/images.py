@@ -26,7 +26,8 @@ through shared memory, pinned memory and the copy to the device, where the batch
 the workers read the bytes and choose the crop from the image's header only; the training process decodes the
 whole batch with nvJPEG (``torchvision.io.decode_jpeg(..., device="cuda")``), crops and resamples it with a few
 batched kernels (``resample_batch``) and normalises it on the GPU, on a thread and stream of the loader's own,
-ahead of the step (``ddpkit.data.loaders.ahead_on_a_thread``). Files that are not JPEGs (a PNG named .jpg) are decoded on the CPU in either mode.
+ahead of the step (``ddpkit.data.loaders.ahead_on_a_thread``). Files that are not JPEGs (a PNG named .jpg) are
+decoded on the CPU in either mode.
 
 Unreadable files. A file that cannot be decoded (truncated, empty, not an image) is left out of its batch with a
 warning that names it, and counted (``skipped_samples`` of the loader, in ``metrics.jsonl`` for ``ddpkit train``);
