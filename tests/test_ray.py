@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import MARKER_KEY, REPO, child_env, leftover_processes, run_command, run_ddpkit, warm_ranks_env
+from conftest import MARKER_KEY, REPO, _pids_with, child_env, leftover_processes, run_command, run_ddpkit, warm_ranks_env
 
 pytestmark = [pytest.mark.ray,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None,
@@ -47,6 +47,10 @@ def free_port() -> int:
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 
 
+# Every process of a test's Ray node holds NODE_KEY=<its temp folder> in its environment, where Ray leaves it.
+NODE_KEY = "DDPKIT_TEST_RAY_NODE"
+
+
 def ray_node(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
     """``ray start --block ARGS`` (run through ``prefix``, a namespace's say), once it says it started; its temp
     folder (short: Ray's socket paths must stay so) in ``.temp``, for ``stop_ray``. Its processes do not carry the
@@ -56,6 +60,7 @@ def ray_node(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
     # The ranks a Ray worker starts run warm (tests/warm_ranks.py: the node's PYTHON_EXEC, which --launcher ray uses
     # as torchrun's agent does): about 5 s of CPU less each.
     env = {key: value for key, value in warm_ranks_env(**RAY_ENV).items() if key != MARKER_KEY}
+    env[NODE_KEY] = temp
     node = subprocess.Popen([*prefix, RAY, "start", "--block", "--disable-usage-stats", "--temp-dir", temp, *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -84,22 +89,42 @@ def ray_cluster():
 
 
 def stop_ray(head: subprocess.Popen) -> None:
-    """End ``ray start --block`` and every process of its node (Ray's daemons have sessions of their own: found by
-    the node's temp folder in their command lines), then check they are gone."""
-    temp = head.temp.encode()
+    """End ``ray start --block`` and every process of its node (Ray's daemons have sessions of their own:
+    ``node_processes`` finds them), then check they are gone."""
     for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):  # `ray start --block` waits for its daemons
-        for pid in [head.pid, *processes_with(temp)]:
+        for pid in [head.pid, *node_processes(head)]:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 continue
         deadline = time.monotonic() + grace
-        while (head.poll() is None or processes_with(temp)) and time.monotonic() < deadline:
+        while (head.poll() is None or node_processes(head)) and time.monotonic() < deadline:
             time.sleep(0.1)
     head.communicate()
-    left = processes_with(temp)
+    left = node_processes(head)
     subprocess.run(["rm", "-rf", head.temp], check=False)
     assert not left, f"the Ray node's processes were still running: {left}"
+
+
+def node_processes(node: subprocess.Popen) -> list[int]:
+    """The running processes of a node ``ray_node`` started: those whose command line names its temp folder, whose
+    environment holds its key, or that have a file in its temp folder open. Ray's agents (``ray::DashboardAgent``,
+    ``ray::RuntimeEnvAgent``) rename themselves over both their command line and their environment, outlive a
+    killed raylet and ignore SIGTERM: only their open log files say whose they are."""
+    return sorted(set(processes_with(node.temp.encode())) | set(_pids_with(NODE_KEY, node.temp))
+                  | set(processes_with_files_in(node.temp)))
+
+
+def processes_with_files_in(folder: str) -> list[int]:
+    """The processes that have a file under ``folder`` open."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(folder + "/") for fd in os.listdir(f"/proc/{pid}/fd")):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
 
 
 def processes_with(text: bytes, where: str = "cmdline") -> list[int]:

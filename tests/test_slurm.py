@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import child_env, run_command
+from conftest import _pids_with, child_env, run_command
 from ddpkit.core.process_group import free_port
 
 pytestmark = pytest.mark.skipif(
@@ -97,15 +97,34 @@ def slurm():
             pytest.fail(f"the test Slurm never became idle:\n{(root / 'slurmctld.log').read_text()[-3000:]}")
         yield env
     finally:
-        for proc in daemons:
+        # A job step's slurmstepd outlives its srun for a moment, reporting to slurmctld; stopped (or left without
+        # slurmctld) it lingers, ignoring SIGTERM. Its environment keeps the cluster's SLURM_CONF: the steps are given
+        # time to end while both daemons run, the daemons are stopped (slurmd first), and a step left is killed.
+        conf = str(root / "slurm.conf")
+        _wait_gone(conf, 10.0, exclude=[proc.pid for proc in daemons])
+        for proc in reversed(daemons):
             proc.terminate()
             try:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=20)
+        for pid in _pids_with("SLURM_CONF", conf):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        left = _wait_gone(conf, 10.0)
         _stop(root / "munge" / "munged.pid")
         shutil.rmtree(root, ignore_errors=True)
+        assert not left, f"processes of the test Slurm still running: {left}"
+
+
+def _wait_gone(conf: str, timeout_s: float, exclude: list[int] = ()) -> list[int]:
+    """Wait up to ``timeout_s`` for the processes of the Slurm of ``conf`` (but ``exclude``) to end; those left."""
+    deadline = time.monotonic() + timeout_s
+    while (left := [pid for pid in _pids_with("SLURM_CONF", conf) if pid not in exclude]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 def _srun(env: dict, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
