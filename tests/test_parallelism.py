@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-import torchvision
 
 from conftest import (DIGITS_CONVNET, finish, max_relative_difference, run_ddpkit, start_train, train, train_here,
                       worker_pid)
@@ -86,6 +85,12 @@ def test_balanced_cut_makes_the_heaviest_stage_as_light_as_possible():
         assert max(counts) <= max(1.3 * sum(counts) / stages, 6_100_000), (stages, counts)
 
 
+def densenet121() -> torch.nn.Module:
+    import torchvision  # here, not at the top: every pytest worker imports this module to collect it (about 2 s)
+
+    return torchvision.models.densenet121()
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
@@ -95,7 +100,7 @@ def test_balanced_cut_makes_the_heaviest_stage_as_light_as_possible():
         (lambda m: split.cut(m, 2, ["conv1"]), "that is the model's first piece"),
         (lambda m: split.cut(m, 3, ["fc1", "conv2"]), "distinct and in forward order"),
         (lambda m: split.cut(m, 3, ["fc1"]), "names 1 cut(s), which makes 2 stages, but there are 3"),
-        (lambda m: split.pieces(torchvision.models.densenet121()), "cannot cut model DenseNet into stages"),
+        (lambda m: split.pieces(densenet121()), "cannot cut model DenseNet into stages"),
         (lambda m: PipelineLayout(world_size=4, stages=3, microbatches=2, batch_size=8), "`stages` 3 does not divide the world size 4"),
         (lambda m: PipelineLayout(world_size=2, stages=2, microbatches=3, batch_size=8), "`batch_size` 8 does not split into 3"),
     ],

@@ -32,7 +32,8 @@ LIBRARY_LOOP = str(REPO / "examples" / "library_loop.py")
 # run's CPU time less.
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
            "RAY_TRAIN_METRICS_ENABLED": "0"}
-LOOP_ARGS = ["--epochs", "1", "--checkpoint-every", "4", "--keep-checkpoints", "20"]
+# bf16 autocast: the killed worker's run resumes under it to the bit (tests/test_library_loop.py resumes in fp32).
+LOOP_ARGS = ["--epochs", "1", "--checkpoint-every", "4", "--keep-checkpoints", "20", "--amp", "bf16"]
 
 
 def free_port() -> int:
@@ -169,7 +170,7 @@ def same_weights(state: dict, expected: dict, tolerance: float = 0.0) -> bool:
 
 
 TRAINER_DRIVER = """
-import json, runpy, subprocess, sys
+import json, os, runpy, subprocess, sys
 import ray
 import ray.train
 from ray.train import RunConfig, ScalingConfig, UserCallback
@@ -179,9 +180,10 @@ address, script, out, reports, storage = sys.argv[1:6]
 
 
 def train_func(config):  # the script's loop as it is, in each Ray Train worker
-    if ray.train.get_context().get_world_rank() == 1:  # what ddpkit doctor reads in a worker
-        subprocess.run([sys.executable, "-m", "ddpkit", "doctor", "--json", config["doctor"]], check=True,
-                       stdout=subprocess.DEVNULL)
+    if ray.train.get_context().get_world_rank() == 1:  # what ddpkit doctor reads in a worker (started warm: the
+        # test node's PYTHON_EXEC, tests/warm_ranks.py)
+        subprocess.run([os.environ.get("PYTHON_EXEC", sys.executable), "-m", "ddpkit", "doctor", "--json",
+                        config["doctor"]], check=True, stdout=subprocess.DEVNULL)
     sys.argv = [config["script"], *config["args"]]
     runpy.run_path(config["script"], run_name="__main__")
 
