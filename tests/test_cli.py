@@ -83,6 +83,8 @@ DEMO = str(Path(__file__).resolve().parents[1] / "examples" / "ddp_demo.py")  # 
         (["bench", "--model", "resnet"], "unknown model 'resnet'"),
         (["bench", "--link-gbps", "0"], "--link-gbps takes positive numbers"),
         (["bench", "--precision", "fp8"], "invalid choice: 'fp8'"),
+        (["bench", "--nproc", "1", "--sweep"], "--sweep times DDP's buckets and compression hooks, which one process "
+                                               "does not use (ddpkit runs it without DDP): give --nproc 2 or more"),
         (["status", "/no/such/dir"], "ddpkit status /no/such/dir: no such folder (give a run's --output-dir)"),
         (["status", "/tmp", "--every", "0"], "--every must be a number of seconds above 0, got 0.0"),
         (["run", "--launcher", "spawn", DEMO], "ddpkit run starts a script with torchrun's agent or on Ray: drop "

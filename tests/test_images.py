@@ -80,7 +80,7 @@ def test_batched_crops_are_torchs_antialiased_resize_rounded(monkeypatch):
 
     import torch.nn.functional as F
 
-    monkeypatch.setattr(images, "RESAMPLED_AT_ONCE", 3)
+    monkeypatch.setattr(images, "RESAMPLED_BYTES", 3 * 4 * 3 * 37 * 53 + 1)  # three 37x53 images at once
     generator, rng, size = torch.Generator().manual_seed(0), random.Random(0), 24
     shapes = [(37, 53)] * 7 + [(53, 37)] * 3 + [(20, 20)]
     pictures = [torch.randint(0, 256, (3, h, w), generator=generator, dtype=torch.uint8) for h, w in shapes]

@@ -2,6 +2,7 @@
 
 import os
 import stat
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -37,7 +38,30 @@ def test_one_plain_process_gets_ddps_interface_without_its_work_and_is_torn_down
         reference(x).sum().backward()
         assert torch.equal(bare.weight.grad, reference.weight.grad)  # what DDP averages over one process
         assert dist.is_initialized()  # the group a script's own collectives use is there all the same
+        with model.join():  # DDP's context for uneven inputs: nothing to wait for
+            model(x)
     assert not dist.is_initialized()
+
+
+class Batch(NamedTuple):
+    images: torch.Tensor
+    labels: list
+
+
+def test_one_process_ddp_moves_what_ddp_moves_to_its_device():
+    """Inputs in namedtuples, dicts, lists and tuples reach the model on its device, moved by DDP's own helper as its
+    forward moves them (the meta device here stands for a GPU; what is not a tensor is left as it is)."""
+    from ddpkit.strategies import OneProcessDDP
+
+    class Seen(nn.Module):
+        def forward(self, batch, extra, *, scale):
+            return batch, extra, scale
+
+    model = OneProcessDDP(Seen(), torch.device("meta"))
+    batch, extra, scale = model(Batch(torch.zeros(2, 3), [torch.ones(2), "cat"]), {"mask": (torch.ones(1),)},
+                                scale=torch.tensor(2.0))
+    assert isinstance(batch, Batch) and batch.images.device.type == "meta" and batch.labels[0].device.type == "meta"
+    assert batch.labels[1] == "cat" and extra["mask"][0].device.type == "meta" and scale.device.type == "meta"
 
 
 def test_prepare_model_single_and_sync_bn():

@@ -93,6 +93,9 @@ class BenchOptions:
             raise UsageError(f"--nproc takes whole numbers of at least 1, got {','.join(map(str, nproc))}")
         if device == "cuda" and max(nproc) > cuda_count:
             raise UsageError(f"--nproc {max(nproc)} needs {max(nproc)} GPUs, {cuda_count} visible")
+        if self.sweep and max(nproc) < 2:
+            raise UsageError("--sweep times DDP's buckets and compression hooks, which one process does not use "
+                             "(ddpkit runs it without DDP): give --nproc 2 or more, or drop --sweep")
         if self.precision not in PRECISIONS:
             raise UsageError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.precision in ("tf32", "fp16") and device != "cuda":

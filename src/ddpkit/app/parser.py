@@ -209,7 +209,7 @@ def add_bench_command(commands) -> None:
     add_nccl_flag(bench)
     add_log_flag(bench)
     bench.add_argument("--sweep", action="store_true",
-                       help="also time DDP on the most devices for bucket sizes 1/5/25/100 MB and the fp16, bf16 "
+                       help="also time DDP on the most devices (2 or more) for bucket sizes 1/5/25/100 MB and the fp16, bf16 "
                             "and PowerSGD gradient-compression hooks, and name the best")
     bench.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
     bench.add_argument("--csv", default=None, metavar="FILE", help="write the result rows as CSV")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from typing import ClassVar
 
 import torch
@@ -66,18 +67,24 @@ class OneProcessDDP(BareStateDict, nn.Module):
 
     def forward(self, *inputs, **kwargs):
         if self.device is not None:
-            from torch.utils._pytree import tree_map_only
+            # With DDP's own helper, as its forward moves them: tensors in tuples, lists, dicts, dataclasses,
+            # namedtuples and PackedSequences, copied on a side stream unless PYTORCH_DDP_USE_SIDE_STREAM=0.
+            from torch.distributed.utils import _to_kwargs
 
-            inputs, kwargs = tree_map_only(torch.Tensor, self._to_device, (inputs, kwargs))
+            moved, moved_kwargs = _to_kwargs(inputs, kwargs, self.device,
+                                             os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1")
+            inputs, kwargs = moved[0], moved_kwargs[0]
         return self.module(*inputs, **kwargs)
-
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.device, non_blocking=True)
 
     @contextlib.contextmanager
     def no_sync(self):
         """DDP's context for accumulation micro-steps; with one process there is no all-reduce to skip."""
         yield
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,  # noqa: ARG002 - DDP's
+             throw_on_early_termination: bool = False):
+        """DDP's context for ranks with uneven numbers of batches; one process has no other rank to wait for."""
+        return contextlib.nullcontext()
 
     def register_comm_hook(self, state, hook) -> None:
         """Kept for DDP's interface, not run: one process has no gradients of others to combine."""
