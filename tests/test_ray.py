@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import warm_ranks
 from conftest import MARKER_KEY, REPO, _pids_with, child_env, leftover_processes, run_command, run_ddpkit, warm_ranks_env
 
 pytestmark = [pytest.mark.ray,
@@ -59,11 +60,15 @@ def ray_node(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
     (``ranks_left``), and ``stop_ray`` that the node's processes are gone."""
     temp = tempfile.mkdtemp(prefix="ddpkit-ray-", dir="/tmp")
     # The ranks a Ray worker starts run warm (tests/warm_ranks.py: the node's PYTHON_EXEC, which --launcher ray uses
-    # as torchrun's agent does): about 5 s of CPU less each.
+    # as torchrun's agent does): about 5 s of CPU less each. So does the node: `ray start` through the warm client,
+    # whose Python (sys.executable) is the client too, starts Ray's own Python processes (its agents, a worker for
+    # each of Ray Train's actors) forked from the server, torch imported (Ray itself is not: a process imports it
+    # afresh, its native library's settings read from that process's environment).
     env = {key: value for key, value in warm_ranks_env(**RAY_ENV).items() if key != MARKER_KEY}
-    env[NODE_KEY] = temp
-    node = subprocess.Popen([*prefix, RAY, "start", "--block", "--disable-usage-stats", "--temp-dir", temp, *args],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    env[NODE_KEY] = env[warm_ranks.LASTING_VARIABLE] = temp  # the node outlasts a test, on purpose
+    python = [env["PYTHON_EXEC"]] if "PYTHON_EXEC" in env else []
+    node = subprocess.Popen([*prefix, *python, RAY, "start", "--block", "--disable-usage-stats", "--temp-dir", temp,
+                             *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     node.temp = temp  # type: ignore[attr-defined]
     said = []
@@ -113,7 +118,7 @@ def node_processes(node: subprocess.Popen) -> list[int]:
     ``ray::RuntimeEnvAgent``) rename themselves over both their command line and their environment, outlive a
     killed raylet and ignore SIGTERM: only their open log files say whose they are."""
     return sorted(set(processes_with(node.temp.encode())) | set(_pids_with(NODE_KEY, node.temp))
-                  | set(processes_with_files_in(node.temp)))
+                  | set(processes_with_files_in(node.temp)) | set(warm_ranks.lasting(node.temp)))
 
 
 def processes_with_files_in(folder: str) -> list[int]:

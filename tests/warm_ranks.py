@@ -56,6 +56,9 @@ from pathlib import Path
 import warm
 
 SERVER_VARIABLE = "DDPKIT_TEST_RANK_SERVER"  # the server's socket, in the environment of a warm run's ranks
+# A process started with this variable set outlasts the test that started it, on purpose (a test Ray node's daemons
+# and workers, which run warm too: a module's cluster): ``running`` does not count it, ``lasting(value)`` names it.
+LASTING_VARIABLE = "DDPKIT_TEST_LASTING"
 COLD_VARIABLE = "DDPKIT_TEST_FRESH_RANKS"  # set (to anything) for pytest: every rank starts fresh, to compare
 # What ranks of `ddpkit train`, `ddpkit run` and `ddpkit bench` import, once per pytest worker; no module a rank runs
 # as __main__ (ddpkit.__main__, ddpkit.app.watched, ddpkit.app.bench: runpy would warn, and each is run afresh).
@@ -134,12 +137,29 @@ def worker_of(pid: int) -> int:
 
 
 def running() -> list[int]:
-    """The ranks the server runs now (each forked from it)."""
+    """The ranks the server runs now (each forked from it), but those meant to outlast their test (``lasting``)."""
     if _server is None or _server.poll() is not None:
         return []
     from ddpkit.launch import processes
 
-    return [pid for pid in processes.children_of(_server.pid) if processes.is_running(pid)]
+    meant = set(lasting())
+    return [pid for pid in processes.children_of(_server.pid) if processes.is_running(pid) and pid not in meant]
+
+
+def lasting(value: str | None = None) -> list[int]:
+    """The processes the server forked for a client whose environment set LASTING_VARIABLE (to ``value``, if given),
+    that still run."""
+    if _folder is None:
+        return []
+    found = []
+    for record in _folder.glob("*.lasting"):
+        try:
+            pid, said = int(record.stem), record.read_text()
+        except (OSError, ValueError):  # removed meanwhile: it ended
+            continue
+        if (value is None or said == value) and os.path.exists(f"/proc/{pid}"):
+            found.append(pid)
+    return found
 
 
 def stop() -> None:
@@ -270,6 +290,8 @@ def serve(path: str, folder: str) -> None:
                 for fd in fds:
                     os.close(fd)
                 Path(folder, f"{client}.pid").write_text(str(pid))
+                if LASTING_VARIABLE in request["env"]:
+                    Path(folder, f"{pid}.lasting").write_text(request["env"][LASTING_VARIABLE])
                 connection.send(json.dumps({"pid": pid}).encode())
                 pidfd = os.pidfd_open(pid)
                 ranks[pidfd] = (pid, connection, client)
@@ -289,6 +311,7 @@ def serve(path: str, folder: str) -> None:
                 os.close(pidfd)
                 _, status = os.waitpid(pid, 0)
                 Path(folder, f"{client}.pid").unlink(missing_ok=True)
+                Path(folder, f"{pid}.lasting").unlink(missing_ok=True)
                 if connection is not None:
                     selector.unregister(connection)
                     ended = ({"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status)
