@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import warm_ranks
-from conftest import MARKER_KEY, REPO, _pids_with, child_env, leftover_processes, run_command, run_ddpkit, warm_ranks_env
+from conftest import (MARKER_KEY, REPO, _pids_with, child_env, leftover_processes, run_command, run_ddpkit,
+                      warm_ranks_env)
 
 pytestmark = [pytest.mark.ray,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None,
@@ -126,7 +127,8 @@ def processes_with_files_in(folder: str) -> list[int]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(folder + "/") for fd in os.listdir(f"/proc/{pid}/fd")):
+            open_files = (os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+            if any(path.startswith(folder + "/") for path in open_files):
                 found.append(int(pid))
         except OSError:
             continue

@@ -209,8 +209,8 @@ def add_bench_command(commands) -> None:
     add_nccl_flag(bench)
     add_log_flag(bench)
     bench.add_argument("--sweep", action="store_true",
-                       help="also time DDP on the most devices (2 or more) for bucket sizes 1/5/25/100 MB and the fp16, bf16 "
-                            "and PowerSGD gradient-compression hooks, and name the best")
+                       help="also time DDP on the most devices (2 or more) for bucket sizes 1/5/25/100 MB and the "
+                            "fp16, bf16 and PowerSGD gradient-compression hooks, and name the best")
     bench.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
     bench.add_argument("--csv", default=None, metavar="FILE", help="write the result rows as CSV")
     bench.add_argument("--plot", default=None, metavar="FILE.png", help="plot throughput and efficiency (matplotlib)")

@@ -67,8 +67,8 @@ class OneProcessDDP(BareStateDict, nn.Module):
 
     def forward(self, *inputs, **kwargs):
         if self.device is not None:
-            # With DDP's own helper, as its forward moves them: tensors in tuples, lists, dicts, dataclasses,
-            # namedtuples and PackedSequences, copied on a side stream unless PYTORCH_DDP_USE_SIDE_STREAM=0.
+            # With DDP's own helper, as its forward moves them: tensors in tuples, lists, dicts, namedtuples and
+            # PackedSequences, copied on a side stream unless PYTORCH_DDP_USE_SIDE_STREAM=0.
             from torch.distributed.utils import _to_kwargs
 
             moved, moved_kwargs = _to_kwargs(inputs, kwargs, self.device,
