@@ -22,7 +22,7 @@ import torch
 
 import warm_ranks
 from conftest import (MARKER_KEY, REPO, _pids_with, child_env, leftover_processes, run_command, run_ddpkit,
-                      warm_ranks_env)
+                      warm_python, warm_ranks_env)
 
 pytestmark = [pytest.mark.ray,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None,
@@ -50,9 +50,6 @@ def free_port() -> int:
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 
 
-# Every process of a test's Ray node holds NODE_KEY=<its temp folder> in its environment, where Ray leaves it.
-NODE_KEY = "DDPKIT_TEST_RAY_NODE"
-
 
 def ray_node(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
     """``ray start --block ARGS`` (run through ``prefix``, a namespace's say), once it says it started; its temp
@@ -66,11 +63,11 @@ def ray_node(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
     # each of Ray Train's actors) forked from the server, torch imported (Ray itself is not: a process imports it
     # afresh, its native library's settings read from that process's environment).
     env = {key: value for key, value in warm_ranks_env(**RAY_ENV).items() if key != MARKER_KEY}
-    env[NODE_KEY] = env[warm_ranks.LASTING_VARIABLE] = temp  # the node outlasts a test, on purpose
-    python = [env["PYTHON_EXEC"]] if "PYTHON_EXEC" in env else []
-    node = subprocess.Popen([*prefix, *python, RAY, "start", "--block", "--disable-usage-stats", "--temp-dir", temp,
-                             *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    # The node outlasts a test, on purpose; every process of it holds the variable, where Ray leaves it.
+    env[warm_ranks.LASTING_VARIABLE] = temp
+    node = subprocess.Popen([*prefix, *warm_python([sys.executable, RAY], env), "start", "--block",
+                             "--disable-usage-stats", "--temp-dir", temp, *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     node.temp = temp  # type: ignore[attr-defined]
     said = []
     deadline = time.monotonic() + 90
@@ -115,10 +112,11 @@ def stop_ray(head: subprocess.Popen) -> None:
 
 def node_processes(node: subprocess.Popen) -> list[int]:
     """The running processes of a node ``ray_node`` started: those whose command line names its temp folder, whose
-    environment holds its key, or that have a file in its temp folder open. Ray's agents (``ray::DashboardAgent``,
-    ``ray::RuntimeEnvAgent``) rename themselves over both their command line and their environment, outlive a
-    killed raylet and ignore SIGTERM: only their open log files say whose they are."""
-    return sorted(set(processes_with(node.temp.encode())) | set(_pids_with(NODE_KEY, node.temp))
+    environment holds LASTING_VARIABLE=<its temp folder>, that have a file in its temp folder open, or that the warm
+    rank server forked for it. Ray's agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``) rename themselves
+    over both their command line and their environment, outlive a killed raylet and ignore SIGTERM: their open log
+    files say whose they are."""
+    return sorted(set(processes_with(node.temp.encode())) | set(_pids_with(warm_ranks.LASTING_VARIABLE, node.temp))
                   | set(processes_with_files_in(node.temp)) | set(warm_ranks.lasting(node.temp)))
 
 

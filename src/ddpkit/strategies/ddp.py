@@ -64,15 +64,16 @@ class OneProcessDDP(BareStateDict, nn.Module):
         self.device = device  # a GPU: inputs elsewhere are moved there, as DDP moves them to its device_ids[0]
         self.require_backward_grad_sync = True  # what DDP's no_sync() sets (and ddpkit's accumulation): no effect
         self.comm_hook = None
+        # Read once, as DDP's constructor reads it: copies to the GPU on a side stream unless set to 0.
+        self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
 
     def forward(self, *inputs, **kwargs):
         if self.device is not None:
             # With DDP's own helper, as its forward moves them: tensors in tuples, lists, dicts, namedtuples and
-            # PackedSequences, copied on a side stream unless PYTORCH_DDP_USE_SIDE_STREAM=0.
+            # PackedSequences.
             from torch.distributed.utils import _to_kwargs
 
-            moved, moved_kwargs = _to_kwargs(inputs, kwargs, self.device,
-                                             os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1")
+            moved, moved_kwargs = _to_kwargs(inputs, kwargs, self.device, self.use_side_stream_for_tensor_copies)
             inputs, kwargs = moved[0], moved_kwargs[0]
         return self.module(*inputs, **kwargs)
 
