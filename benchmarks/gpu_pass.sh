@@ -82,11 +82,31 @@ train() {  # train NAME ARGS...: resnet18 on synthetic data, one GPU, into train
         --no-progress --output-dir "$OUT_DIR/train-$1" "${@:2}"
 }
 
+unchanged_one_process() {  # each round: plain python, then --unchanged on one process (reversed every other round)
+    local loop=benchmarks/unchanged_loop.py args="--model resnet50 --image-size 224 --batch-size 128 --steps 40"
+    for round in 0 1 2 3; do
+        local plain=("$PYTHON" "$loop" $args) unchanged=("$PYTHON" -m ddpkit run --unchanged --seed 0 \
+            --nproc-per-node 1 "$loop" $args)
+        if [ $((round % 2)) = 0 ]; then
+            echo "plain $("${plain[@]}" | tail -n 1)"; echo "unchanged $("${unchanged[@]}" | tail -n 1)"
+        else
+            echo "unchanged $("${unchanged[@]}" | tail -n 1)"; echo "plain $("${plain[@]}" | tail -n 1)"
+        fi
+    done
+    # Two processes on a machine with more GPUs: each sees one.
+    if [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+        "$PYTHON" -m ddpkit run --unchanged --seed 0 --nproc-per-node 2 "$loop" $args
+    fi
+}
+
 export PYTHON BATCH OUT_DIR
-export -f ddpkit environment bench train
+export -f ddpkit environment bench train unchanged_one_process
 # In order of what is most wanted when the budget runs out (issue 45 first): the card; DDP at world size 1 (no
 # DDP wrapper at one process now) against no DDP; from JPEGs against synthetic data; the GPU tests; then the rest.
 step env 60 5 environment
+# ddpkit run --unchanged at one process against plain `python script.py` on the same GPU (goal: at most 1% slower), and
+# the one GPU each process sees (issue 54): benchmarks/unchanged_loop.py, 4 rounds alternating which goes first.
+step unchanged-one-process 150 60 unchanged_one_process
 # The headline: bf16 + channels_last, no DDP vs DDP vs DataParallel on one GPU (goal: DDP >= 99% of no DDP).
 step bench-bf16-cl 150 50 bench bf16-cl --precision bf16 --channels-last --strategies single,ddp,dp
 # From JPEGs (ddpkit data make-images: 500x375, quality 90), beside synthetic data in the same processes: decoded by

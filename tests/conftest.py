@@ -283,6 +283,15 @@ def default_run(tmp_path_factory):
     return result, folder
 
 
+def public_scripts_data(folder: Path) -> Path:
+    """The data the public scripts' runs share (benchmarks/conversions/make_data.py: MNIST files made from
+    scikit-learn's digits, a small image folder, a character corpus), made in ``folder``; the runs that read it check
+    it, so the maker's own check (and its import of torch) is left out."""
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "conversions" / "make_data.py"), "--out", str(folder),
+                    "--no-check"], check=True, capture_output=True, timeout=120)
+    return folder
+
+
 def max_relative_difference(a: dict, b: dict) -> float:
     """max over tensors of max|a - b| / max|b| (float tensors only; integer buffers must be equal)."""
     assert a.keys() == b.keys()

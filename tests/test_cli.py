@@ -22,6 +22,10 @@ DEMO = str(Path(__file__).resolve().parents[1] / "examples" / "ddp_demo.py")  # 
     "argv, message",
     [
         (["train", "--nproc-per-node", "0"], "--nproc-per-node must be at least 1"),
+        (["run", "--seed", "3", DEMO], "--seed is for --unchanged (the script's own flags go after SCRIPT)"),
+        (["run", "--loss-reduction", "sum", DEMO], "--loss-reduction is for --unchanged"),
+        (["run", "--unchanged", "--loss-reduction", "max", DEMO], "invalid choice: 'max'"),
+        (["run", "--unchanged", "--replica-groups", "2", DEMO], "--unchanged and --replica-groups do not go together"),
         (["train", "--nproc-per-node", "many"], "whole number or auto, got 'many'"),
         (["train", "--batch-size", "0"], "--batch-size must be at least 1, got 0"),
         (["train", "--epochs", "0"], "--epochs must be at least 1, got 0"),

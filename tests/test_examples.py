@@ -107,10 +107,16 @@ def test_mp_spawn_demo(tmp_path):
     ) == 1, out
 
 
-def test_the_ddp_demo_without_ddpkit_shows_every_ranks_line_and_ends_well(tmp_path):
+def test_the_ddp_demo_without_ddpkit_shows_every_ranks_line_and_ends_well_even_where_unchanged_stands_aside(tmp_path):
     # A torchrun-style script with nothing of ddpkit in it: each rank's last line on the console, rank 1's prefixed.
-    out = ddpkit_run("ddp_demo.py", cwd=tmp_path)
+    # Asked to run it --unchanged, ddpkit sees that it starts its own group and runs it as it is, saying so once.
+    done = run_ddpkit("run", "--unchanged", "--nproc-per-node", "2", str(EXAMPLES / "ddp_demo.py"), timeout=180,
+                      cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
     assert count_lines(out, r"rank 0 of 2 done") == 1 and count_lines(out, r"\[rank1\]: rank 1 of 2 done") == 1, out
+    assert count_lines(done.stderr, r".*--unchanged stood aside: .*ddp_demo\.py distributes itself "
+                                    r"\(DistributedDataParallel\), and runs as under ddpkit run") == 1, done.stderr
 
 
 def test_model_parallel_inside_ddp(tmp_path):

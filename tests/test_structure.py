@@ -79,7 +79,8 @@ ALLOWED = {
     "launch": {"core"},
     "checkpoint": {"core", "strategies"},
     "job": {"core", "strategies", "data", "checkpoint", "watch"},
-    "app": {"core", "strategies", "data", "zoo", "watch", "launch", "checkpoint", "job"},
+    "unchanged": {"core", "strategies", "data", "checkpoint"},
+    "app": {"core", "strategies", "data", "zoo", "watch", "launch", "checkpoint", "job", "unchanged"},
 }
 
 
@@ -262,3 +263,10 @@ def test_the_docstring_check_finds_a_bare_function_and_a_bare_property(monkeypat
     monkeypatch.setattr(ddpkit, "Thing", Thing, raising=False)
     monkeypatch.setattr(ddpkit, "__all__", [*ddpkit.__all__, "bare", "Thing"])
     assert _docs_hook().undocumented() == ["ddpkit.bare", "ddpkit.Thing.value"]
+
+
+def test_the_readmes_first_screen_says_what_ddpkit_is_in_at_most_180_words():
+    # The front door: what ddpkit is and the two commands; the rest below it, and in docs/.
+    first_screen = (REPO / "README.md").read_text().split("\n## ", 1)[0]
+    assert len(first_screen.split()) <= 180, len(first_screen.split())
+    assert "# (a)" in first_screen and "# (b)" in first_screen and "--unchanged" in first_screen

@@ -346,13 +346,16 @@ def cmd_run(ns: argparse.Namespace) -> int:
                          "ddpkit train), or give --launcher torchrun or ray")
     _from_platform(ns)
     if ns.replica_groups is not None:
+        if ns.unchanged:
+            raise UsageError("--unchanged and --replica-groups do not go together: a replica group's script runs on "
+                             "ddpkit.Job or ddpkit.ReplicaGroup; drop one of them")
         if ns.launcher != "torchrun":
             raise UsageError(f"--replica-groups starts each group with torchrun's agent: drop --launcher {ns.launcher}")
         return _run_replica_groups(ns, script)
     _refuse_replica_flags_alone(ns)
     # Each worker runs the script unedited, under ddpkit's watch (--timeout and the stall watch reach a script
     # that starts its own process group too): ddpkit.app.watched.
-    watched = ["-m", WATCHED]
+    watched = ["-m", WATCHED, *_unchanged_argument(ns)]
     if ns.launcher == "ray" and not _already_a_rank():
         if ns.log_dir is not None:
             raise UsageError("--log-dir: under --launcher ray each rank's output goes to Ray's logs and to this console, "
@@ -372,6 +375,10 @@ def cmd_run(ns: argparse.Namespace) -> int:
     # that echo a line shown a moment ago but for its numbers shown once for all (ddpkit.launch.rank_logs).
     folder = ns.log_dir or tempfile.mkdtemp(prefix="ddpkit-run-")
     options = dataclasses.replace(_launch_options(ns), rank_logs=folder)
+    if ns.unchanged:
+        from ddpkit.launch import rank_logs
+
+        os.environ[rank_logs.ONE_VOICE] = "1"  # every rank prints what one process would: rank 0 says it
     status = elastic(options, [*watched, *script, *ns.script_args], local_rank_arg=ns.local_rank_arg)
     from ddpkit.launch import rank_logs
 
@@ -379,6 +386,28 @@ def cmd_run(ns: argparse.Namespace) -> int:
         # No rank wrote anything, or every line is on the console and nothing failed: no copy is needed.
         shutil.rmtree(folder, ignore_errors=True)
     return _workers_done(status)
+
+
+def _unchanged_argument(ns: argparse.Namespace) -> list[str]:
+    """What tells each worker to run the script under --unchanged (``ddpkit.unchanged.Setting``), as its first
+    argument; nothing without --unchanged, where --seed and --loss-reduction are refused."""
+    if not ns.unchanged:
+        for flag, value in (("--seed", ns.seed), ("--loss-reduction", ns.loss_reduction)):
+            if value is not None:
+                raise UsageError(f"{flag} is for --unchanged (the script's own flags go after SCRIPT): add --unchanged, "
+                                 f"or drop {flag}")
+        return []
+    from ddpkit.app.watched import source_of
+    from ddpkit.unchanged import Setting, stands_aside
+
+    setting = Setting(seed=ns.seed, loss_reduction=ns.loss_reduction or "mean")
+    named = stands_aside(source_of(ns.script, ns.module) or "")
+    if named is None:
+        return [f"--unchanged={setting.encode()}"]
+    if _says_it_once():
+        logger.warning(f"--unchanged stood aside: {ns.script} distributes itself ({named}), and runs as under ddpkit run")
+    ns.unchanged = False
+    return []
 
 
 def _refuse_address(ns: argparse.Namespace) -> None:

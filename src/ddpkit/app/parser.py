@@ -128,7 +128,8 @@ def add_run_command(commands) -> None:
     run = commands.add_parser(
         "run", help="start a torchrun-style script on N processes",
         description="Run SCRIPT on every process, like torchrun: each gets RANK, LOCAL_RANK, WORLD_SIZE, "
-                    "MASTER_ADDR and MASTER_PORT in its environment.")
+                    "MASTER_ADDR and MASTER_PORT in its environment. With --unchanged, a script written for one "
+                    "device trains on every process as it would on one, without a changed line.")
     add_launch_flags(run, with_launcher=True)
     add_log_flag(run)
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
@@ -144,6 +145,18 @@ def add_run_command(commands) -> None:
                           "once for all of them (--log-level debug: every line at once) (default: a temporary folder, "
                           "kept and named when a line was shown as one with others or a rank failed)")
     add_replica_flags(run, "the script runs on ddpkit.Job or ddpkit.ReplicaGroup; ")
+    run.add_argument("--unchanged", action="store_true",
+                     help="SCRIPT is written for one device: train it on every process as it would train on one. "
+                          "Each batch of its DataLoaders is split across the processes, gradients are averaged by "
+                          "each one's share during backward, BatchNorm normalises over the whole batch, rank 0 alone "
+                          "saves; its batch size, steps and learning rate keep their meaning (docs/unchanged.md)")
+    run.add_argument("--seed", type=int, default=None, metavar="S",
+                     help="with --unchanged: the seed every process starts from, so that a run can be repeated and "
+                          "1 and N processes compared (default: one drawn per run, and printed)")
+    run.add_argument("--loss-reduction", choices=("mean", "sum"), default=None,
+                     help="with --unchanged: how the script's loss reduces over its batch; `sum` for a loss summed "
+                          "over the samples (reduction='sum', as pytorch/examples' VAE), which --unchanged cannot "
+                          "tell from a mean (default: mean, PyTorch's default)")
     run.add_argument("--local-rank-arg", action="store_true",
                      help="also pass --local-rank=N, like the old `python -m torch.distributed.launch`")
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as in `python -m`")

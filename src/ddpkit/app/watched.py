@@ -3,6 +3,7 @@ ddpkit's watch over it.
 
     python -m ddpkit.app.watched train.py --its-own-flags        # what torchrun starts, per rank
     python -m ddpkit.app.watched -m package.module --flags
+    python -m ddpkit.app.watched --unchanged=SEED:REDUCTION train.py --flags    # ddpkit run --unchanged
 
 A script that starts its own process group (``torch.distributed.init_process_group``, the tutorials' way) gets:
 
@@ -14,7 +15,11 @@ A script that starts its own process group (``torch.distributed.init_process_gro
   each one on this machine.
 
 A script on ``ddpkit.Job`` or ``ddpkit.distributed()`` starts its group through ddpkit, which does all of this
-itself; this module then stands aside.
+itself; this module then stands aside. Under ``--unchanged`` ddpkit starts the group before the script
+(``ddpkit.unchanged``) and watches it as it would the script's own.
+
+A script on several processes that steps an optimizer with no process group trains a copy of its model per process:
+it is told so once, with the way out (``--unchanged``).
 
 Once the script has returned (or called ``sys.exit``), the process ends as Python's exit would, but without the
 interpreter's teardown (``ddpkit.core.exits.leave``): a rank that did all its work is never reported failed because
@@ -48,13 +53,26 @@ WHO_KEY = "ddpkit/who"  # each rank's host and pid in the job's store, for a tim
 
 def main(argv: list[str]) -> None:
     """Run the script ``argv`` names (``SCRIPT ARGS`` or ``-m MODULE ARGS``) as ``python`` would, watched."""
-    # torchrun's legacy --local-rank=N (ddpkit run --local-rank-arg) comes before the script: it belongs after it.
-    local_rank = [argv.pop(0)] if argv and argv[0].startswith("--local-rank=") else []
+    # Before the script, in either order: torchrun's legacy --local-rank=N (ddpkit run --local-rank-arg) and
+    # ddpkit run --unchanged's setting.
+    unchanged_setting, local_rank = None, []
+    while argv and argv[0].startswith((UNCHANGED, "--local-rank=")):
+        if argv[0].startswith(UNCHANGED):
+            unchanged_setting = argv.pop(0).partition("=")[2]
+        else:
+            local_rank = [argv.pop(0)]
     signals.end_with_parent_if_asked()  # a rank a Ray worker started ends with it
     logs.configure(rank=int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None)
     module = argv[:1] == ["-m"]
     target, args = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
     apply_timeout()
+    global _unchanged
+    if unchanged_setting is not None:
+        from ddpkit import unchanged
+
+        _unchanged = unchanged.install(unchanged.Setting.decode(unchanged_setting), source_of(target, module))
+    if not _unchanged:
+        tell_of_copies()
     threading.Thread(target=watch_when_up, name="ddpkit-watch", daemon=True).start()
     sys.argv = [target, *local_rank, *args]
     try:
@@ -70,6 +88,43 @@ def main(argv: list[str]) -> None:
         explain(error)
         raise
     exits.leave(0)
+
+
+UNCHANGED = "--unchanged="  # the first argument under ``ddpkit run --unchanged``: ``ddpkit.unchanged.Setting``
+_unchanged = False  # --unchanged is on in this process (it did not stand aside)
+
+
+def source_of(target: str, module: bool) -> str | None:
+    """The text of the script (or module) about to run, or None where it cannot be read."""
+    path = target
+    if module:
+        import importlib.util
+
+        spec = importlib.util.find_spec(target)
+        path = spec.origin if spec is not None else None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as source:
+            return source.read()
+    except (OSError, TypeError):
+        return None
+
+
+def tell_of_copies() -> None:
+    """Under ``ddpkit run`` on several processes, a script that steps an optimizer with no process group trains the
+    same copy once per process: say so once, on the first step (rank 0), naming the way to split its batches."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world_size < 2 or os.environ.get("RANK", "0") != "0":
+        return
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def first_step(optimizer, args, kwargs) -> None:
+        handle.remove()
+        if not up():
+            logger.warning(f"this script steps its optimizer with no process group: each of the {world_size} processes "
+                           "trains its own copy of the model on the same data. `ddpkit run --unchanged` splits its "
+                           "batches across them and averages their gradients, with no change to the script")
+
+    handle = register_optimizer_step_pre_hook(first_step)
 
 
 def apply_timeout() -> None:
@@ -89,7 +144,7 @@ def watch_when_up() -> None:
     started the group (a Job watches itself), until the script tears its group down or ends."""
     while not up():
         time.sleep(POLL_S)
-    if process_group.set_up_by_ddpkit():
+    if process_group.set_up_by_ddpkit() and not _unchanged:
         return
     try:
         store = dist.distributed_c10d._get_default_store().clone()  # noqa: SLF001 - the group's own store
@@ -100,7 +155,7 @@ def watch_when_up() -> None:
         deadline = time.monotonic() + 2 * heartbeat.beat_interval_s()
         while up() and time.monotonic() < deadline:
             time.sleep(POLL_S)
-        beat = start_heartbeat(store) if up() and not process_group.set_up_by_ddpkit() else None
+        beat = start_heartbeat(store) if up() and (_unchanged or not process_group.set_up_by_ddpkit()) else None
     except (RuntimeError, ValueError, UsageError) as error:  # a group torn down already, a store gone, a bad setting
         logger.debug(f"no watch over this script: {error}")
         return
@@ -108,7 +163,7 @@ def watch_when_up() -> None:
         return
     # The script's destroy_process_group ends the watch (its ranks may part from here on); so does a Job that adopts
     # the script's group (process_group.adopt), which watches it itself.
-    while up() and not process_group.set_up_by_ddpkit():
+    while up() and (_unchanged or not process_group.set_up_by_ddpkit()):
         time.sleep(POLL_S)
     beat.close()
 
@@ -140,7 +195,7 @@ def start_heartbeat(store) -> heartbeat.Heartbeat | None:
 def explain(error: RuntimeError) -> None:
     """A collective's timeout in one line naming the ranks that never reached it, with their stacks (those on this
     machine); nothing for other errors, or where ddpkit's own setup explains it."""
-    if process_group.set_up_by_ddpkit() or not up():
+    if (process_group.set_up_by_ddpkit() and not _unchanged) or not up():
         return
     runtime = process_group.Runtime(env=process_group.read_environment(), backend=dist.get_backend(),
                                     device=torch.device("cpu"))

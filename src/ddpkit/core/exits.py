@@ -94,6 +94,10 @@ def usage_errors_in_one_line() -> None:
             return
         from ddpkit.core.logs import report_usage_error
 
+        if isinstance(sys.stderr, io.StringIO):
+            # init_process_group's own hook, around this one, holds stderr in a buffer that it prints after this
+            # hook returns, which it never does: say the line on the process's stderr.
+            sys.stderr = sys.__stderr__
         report_usage_error(error)
         leave(EXIT_USAGE)
 

@@ -126,6 +126,7 @@ def setup(
     argv: Sequence[str] | None = None,
     environment: env_mod.DistEnv | None = None,
     log_level: str | None = None,
+    own_gpu: bool = False,
 ) -> Runtime:
     """Bind this process to its device and start the process group.
 
@@ -133,6 +134,7 @@ def setup(
     because DistributedDataParallel needs one: the same script then runs under ``python script.py``
     and under a launcher. Pass ``force_group=False`` to skip it when nothing will communicate.
     ``log_level``: for the ``ddpkit`` logger, which this configures for this rank (``ddpkit.core.logs``).
+    ``own_gpu``: the process sees its own GPU as its only one (CUDA_VISIBLE_DEVICES names it alone): bind GPU 0.
     """
     if timeout_s is None:
         timeout_s = _timeout_from(os.environ if environ is None else environ)
@@ -143,17 +145,16 @@ def setup(
     if environment.launcher == "mpi":
         share_cores(environment.local_world_size, os.environ if environ is None else environ)
     cuda_count = torch.cuda.device_count()
-    device_type = choose_device(
-        device, local_rank=environment.local_rank, local_world_size=environment.local_world_size, cuda_count=cuda_count
-    )
+    gpu, sharing = (0, 1) if own_gpu else (environment.local_rank, environment.local_world_size)
+    device_type = choose_device(device, local_rank=gpu, local_world_size=sharing, cuda_count=cuda_count)
     adopting = dist.is_available() and dist.is_initialized()  # the group's backend is decided: ``adopt`` checks it
     chosen_backend = None if adopting else choose_backend(
         backend, device=device_type, local_world_size=environment.local_world_size, cuda_count=cuda_count
     )
     if device_type == "cuda":
         # Before anything else touches CUDA: otherwise every process builds a context on GPU 0.
-        torch.cuda.set_device(environment.local_rank)
-        bound = torch.device("cuda", environment.local_rank)
+        torch.cuda.set_device(gpu)
+        bound = torch.device("cuda", gpu)
     else:
         bound = torch.device("cpu")
     signals.catch((signal.SIGTERM,), signals.raise_terminated)

@@ -16,7 +16,9 @@ launcher by one thread per pipe, which:
   the first of them, prefixed with the ranks that said them (``[rank1-3,5]:``), and ``[×N]`` when there were
   more lines than ranks (a rank that says the same every step). That is Ray's log deduplication, by rank.
   With ``--log-level debug`` every line of every rank is shown at once, none held. At the end, a run that held
-  any line says where the whole output is (``drain``).
+  any line says where the whole output is (``drain``);
+* with ``ONE_VOICE`` set in the launcher (``ddpkit run --unchanged``, whose ranks all print what one process would),
+  shows no other rank's stdout at all: their stderr (errors, warnings) as above.
 
 A pipe rather than torchrun's plain files: stdout and stderr must land in one file, in the order they were
 written, and torchrun opens each stream's file on its own (two writers at two offsets would overwrite each
@@ -54,6 +56,7 @@ NUMBER = re.compile(r"\d+")
 DDPKIT_INFO = "ddpkit: "
 DDPKIT_WARNING = re.compile(r"ddpkit: (warning|error):")
 WINDOW_S = 1.0  # a line like one shown less than this long ago is held, then shown once for every rank that said it
+ONE_VOICE = "DDPKIT_ONE_VOICE"  # set in the launcher: the console shows rank 0's stdout only (other ranks' in files)
 
 
 def path_for(log_dir: str, rank: int) -> str:
@@ -81,6 +84,7 @@ class RankLogs(LogsSpecs):
         pipes = tempfile.mkdtemp(prefix="ddpkit-pipes-")
         _pipe_dirs.append(pipes)
         every_line = os.environ.get(LEVEL_ENV, "").lower() == "debug"
+        one_voice = bool(os.environ.get(ONE_VOICE))
         if _echoes is None or _echoes.log_dir != self.root_log_dir:
             _echoes = Echoes(self.root_log_dir)
         dest = LogsDest()
@@ -93,7 +97,8 @@ class RankLogs(LogsSpecs):
                 paths[local_rank] = pipe
                 console = getattr(sys, stream)
                 # rank 0 passes through as it is (its lines still count as shown); another rank's are prefixed
-                _start(pipe, log, console, ConsoleLines(rank, console, _echoes, every_line))
+                _start(pipe, log, console, ConsoleLines(rank, console, _echoes, every_line,
+                                                        hidden=one_voice and stream == "stdout" and rank != 0))
             dest.error_files[local_rank] = os.path.join(pipes, f"{local_rank}.error.json")
         return dest
 
@@ -253,8 +258,9 @@ class ConsoleLines:
     prefixed ``[rank<N>]:`` unless they echo a line shown a moment ago (``Echoes``: held, then shown once for
     all the ranks that said it), or every one of them at once (``every_line``: --log-level debug)."""
 
-    def __init__(self, rank: int, console=None, echoes: Echoes | None = None, every_line: bool = False):
-        self.rank, self.console, self.every_line = rank, console, every_line
+    def __init__(self, rank: int, console=None, echoes: Echoes | None = None, every_line: bool = False,
+                 hidden: bool = False):
+        self.rank, self.console, self.every_line, self.hidden = rank, console, every_line, hidden
         self.echoes = echoes if echoes is not None else Echoes()
         self.partial = b""
 
@@ -283,7 +289,7 @@ class ConsoleLines:
 
     def _line(self, raw: bytes) -> bytes:
         _, body = self._text(raw)
-        if not body.strip():
+        if self.hidden or not body.strip():
             return b""
         if not self.every_line and body.startswith(DDPKIT_INFO) and not DDPKIT_WARNING.match(body):
             return b""  # ddpkit's own notes: rank 0 says them for the job (the rank's file keeps its own)

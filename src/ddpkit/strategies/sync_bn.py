@@ -27,6 +27,25 @@ def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
         return dist_fn.all_reduce(tensor)
 
 
+class _WeightedSum(torch.autograd.Function):
+    """The sum over ranks of ``tensor``; backward, the sum over ranks of each rank's gradient times its ``weight``,
+    divided by this rank's weight (which its gradient's all-reduce multiplies back: ``strategies.in_place``). The
+    ranks' statistics then receive the gradient of the weighted sum of their losses, as on one process."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        total = tensor.clone()
+        dist.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        total = grad * ctx.weight
+        dist.all_reduce(total)
+        return (total / ctx.weight if ctx.weight else torch.zeros_like(total)), None
+
+
 class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     """BatchNorm over the union of every rank's batch; works with any backend, gloo included."""
 
@@ -38,33 +57,45 @@ class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         self._check_input_dim(input)
         if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
             return super().forward(input)
-        # Statistics in float32 even under bf16/fp16 autocast: low precision cannot even count the samples.
-        out_dtype = input.dtype
-        input = input.float()
-        channels = input.size(1)
-        dims = [0, *range(2, input.dim())]
-        shape = [1, channels] + [1] * (input.dim() - 2)
-        local_count = input.numel() // channels
-        # Two passes, as single-process BatchNorm does: the global mean first, then the sum of squared
-        # deviations from it. (E[x^2] - E[x]^2 in one pass loses digits when the mean dwarfs the spread.)
-        sums = _all_reduce(torch.cat([input.sum(dims), input.new_full((1,), float(local_count))]))
-        count = sums[-1]
-        mean = sums[:channels] / count
-        centered = input - mean.view(shape)
-        var = _all_reduce((centered * centered).sum(dims)) / count
-        if self.track_running_stats:
-            with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                momentum = (
-                    1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-                )
-                unbiased = var * count / (count - 1).clamp(min=1)
-                self.running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
-                self.running_var.mul_(1 - momentum).add_(unbiased.detach(), alpha=momentum)
-        out = centered * torch.rsqrt(var.view(shape) + self.eps)
-        if self.affine:
-            out = out * self.weight.view(shape) + self.bias.view(shape)
-        return out.to(out_dtype)
+        return synced_batch_norm(self, input)
+
+
+def synced_batch_norm(bn: nn.modules.batchnorm._BatchNorm, input: torch.Tensor,
+                      weight: float | None = None) -> torch.Tensor:
+    """``bn`` (any BatchNorm layer, in training) applied with the statistics of every rank's batch together; its
+    running statistics updated with them, as one process's BatchNorm would over the whole batch.
+
+    ``weight``: this rank's share of the loss when the ranks' shares differ (``ddpkit run --unchanged``; None: equal
+    shares, as under DDP). The gradients that reach the statistics are then summed weighted, and a rank of weight 0
+    (a stand-in sample, ``ddpkit.data.split_batches``) adds nothing to the statistics.
+    """
+    reduce = _all_reduce if weight is None else (lambda tensor: _WeightedSum.apply(tensor, weight))
+    counted = 1.0 if weight is None or weight > 0 else 0.0
+    # Statistics in float32 at least, even under bf16/fp16 autocast: low precision cannot even count the samples.
+    out_dtype = input.dtype
+    input = input.to(torch.promote_types(input.dtype, torch.float32))
+    channels = input.size(1)
+    dims = [0, *range(2, input.dim())]
+    shape = [1, channels] + [1] * (input.dim() - 2)
+    local_count = input.numel() // channels
+    # Two passes, as single-process BatchNorm does: the global mean first, then the sum of squared
+    # deviations from it. (E[x^2] - E[x]^2 in one pass loses digits when the mean dwarfs the spread.)
+    sums = reduce(torch.cat([input.sum(dims), input.new_full((1,), float(local_count))]) * counted)
+    count = sums[-1]
+    mean = sums[:channels] / count
+    centered = input - mean.view(shape)
+    var = reduce((centered * centered).sum(dims) * counted) / count
+    if bn.track_running_stats:
+        with torch.no_grad():
+            bn.num_batches_tracked.add_(1)
+            momentum = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+            unbiased = var * count / (count - 1).clamp(min=1)
+            bn.running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
+            bn.running_var.mul_(1 - momentum).add_(unbiased.detach(), alpha=momentum)
+    out = centered * torch.rsqrt(var.view(shape) + bn.eps)
+    if bn.affine:
+        out = out * bn.weight.view(shape) + bn.bias.view(shape)
+    return out.to(out_dtype)
 
 
 def _to_cpu_sync(module: nn.Module) -> nn.Module:

@@ -1,0 +1,112 @@
+"""What ``ddpkit run --unchanged`` costs: the same one-device loop unchanged against its ``job.prepare`` conversion at
+the same global batch, and pytorch/examples' ImageNet trainer on 1 and 2 processes.
+
+    .venv/bin/python benchmarks/unchanged.py [--rounds R] [--json FILE]
+
+1. **Step time** (``benchmarks/unchanged_loop.py``, a ResNet-18 on synthetic 64-pixel images): ``ddpkit run
+   --unchanged --nproc-per-node 2`` at ``--batch-size 2B`` against ``ddpkit run --nproc-per-node 2 --prepare`` at
+   ``--batch-size B``: the same global batch, the same model, one gloo group. R rounds, alternating which goes
+   first (AB, BA, ...); each run reports its median step after a warm-up. Reported: each side's median over rounds
+   and the ratio unchanged / prepare (goal: at most 1.05).
+2. **The ImageNet trainer** (``benchmarks/conversions/imagenet/original.py``, resnet18, its own ``--dummy`` data at
+   64 pixels, one epoch): the original as ``python original.py`` on one process, the same file under
+   ``--unchanged`` on 2, and its ``job.prepare`` conversion (``examples/imagenet_main.py``) on 2 at half the batch.
+   Every process gets one thread (OMP_NUM_THREADS=1). Reported: the wall time of each run and the script's own
+   average batch time.
+
+Each measurement is a real process tree started as a user would start it; the clock is the driver's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LOOP = REPO / "benchmarks" / "unchanged_loop.py"
+IMAGENET = REPO / "benchmarks" / "conversions" / "imagenet" / "original.py"
+CONVERTED = REPO / "examples" / "imagenet_main.py"
+
+
+def run(argv: list[str], cwd: str, threads: int | None = None) -> tuple[float, str]:
+    env = dict(os.environ)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    start = time.perf_counter()
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return wall, done.stdout
+
+
+def ddpkit(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", *args]
+
+
+def step_times(rounds: int, batch: int, folder: str) -> dict:
+    sides = {"unchanged": ddpkit("--unchanged", "--seed", "0", str(LOOP), "--batch-size", str(2 * batch)),
+             "prepare": ddpkit(str(LOOP), "--prepare", "--batch-size", str(batch))}
+    medians: dict[str, list[float]] = {name: [] for name in sides}
+    for round_ in range(rounds):
+        for name in (list(sides) if round_ % 2 == 0 else list(reversed(sides))):
+            _, out = run(sides[name], folder)
+            medians[name].append(json.loads(out.strip().splitlines()[-1])["median_s"])
+    result = {name: {"median_s": statistics.median(values), "rounds_s": values} for name, values in medians.items()}
+    result["ratio"] = result["unchanged"]["median_s"] / result["prepare"]["median_s"]
+    result["ratios"] = [a / b for a, b in zip(medians["unchanged"], medians["prepare"])]
+    return result
+
+
+def imagenet(folder: str, batch: int, images: int) -> dict:
+    common = ["--dummy", "--dummy-train", str(images), "--dummy-val", "64", "-a", "resnet18", "--num-classes", "10",
+              "--image-size", "64", "-j", "0", "--lr", "0.01", "--seed", "0", "--epochs", "1"]
+    last = images // batch - 1  # the progress line of the last batch: its average is the epoch's
+    runs = {
+        "original, 1 process": [sys.executable, str(IMAGENET), *common, "-b", str(batch), "-p", str(last)],
+        "original --unchanged, 2 processes": ddpkit("--unchanged", "--seed", "0", str(IMAGENET), *common,
+                                                    "-b", str(batch), "-p", str(last)),
+        "job.prepare conversion, 2 processes": ddpkit(str(CONVERTED), *common, "-b", str(batch // 2),
+                                                      "-p", str(last)),
+    }
+    result = {}
+    for name, argv in runs.items():
+        with tempfile.TemporaryDirectory(dir=folder) as here:
+            wall, out = run(argv, here, threads=1)
+        batch_times = re.findall(rf"Epoch: \[0\]\[\s*{last + 1}/\d+\]\tTime\s+\S+ \(\s*(\S+)\)", out)
+        result[name] = {"wall_s": wall, "batch_s": float(batch_times[-1]) if batch_times else None}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=16, help="per process, with --prepare (default: 16)")
+    parser.add_argument("--imagenet-images", type=int, default=512)
+    parser.add_argument("--imagenet-batch-size", type=int, default=32, help="the script's own (default: 32)")
+    parser.add_argument("--json", default=None, metavar="FILE")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        steps = step_times(args.rounds, args.batch_size, folder)
+        print(f"step, global batch {2 * args.batch_size} on 2 processes: --unchanged "
+              f"{steps['unchanged']['median_s'] * 1000:.1f} ms, job.prepare {steps['prepare']['median_s'] * 1000:.1f} "
+              f"ms, ratio {steps['ratio']:.3f} (per round: {', '.join(f'{r:.3f}' for r in steps['ratios'])})")
+        walls = imagenet(folder, args.imagenet_batch_size, args.imagenet_images)
+        for name, numbers in walls.items():
+            batch = "" if numbers["batch_s"] is None else f", {numbers['batch_s']:.3f} s per batch"
+            print(f"imagenet, {name}: {numbers['wall_s']:.1f} s{batch}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "steps": steps, "imagenet": walls,
+                                               "cores": os.cpu_count()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Each process's part of every batch that a script's own DataLoader makes (``ddpkit run --unchanged``).
+
+    >>> share_of([10, 11, 12, 13, 14], rank=1, world_size=2)
+    Share(indices=[13, 14], weight=0.4, samples=5)
+    >>> share_of([7], rank=1, world_size=2)         # fewer samples than processes: a stand-in, weighed 0
+    Share(indices=[7], weight=0.0, samples=1)
+
+A batch of n indices is cut into world_size contiguous runs, the first ``n % world_size`` one longer (as
+``torch.tensor_split`` and DataParallel's scatter cut it). A rank's gradient counts ``weight`` = its samples / n of
+the batch's: for a loss averaged over the batch, the sum over ranks of weight × the rank's gradient is the gradient
+of the whole batch, an uneven last batch included. A rank left with no sample (a batch smaller than the world) reads
+the batch's last sample as a stand-in, so that its forward and backward run like the others', and weighs 0.
+
+``SplitBatchSampler`` wraps the loader's own batch sampler: the loader, its ``len``, its collate_fn and workers stay
+as they were; each rank fetches only its indices. The order comes from the wrapped sampler, drawn inside a
+``SharedStream``: ddpkit's random state, the same on every rank, never the script's global one (whose draws differ
+across ranks once training begins: ``ddpkit.unchanged``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import random
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """One rank's part of one batch: the indices it reads and the weight of its gradient."""
+
+    indices: list
+    weight: float  # this rank's samples / the batch's (0 for a stand-in)
+    samples: int  # the whole batch's size, as one process reads it
+
+
+def share_of(batch: Sequence, rank: int, world_size: int) -> Share:
+    """Rank ``rank``'s contiguous run of ``batch``, of ``world_size`` runs; a stand-in of weight 0 when none is left."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+    samples = len(batch)
+    if samples == 0:
+        raise ValueError("a batch sampler yielded an empty batch: there is nothing to split")
+    base, longer = divmod(samples, world_size)
+    count = base + (rank < longer)
+    if count == 0:
+        return Share(indices=[batch[-1]], weight=0.0, samples=samples)
+    start = rank * base + min(rank, longer)
+    return Share(indices=list(batch[start:start + count]), weight=count / samples, samples=samples)
+
+
+class SharedStream:
+    """A random state of ddpkit's, the same on every rank, put in place of the global one (torch's CPU generator,
+    Python's ``random``, NumPy's) for the time of a ``with`` block, and kept for the next block.
+
+    A sampler that draws from the global stream (``RandomSampler`` without a generator, a custom one) then draws the
+    same order on every rank, whatever the script's own draws did to the global streams meanwhile.
+    """
+
+    def __init__(self, seed: int):
+        previous = _global_states()
+        torch.manual_seed(seed)
+        random.seed(seed)
+        numpy = _numpy()
+        if numpy is not None:
+            numpy.random.seed(seed % 2**32)
+        self._states = _global_states()
+        self._saved: list = []
+        _set_global_states(previous)
+
+    def __enter__(self) -> SharedStream:
+        self._saved.append(_global_states())
+        _set_global_states(self._states)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._states = _global_states()
+        _set_global_states(self._saved.pop())
+
+
+def _numpy():
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
+def _global_states() -> tuple:
+    numpy = _numpy()
+    return torch.get_rng_state(), random.getstate(), None if numpy is None else numpy.random.get_state()
+
+
+def _set_global_states(states: tuple) -> None:
+    torch_state, python_state, numpy_state = states
+    torch.set_rng_state(torch_state)
+    random.setstate(python_state)
+    if numpy_state is not None:
+        _numpy().random.set_state(numpy_state)
+
+
+class SplitBatchSampler:
+    """The batches of ``batches`` (a loader's batch sampler), each cut to this rank's share; ``whole`` passes read the
+    whole batches instead (an evaluation, which every rank computes in full). Each share yielded is also queued in
+    ``shares``, for whoever follows the batches the loader hands out (with workers, the sampler runs ahead)."""
+
+    def __init__(self, batches: Iterable, *, rank: int, world_size: int, stream: SharedStream):
+        self.batches = batches
+        self.rank = rank
+        self.world_size = world_size
+        self.stream = stream
+        self.whole = False
+        self.shares: collections.deque[Share] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self.batches)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[list]:
+        whole = self.whole
+        iterator = None
+        while True:
+            with self.stream:
+                if iterator is None:
+                    iterator = iter(self.batches)
+                batch = next(iterator, None)
+            if batch is None:
+                return
+            batch = batch.tolist() if isinstance(batch, torch.Tensor) else list(batch)
+            share = Share(batch, 1.0, len(batch)) if whole else share_of(batch, self.rank, self.world_size)
+            self.shares.append(share)
+            yield share.indices

@@ -1,0 +1,130 @@
+"""``ddpkit run --unchanged``: a script written for one device, on N processes, training as it would on one.
+
+    $ ddpkit run --unchanged --nproc-per-node 2 train.py --its-own-flags
+
+What ddpkit puts into the script's processes, all of it here, before the script's first line (``install``):
+
+- each process sees one device: its own GPU as ``cuda:0`` (CUDA_VISIBLE_DEVICES), or the CPU;
+- the process group, started by ddpkit;
+- the same seeds on every rank, then streams of each rank's own once training begins (``randomness``);
+- the script's DataLoaders, each batch split across the ranks (``batches``, ``ddpkit.data.split_batches``);
+- its models, each a DDP replica in place when first called to train, gradients weighted by share
+  (``models``, ``ddpkit.strategies.in_place``), BatchNorm over the whole batch;
+- ``torch.save`` to a path, by rank 0 alone, atomically (``saving``).
+
+A script that starts its own process group, wraps its model in DDP or FSDP, or uses ddpkit runs as under
+``ddpkit run``: --unchanged stands aside, saying so in one line. docs/unchanged.md says what is split, what is
+averaged, what stays the same and what it costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import re
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.core import process_group
+from ddpkit.core.errors import UsageError
+from ddpkit.core.logs import logger
+
+LOSS_REDUCTIONS = ("mean", "sum")
+
+# What a script that distributes itself names: it runs as under `ddpkit run`, and --unchanged stands aside.
+DISTRIBUTES_ITSELF = re.compile(r"\b(init_process_group|DistributedDataParallel|fully_shard|FullyShardedDataParallel)"
+                                r"\b|^\s*(import ddpkit|from ddpkit\b)", re.M)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """What ``ddpkit run --unchanged`` hands each rank: the seed (None: rank 0 draws one) and the loss's reduction."""
+
+    seed: int | None = None
+    loss_reduction: str = "mean"
+
+    def __post_init__(self) -> None:
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise UsageError(f"`loss_reduction` must be one of {', '.join(LOSS_REDUCTIONS)}, got "
+                             f"{self.loss_reduction!r}")
+
+    def encode(self) -> str:
+        """As one command-line word: ``SEED:REDUCTION`` (SEED empty when none was given)."""
+        return f"{'' if self.seed is None else self.seed}:{self.loss_reduction}"
+
+    @classmethod
+    def decode(cls, word: str) -> Setting:
+        seed, _, reduction = word.partition(":")
+        return cls(seed=int(seed) if seed else None, loss_reduction=reduction or "mean")
+
+
+def stands_aside(source: str) -> str | None:
+    """The name that makes ``source`` (a script's text) one that distributes itself, or None."""
+    found = DISTRIBUTES_ITSELF.search(source)
+    return None if found is None else found.group(0).strip()
+
+
+def install(setting: Setting, source: str | None) -> bool:
+    """Put --unchanged into this process before the script runs; False when it stands aside (``source``, the script's
+    text, names a way of distributing itself: ``ddpkit run`` says so once, and passes no --unchanged then)."""
+    named = stands_aside(source or "")
+    if named is not None:  # (the launcher has said so, where it read the script)
+        return False
+    environment = process_group.read_environment()
+    if environment.rank != 0:
+        os.environ.setdefault("TQDM_DISABLE", "1")  # one progress bar, rank 0's (read when tqdm is imported)
+    own_gpu = one_gpu_each(environment.local_rank, environment.local_world_size)
+    runtime = process_group.setup(own_gpu=own_gpu, environment=environment)
+    seed = shared_seed(setting.seed, runtime)
+    _install_hooks(runtime, setting, seed)
+    if runtime.is_main:
+        many = runtime.world_size > 1
+        logger.info(f"--unchanged: {runtime.world_size} process{'es' if many else ''} train as one device would"
+                    + (f" (each batch split {runtime.world_size} ways, the script's batch size and steps kept)"
+                       if many else "") + f"; seed {seed}"
+                    + ("" if setting.seed is not None else f" (drawn: repeat the run with --seed {seed})"))
+    return True
+
+
+def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int) -> None:
+    from ddpkit.unchanged.batches import Batch, Loaders
+    from ddpkit.unchanged.models import Models
+    from ddpkit.unchanged.randomness import Streams
+    from ddpkit.unchanged.saving import SaveOnce
+
+    streams = Streams(seed, runtime.rank)
+    streams.start()
+    batch = Batch(world_size=runtime.world_size, summed=setting.loss_reduction == "sum")
+    models = Models(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams)
+    models.install()
+    Loaders(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams,
+            all_models_evaluating=models.all_evaluating).install()
+    control = process_group.control_group(runtime)
+    SaveOnce(rank=runtime.rank, wait_for_rank_0=lambda: control is None or dist.barrier(group=control)).install()
+
+
+def one_gpu_each(local_rank: int, local_world_size: int) -> bool:
+    """Make this rank's GPU the only one it sees (CUDA_VISIBLE_DEVICES), before anything touches CUDA; False where
+    there is no GPU. More processes than GPUs on this machine is refused."""
+    count = torch.cuda.device_count()  # before CUDA starts it reads CUDA_VISIBLE_DEVICES anew every time
+    if count == 0:
+        return False
+    if local_world_size > count:
+        raise UsageError(f"--unchanged gives each process a GPU of its own, but this machine has {count} for "
+                         f"{local_world_size} processes: give --nproc-per-node {count} (or fewer)")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [name.strip() for name in visible.split(",")] if visible else [str(index) for index in range(count)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = names[local_rank]
+    return True
+
+
+def shared_seed(seed: int | None, runtime: process_group.Runtime) -> int:
+    """``seed``, or one that rank 0 draws, the same on every rank."""
+    if seed is not None:
+        return seed
+    drawn = [random.SystemRandom().randrange(2**31) if runtime.is_main else None]
+    if runtime.backend is not None and runtime.world_size > 1:
+        dist.broadcast_object_list(drawn, src=0)
+    return int(drawn[0])

@@ -1,0 +1,113 @@
+"""Which random draws agree across the ranks of ``ddpkit run --unchanged``, and which differ.
+
+- **Shared, from the start:** every rank seeds torch (CPU and CUDA), Python's ``random`` and NumPy with the run's
+  seed before the script's first line. Unseeded random data sets, a ``random_split``, a seed the script draws, the
+  model's initialisation: the same on every rank. The script's own ``manual_seed`` applies as it would.
+- **The order of every split DataLoader** comes from ddpkit's own stream (``data.split_batches.SharedStream``), the
+  same on every rank and the same at any world size, whatever the global streams do.
+- **Per rank, during a training pass over a split DataLoader:** from the start of such a pass to its end, each
+  rank draws from global streams of its own (seeded from (seed, rank) at the first pass, then continued from pass
+  to pass). Draws made per sample then differ across ranks as they differ across the samples of one device's
+  batch: dropout masks, a GAN's ``torch.randn(batch_size, nz)``, a VAE's noise, the loader's worker seeds (random
+  augmentations). Outside such passes (evaluation, the script's code between epochs) the streams are shared again.
+- **Batches that no DataLoader split** (nanoGPT's ``get_batch`` draws them with ``torch.randint``): the shared
+  streams, so every rank cuts the same batch; the draws made inside the forward pass of a model in training
+  (dropout) come from a stream of each rank's own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import torch
+
+
+def derived_seed(seed: int, *purpose: object) -> int:
+    """A seed for ``purpose`` (a rank, a loader's number), the same on every rank that asks with the same words."""
+    digest = hashlib.sha256("/".join(map(str, (seed, *purpose))).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def seed_everything(seed: int) -> None:
+    """torch (CPU and every GPU), ``random`` and NumPy, as a script's own seeding would."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed % 2**32)
+
+
+class Streams:
+    """The run's random streams on this rank: shared, but for the time of a split loader's training pass (and of a
+    training forward pass where nothing split the batch), when they are this rank's own (see the module)."""
+
+    def __init__(self, seed: int, rank: int):
+        self.seed = seed
+        self.rank = rank
+        self._passes = 0  # split loaders' training passes going on
+        self._own: tuple | None = None  # this rank's streams while no pass goes on (None: not drawn from yet)
+        self._forward: tuple | None = None  # this rank's in-forward stream, for batches that nothing split
+        self._shared: list[tuple] = []
+
+    def start(self) -> None:
+        seed_everything(self.seed)
+
+    def enter_pass(self) -> None:
+        """A split loader starts a training pass: this rank's own streams until it ends."""
+        self._passes += 1
+        if self._passes > 1:
+            return
+        self._shared.append(_states())
+        if self._own is None:
+            seed_everything(derived_seed(self.seed, "rank", self.rank))
+        else:
+            _set_states(self._own)
+
+    def leave_pass(self) -> None:
+        self._passes -= 1
+        if self._passes == 0:
+            self._own = _states()
+            _set_states(self._shared.pop())
+
+    def enter_forward(self) -> None:
+        """A training forward pass outside a split loader's pass: this rank's own stream inside it (dropout)."""
+        if self._passes:
+            return
+        self._shared.append(_states(torch_only=True))
+        if self._forward is None:
+            torch.manual_seed(derived_seed(self.seed, "forward", self.rank))
+        else:
+            _set_states(self._forward)
+
+    def leave_forward(self) -> None:
+        if self._passes:
+            return
+        self._forward = _states(torch_only=True)
+        _set_states(self._shared.pop())
+
+
+def _states(torch_only: bool = False) -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    if torch_only:
+        return torch.get_rng_state(), cuda, None, None
+    try:
+        import numpy
+    except ImportError:
+        numpy = None
+    return torch.get_rng_state(), cuda, random.getstate(), None if numpy is None else numpy.random.get_state()
+
+
+def _set_states(states: tuple) -> None:
+    cpu, cuda, python, numpy_state = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    if python is not None:
+        random.setstate(python)
+    if numpy_state is not None:
+        import numpy
+
+        numpy.random.set_state(numpy_state)

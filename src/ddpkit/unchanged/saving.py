@@ -1,0 +1,35 @@
+"""``torch.save`` to a path, once for the job (``ddpkit run --unchanged``): every rank holds the same weights, so rank
+0 writes the file, atomically (a temporary file beside it, renamed over it: a crash leaves the old file or the new,
+never a torn one), and the others wait until it is there, so that a script that reads it back or copies it next
+(pytorch/examples' ``shutil.copyfile(filename, 'model_best.pth.tar')``) finds it on every rank. ``torch.save`` into an
+open file or buffer is left as it is, on every rank. (``torch.save`` is replaced: PyTorch has no hook for it.)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from ddpkit.checkpoint.files import atomic_write
+
+
+class SaveOnce:
+    """The replacement of ``torch.save``; ``wait_for_rank_0`` is a barrier the other ranks pass once it has written."""
+
+    def __init__(self, *, rank: int, wait_for_rank_0: Callable[[], None]):
+        self.rank = rank
+        self.wait_for_rank_0 = wait_for_rank_0
+        self.original = torch.save
+
+    def install(self) -> None:
+        torch.save = self
+
+    def __call__(self, obj, f, *args, **kwargs) -> None:
+        if not isinstance(f, (str, os.PathLike)):
+            self.original(obj, f, *args, **kwargs)
+            return
+        if self.rank == 0:
+            atomic_write(f, lambda handle: self.original(obj, handle, *args, **kwargs))
+        self.wait_for_rank_0()

@@ -1,0 +1,232 @@
+"""``ddpkit run --unchanged``: a script written for one device (tests/unchanged_script.py, and the public originals in
+benchmarks/conversions/) on 1 and on 2 processes, the same script and the same arguments, trains to the same weights.
+
+The pure parts (how a batch is cut, the settings, the script check, the shared stream) are tested in this process;
+the runs are shared by the tests through module fixtures.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, public_scripts_data, run_ddpkit
+from ddpkit.data.split_batches import SharedStream, share_of
+from ddpkit.unchanged import Setting, stands_aside
+from ddpkit.unchanged.batches import Batch
+from ddpkit.unchanged.randomness import derived_seed
+
+SCRIPT = str(Path(__file__).with_name("unchanged_script.py"))
+CONVERSIONS = REPO / "benchmarks" / "conversions"
+
+
+# -- in this process ---------------------------------------------------------------------------------------------------
+
+def test_a_batch_is_cut_into_contiguous_runs_weighed_by_their_size():
+    batch = list(range(10, 15))
+    shares = [share_of(batch, rank, 2) for rank in range(2)]
+    assert [share.indices for share in shares] == [[10, 11, 12], [13, 14]]
+    assert [share.weight for share in shares] == [0.6, 0.4] and {share.samples for share in shares} == {5}
+    thirds = [share_of(list(range(7)), rank, 3) for rank in range(3)]
+    assert sum((share.indices for share in thirds), []) == list(range(7))
+    assert sum(share.weight for share in thirds) == pytest.approx(1.0)
+
+
+def test_a_batch_smaller_than_the_world_gives_the_ranks_without_a_sample_a_stand_in_of_weight_0():
+    shares = [share_of([7, 8], rank, 4) for rank in range(4)]
+    assert [(share.indices, share.weight) for share in shares] == [([7], 0.5), ([8], 0.5), ([8], 0.0), ([8], 0.0)]
+    with pytest.raises(ValueError, match="empty batch"):
+        share_of([], 0, 2)
+    with pytest.raises(ValueError, match="rank 2 is outside 0..1"):
+        share_of([1], 2, 2)
+
+
+def test_a_summed_loss_counts_its_share_as_the_whole_batch_but_a_stand_in_and_a_whole_batch_as_they_are():
+    batch = Batch(world_size=2, summed=True)
+    assert batch.weight == 0.5 and batch.output_scale() == 1.0  # nothing split yet: every rank has the whole batch
+    batch.set(0.25)
+    assert batch.output_scale() == 4.0
+    batch.set(0.0)
+    assert batch.output_scale() == 1.0
+    assert Batch(world_size=2).output_scale() == 1.0
+
+
+def test_the_shared_stream_draws_the_same_order_whatever_the_global_stream_did_and_leaves_it_as_it_was():
+    orders = []
+    for noise in (1, 2):
+        torch.manual_seed(noise)
+        random.seed(noise)
+        stream = SharedStream(derived_seed(7, "loader", 0))
+        before = torch.get_rng_state(), random.getstate()
+        with stream:
+            first = torch.randperm(10).tolist()
+        with stream:
+            second = torch.randperm(10).tolist() + [random.random()]
+        assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+        orders.append((first, second))
+    assert orders[0] == orders[1] and orders[0][0] != orders[0][1][:10]
+
+
+def test_the_setting_travels_as_one_word_and_a_bad_reduction_is_refused():
+    assert Setting.decode(Setting(seed=3, loss_reduction="sum").encode()) == Setting(seed=3, loss_reduction="sum")
+    assert Setting.decode(Setting().encode()) == Setting(seed=None, loss_reduction="mean")
+    with pytest.raises(Exception, match="`loss_reduction` must be one of mean, sum, got 'max'"):
+        Setting(loss_reduction="max")
+
+
+@pytest.mark.parametrize("source, named", [
+    ("dist.init_process_group('gloo')", "init_process_group"),
+    ("model = DistributedDataParallel(model)", "DistributedDataParallel"),
+    ("fully_shard(block)", "fully_shard"),
+    ("import ddpkit\n", "import ddpkit"),
+    ("x = 1\nfrom ddpkit import Job\n", "from ddpkit"),
+    ("import torch\nmodel = Net()  # one device\n", None),
+])
+def test_a_script_that_distributes_itself_is_told_by_what_it_names(source, named):
+    assert stands_aside(source) == named
+
+
+# -- real runs on 1 and 2 processes ------------------------------------------------------------------------------------
+
+def unchanged(tmp: Path, nproc: int, mode: str, *flags: str, expect: int = 0, script_args=()):
+    """``tests/unchanged_script.py OUT MODE`` under ``ddpkit run --unchanged FLAGS`` on ``nproc`` processes."""
+    out = tmp / f"{mode}{nproc}"
+    out.mkdir()
+    done = run_ddpkit("run", "--unchanged", *flags, "--nproc-per-node", str(nproc), SCRIPT, str(out), mode,
+                      *script_args, timeout=120, cwd=tmp)
+    assert done.returncode == expect, f"{done.stdout}\n{done.stderr}"
+    return out, done
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("unchanged")
+    found = {}
+    # One process reads every batch whole: how a loss reduces does not matter there, so one run is the reference for
+    # both of the 2-process runs.
+    # In float64: the same computation gives the same weights to 1e-12, where float32's rounding, grown by training,
+    # would leave 1e-5 (the public originals below, in float32) and hide a difference of method.
+    for nproc, mode, flags in ((1, "both", []), (2, "mean", []), (2, "sum", ["--loss-reduction", "sum"])):
+        out, done = unchanged(tmp, nproc, mode, "--seed", "5", *flags, script_args=["float64"])
+        found[mode, nproc] = out, done, torch.load(out / "result.pt", weights_only=True)
+    return found
+
+
+def worst_relative_difference(a: dict, b: dict) -> float:
+    worst = 0.0
+    for name, weights in a.items():
+        for key, value in weights.items():
+            x, y = torch.tensor(value, dtype=torch.float64), torch.tensor(b[name][key], dtype=torch.float64)
+            worst = max(worst, ((x - y).abs().max() / x.abs().max().clamp(min=1e-12)).item())
+    return worst
+
+
+def test_two_processes_train_a_script_with_batch_norm_uneven_and_single_sample_batches_to_one_process_weights(runs):
+    (_, _, one), (_, _, two) = runs["both", 1], runs["mean", 2]
+    # BatchNorm over the whole batch, a last batch of 5 cut 3 + 2, two micro-steps a step, clipping, momentum; and
+    # batches of one sample, where rank 1 reads a stand-in of weight 0.
+    assert worst_relative_difference({name: one["weights"][name] for name in ("classifier", "ones")},
+                                     {name: two["weights"][name] for name in ("classifier", "ones")}) < 1e-12
+    assert one["len_loader"] == two["len_loader"] == 5  # the script's own steps per epoch, not half of them
+    assert one["isinstance"] and two["isinstance"] and one["keys"] == two["keys"] and "1.running_mean" in two["keys"]
+
+
+def test_an_evaluation_counts_every_sample_once_as_on_one_process(runs):
+    one, two = runs["both", 1][2], runs["mean", 2][2]
+    for epoch in (0, 1):
+        assert one[f"eval_{epoch}"][:2] == two[f"eval_{epoch}"][:2] and two[f"eval_{epoch}"][1] == 45
+        assert two[f"eval_{epoch}"][2] == pytest.approx(one[f"eval_{epoch}"][2], rel=1e-12)
+
+
+def test_a_gans_noise_differs_across_ranks_and_rank_0_alone_writes_what_torch_save_writes(runs):
+    out, _, _ = runs["mean", 2]
+    draws = [path.read_text() for path in out.glob("draws-*.json")]  # the script's own files: one per rank
+    assert len(draws) == 2 and draws[0] != draws[1]
+    assert sorted(path.name for path in out.iterdir() if not path.name.startswith("draws-")) == ["result.pt"]
+
+
+def test_a_summed_loss_and_a_batch_cut_by_hand_with_its_loss_inside_the_model_train_as_on_one_process(runs):
+    (_, _, one), (_, done, two) = runs["both", 1], runs["sum", 2]
+    assert worst_relative_difference({name: one["weights"][name] for name in two["weights"]}, two["weights"]) < 1e-12
+    assert one["seed_drawn"] == two["seed_drawn"]  # every rank seeded alike: the script's own draws agree
+    assert len(re.findall(r"--unchanged: 2 processes train as one device would.*seed 5", done.stderr)) == 1, \
+        done.stderr
+
+
+def test_a_batch_cut_by_hand_with_its_loss_outside_the_model_is_refused_in_one_line(tmp_path):
+    _, done = unchanged(tmp_path, 2, "outside", expect=2)
+    refusal = re.findall(r"computes its loss outside the model", done.stderr)
+    drawn = re.findall(r"seed (\d+) \(drawn: repeat the run with --seed \1\)", done.stderr)
+    assert len(refusal) == 1 and len(drawn) == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_script_that_steps_an_optimizer_without_a_process_group_is_told_of_its_copies(tmp_path):
+    done = run_ddpkit("run", "--nproc-per-node", "2", SCRIPT, str(tmp_path), "outside", timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert len(re.findall(r"each of the 2 processes trains its own copy.*`ddpkit run --unchanged`", done.stderr)) == 1
+
+
+# -- the public originals, as their authors wrote them -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return public_scripts_data(tmp_path_factory.mktemp("data"))
+
+
+def original(tmp: Path, script: str, nproc: int, *args: str, flags=()) -> tuple[Path, str]:
+    folder = tmp / f"{Path(script).parent.name}{nproc}"
+    folder.mkdir()
+    done = run_ddpkit("run", "--unchanged", "--seed", "0", *flags, "--nproc-per-node", str(nproc),
+                      str(CONVERSIONS / script), *args, timeout=180, cwd=folder)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    return folder, done.stdout
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """The norm of the difference of two state dicts' floating-point tensors over the norm of the first's."""
+    keys = [key for key, value in a.items() if torch.is_tensor(value) and value.is_floating_point()]
+    difference = sum(((a[key].double() - b[key].double()) ** 2).sum() for key in keys)
+    return (difference / sum((a[key].double() ** 2).sum() for key in keys)).sqrt().item()
+
+
+@pytest.mark.slow
+def test_the_imagenet_original_with_batch_norm_trains_on_two_processes_as_on_one(data, tmp_path):
+    # Its own --dummy data (FakeData: no random augmentation), resnet18 with BatchNorm, batches of 32 then 5 (3 + 2).
+    args = ["--dummy", "--dummy-train", "37", "--dummy-val", "37", "-a", "resnet18", "--num-classes", "6",
+            "--image-size", "32", "-j", "0", "-b", "32", "--lr", "0.01", "-p", "100", "--seed", "0", "--epochs", "1"]
+    (one, one_out), (two, two_out) = [original(tmp_path, "imagenet/original.py", nproc, *args) for nproc in (1, 2)]
+    weights = [torch.load(folder / "checkpoint.pth.tar", weights_only=True)["state_dict"] for folder in (one, two)]
+    assert relative_difference(*weights) < 1e-5
+    summary = r" \*   Acc@1 (\S+) Acc@5 (\S+) \(37 samples\)"
+    assert re.findall(summary, one_out) == re.findall(summary, two_out) != []
+    assert (two / "model_best.pth.tar").is_file()  # copied by every rank from the file rank 0 wrote first
+
+
+@pytest.mark.slow
+def test_the_nanogpt_original_cutting_its_batches_by_hand_trains_and_prints_as_on_one_process(data, tmp_path):
+    args = ["--dataset", str(data / "chargpt"), "--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size",
+            "32", "--batch_size", "8", "--gradient_accumulation_steps", "4", "--eval_interval", "10", "--eval_iters",
+            "4", "--log_interval", "5", "--warmup_iters", "2", "--lr_decay_iters", "30", "--learning_rate", "3e-3",
+            "--min_lr", "3e-4", "--compile", "False", "--dtype", "float32", "--device", "cpu", "--out_dir", "gpt",
+            "--max_iters", "20"]
+    (one, one_out), (two, two_out) = [original(tmp_path, "nanogpt/original.py", nproc, *args) for nproc in (1, 2)]
+    weights = [torch.load(folder / "gpt" / "ckpt.pt", weights_only=False)["model"] for folder in (one, two)]
+    assert relative_difference(*weights) < 1e-5
+    printed = r"(step \d+: train loss \S+, val loss \S+|iter \d+: loss \S+)"
+    assert re.findall(printed, one_out) == re.findall(printed, two_out) and len(re.findall(printed, two_out)) == 8
+
+
+@pytest.mark.slow
+def test_the_vae_original_summing_its_loss_reaches_one_process_test_loss(data, tmp_path):
+    # Its noise (the reparameterisation) is each sample's own draw: the runs agree in what they reach, not bit for bit.
+    args = ["--data", str(data), "--epochs", "2", "--batch-size", "64", "--log-interval", "100"]
+    losses = []
+    for nproc in (1, 2):
+        folder, out = original(tmp_path, "vae/original.py", nproc, *args, flags=["--loss-reduction", "sum"])
+        losses.append([float(value) for value in re.findall(r"====> Test set loss: (\S+)", out)])
+        assert {path.name for path in (folder / "results").iterdir()} >= {"sample_2.png", "reconstruction_2.png"}
+    assert len(losses[1]) == 2 and losses[1][-1] == pytest.approx(losses[0][-1], rel=0.01), losses

@@ -1,0 +1,167 @@
+"""A script written for one device, as its author would, that ``tests/test_unchanged.py`` runs under
+``ddpkit run --unchanged`` on 1 and on 2 processes and compares. Nothing in it knows about ranks.
+
+    python unchanged_script.py OUT mean     # BatchNorm, an uneven last batch, clipping, accumulation, an exact
+                                            # evaluation, a GAN's two models and optimizers, batches of 1
+    python unchanged_script.py OUT sum      # losses summed over the batch (the VAE's), a batch cut by hand with the
+                                            # loss inside the model (nanoGPT's), random_split and a drawn seed
+    python unchanged_script.py OUT both     # both of the above: on one process, where a sum and a mean split alike
+    python unchanged_script.py OUT outside  # a batch cut by hand, its loss computed outside the model
+
+A third argument ``float64`` makes it compute in float64. It writes OUT/result.pt with torch.save (rank 0 alone under --unchanged) and, as a script's own side files do,
+OUT/draws-<pid>.json with the noise it drew (every rank writes its own).
+"""
+
+import json
+import os
+import random
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset, random_split
+
+out, reduction = sys.argv[1], sys.argv[2]
+if sys.argv[3:] == ["float64"]:  # where float32's rounding, which training grows, would hide a difference of method
+    torch.set_default_dtype(torch.float64)
+data = torch.randn(45, 6)  # unseeded: the same on every rank, as ddpkit seeds every rank alike
+labels = torch.randint(0, 3, (45,))
+result = {}
+
+
+def classifier_with_batch_norm():
+    """37 samples in batches of 8 (the last of 5, split 3 + 2), two micro-steps per step, clipped; then counted."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    loader = DataLoader(TensorDataset(data[:37], labels[:37]), batch_size=8, shuffle=True)
+    result["len_loader"] = len(loader)
+    for epoch in range(2):
+        model.train()
+        for step, (x, y) in enumerate(loader):
+            loss = F.cross_entropy(model(x), y) / 2
+            loss.backward()
+            if step % 2 == 1 or step == len(loader) - 1:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
+                optimizer.step()
+                optimizer.zero_grad()
+        model.eval()
+        correct = total = 0
+        loss_sum = 0.0
+        with torch.no_grad():
+            for x, y in DataLoader(TensorDataset(data, labels), batch_size=7):
+                output = model(x)
+                loss_sum += F.cross_entropy(output, y, reduction="sum").item()
+                correct += (output.argmax(1) == y).sum().item()
+                total += len(y)
+        result[f"eval_{epoch}"] = [correct, total, loss_sum]
+    model.train()  # (a pass that starts while every model is in eval mode reads whole batches: an evaluation)
+    result["isinstance"] = isinstance(model, nn.Sequential)
+    result["keys"] = list(model.state_dict())
+    return model
+
+
+def gan():
+    """Two models, two optimizers; the generator's noise drawn per sample, as DCGAN draws it."""
+    generator, critic = nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 1))
+    g_optimizer = torch.optim.Adam(generator.parameters(), lr=1e-3)
+    c_optimizer = torch.optim.Adam(critic.parameters(), lr=1e-3)
+    draws = []
+    for real, _ in DataLoader(TensorDataset(data, labels), batch_size=16, shuffle=True):
+        noise = torch.randn(real.size(0), 4)
+        draws.append(noise[0, 0].item())
+        fake = generator(noise)
+        c_optimizer.zero_grad()
+        c_loss = F.softplus(-critic(real)).mean() + F.softplus(critic(fake.detach())).mean()
+        c_loss.backward()
+        c_optimizer.step()
+        g_optimizer.zero_grad()
+        F.softplus(-critic(fake)).mean().backward()
+        g_optimizer.step()
+    with open(os.path.join(out, f"draws-{os.getpid()}.json"), "w") as file:
+        json.dump(draws, file)
+    return generator
+
+
+def batches_of_one():
+    """Batches smaller than the world: one sample each."""
+    model = nn.Linear(6, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in DataLoader(TensorDataset(data[:5], labels[:5]), batch_size=1):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model
+
+
+class SummedAutoencoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encode, self.decode = nn.Linear(6, 2), nn.Linear(2, 6)
+
+    def forward(self, x):
+        return torch.sigmoid(self.decode(torch.tanh(self.encode(x))))
+
+
+class TinyLanguageModel(nn.Module):
+    """Returns its loss, as nanoGPT's GPT does, here summed over the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(10, 5), nn.Linear(5, 10)
+
+    def forward(self, tokens, targets):
+        logits = self.head(self.embed(tokens))
+        return logits, F.cross_entropy(logits.view(-1, 10), targets.view(-1), reduction="sum")
+
+
+def summed_losses():
+    train, _ = random_split(TensorDataset(torch.rand(45, 6)), [37, 8])
+    model = SummedAutoencoder()
+    optimizer = torch.optim.SGD(model.parameters(), lr=2e-3)  # (Adam would not see a gradient N times too small)
+    order = torch.Generator().manual_seed(3)  # the script's own generator: the order does not depend on what ran before
+    for epoch in range(2):
+        for (x,) in DataLoader(train, batch_size=8, shuffle=True, generator=order):
+            optimizer.zero_grad()
+            F.binary_cross_entropy(model(x), x, reduction="sum").backward()
+            optimizer.step()
+    return model
+
+
+def cut_by_hand():
+    tokens = torch.randint(0, 10, (200,))
+    model = TinyLanguageModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(6):
+        starts = torch.randint(0, len(tokens) - 5, (7,))  # the shared stream: the same batch on every rank
+        x = torch.stack([tokens[i:i + 4] for i in starts])
+        y = torch.stack([tokens[i + 1:i + 5] for i in starts])
+        _, loss = model(x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model
+
+
+def loss_outside():
+    model = nn.Linear(6, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for start in range(0, 45, 9):
+        optimizer.zero_grad()
+        F.cross_entropy(model(data[start:start + 9]), labels[start:start + 9]).backward()
+        optimizer.step()
+    return model
+
+
+models = {}
+if reduction == "outside":
+    models["outside"] = loss_outside()
+if reduction in ("mean", "both"):
+    models.update(classifier=classifier_with_batch_norm(), gan=gan(), ones=batches_of_one())
+if reduction in ("sum", "both"):
+    result["seed_drawn"] = random.randint(0, 10**6)  # a seed the script draws: the same on every rank
+    torch.manual_seed(result["seed_drawn"])  # the script's own seeding applies as on one device
+    models.update(autoencoder=summed_losses(), by_hand=cut_by_hand())
+result["weights"] = {name: {key: value.tolist() for key, value in model.state_dict().items()}
+                     for name, model in models.items()}
+torch.save(result, os.path.join(out, "result.pt"))
