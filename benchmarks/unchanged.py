@@ -4,8 +4,8 @@ the same global batch, and pytorch/examples' ImageNet trainer on 1 and 2 process
     .venv/bin/python benchmarks/unchanged.py [--rounds R] [--json FILE]
 
 1. **Step time** (``benchmarks/unchanged_loop.py``, a ResNet-18 on synthetic 64-pixel images): ``ddpkit run
-   --unchanged --nproc-per-node 2`` at ``--batch-size 2B`` against ``ddpkit run --nproc-per-node 2 --prepare`` at
-   ``--batch-size B``: the same global batch, the same model, one gloo group. R rounds, alternating which goes
+   --unchanged --nproc-per-node 2`` at ``--batch-size 2B`` against the same loop on ``job.prepare``
+   (``benchmarks/prepared_loop.py``) at ``--batch-size B``: the same global batch, the same model, one gloo group. R rounds, alternating which goes
    first (AB, BA, ...); each run reports its median step after a warm-up. Reported: each side's median over rounds
    and the ratio unchanged / prepare (goal: at most 1.05).
 2. **The ImageNet trainer** (``benchmarks/conversions/imagenet/original.py``, resnet18, its own ``--dummy`` data at
@@ -32,6 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LOOP = REPO / "benchmarks" / "unchanged_loop.py"
+PREPARED = REPO / "benchmarks" / "prepared_loop.py"
 IMAGENET = REPO / "benchmarks" / "conversions" / "imagenet" / "original.py"
 CONVERTED = REPO / "examples" / "imagenet_main.py"
 
@@ -52,17 +53,20 @@ def ddpkit(*args: str) -> list[str]:
     return [sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", *args]
 
 
-def step_times(rounds: int, batch: int, folder: str) -> dict:
-    sides = {"unchanged": ddpkit("--unchanged", "--seed", "0", str(LOOP), "--batch-size", str(2 * batch)),
-             "prepare": ddpkit(str(LOOP), "--prepare", "--batch-size", str(batch))}
+def step_times(rounds: int, batch: int, folder: str, norm: str) -> dict:
+    model = ["--norm", norm]
+    sides = {"unchanged": ddpkit("--unchanged", "--seed", "0", str(LOOP), "--batch-size", str(2 * batch), *model),
+             "prepare": ddpkit(str(PREPARED), "--batch-size", str(batch), *model),
+             "prepare --sync-bn": ddpkit(str(PREPARED), "--batch-size", str(batch), "--sync-bn", *model)}
     medians: dict[str, list[float]] = {name: [] for name in sides}
     for round_ in range(rounds):
-        for name in (list(sides) if round_ % 2 == 0 else list(reversed(sides))):
+        for name in (list(sides) if round_ % 2 == 0 else list(reversed(sides))):  # ABC, CBA, ...
             _, out = run(sides[name], folder)
-            medians[name].append(json.loads(out.strip().splitlines()[-1])["median_s"])
+            line = [line for line in out.splitlines() if line.startswith("{")][-1]  # the loop's own report
+            medians[name].append(json.loads(line)["median_s"])
     result = {name: {"median_s": statistics.median(values), "rounds_s": values} for name, values in medians.items()}
     result["ratio"] = result["unchanged"]["median_s"] / result["prepare"]["median_s"]
-    result["ratios"] = [a / b for a, b in zip(medians["unchanged"], medians["prepare"])]
+    result["ratio_sync_bn"] = result["unchanged"]["median_s"] / result["prepare --sync-bn"]["median_s"]
     return result
 
 
@@ -90,16 +94,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=16, help="per process, with --prepare (default: 16)")
+    parser.add_argument("--norm", choices=("batch", "none"), default="batch", help="the ResNet's (default: batch)")
+    parser.add_argument("--skip-imagenet", action="store_true")
     parser.add_argument("--imagenet-images", type=int, default=512)
     parser.add_argument("--imagenet-batch-size", type=int, default=32, help="the script's own (default: 32)")
     parser.add_argument("--json", default=None, metavar="FILE")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        steps = step_times(args.rounds, args.batch_size, folder)
-        print(f"step, global batch {2 * args.batch_size} on 2 processes: --unchanged "
+        steps = step_times(args.rounds, args.batch_size, folder, args.norm)
+        print(f"step, global batch {2 * args.batch_size} on 2 processes ({args.norm}): --unchanged "
               f"{steps['unchanged']['median_s'] * 1000:.1f} ms, job.prepare {steps['prepare']['median_s'] * 1000:.1f} "
-              f"ms, ratio {steps['ratio']:.3f} (per round: {', '.join(f'{r:.3f}' for r in steps['ratios'])})")
-        walls = imagenet(folder, args.imagenet_batch_size, args.imagenet_images)
+              f"ms, job.prepare with SyncBatchNorm {steps['prepare --sync-bn']['median_s'] * 1000:.1f} ms; "
+              f"ratios {steps['ratio']:.3f} and {steps['ratio_sync_bn']:.3f}")
+        walls = {} if args.skip_imagenet else imagenet(folder, args.imagenet_batch_size, args.imagenet_images)
         for name, numbers in walls.items():
             batch = "" if numbers["batch_s"] is None else f", {numbers['batch_s']:.3f} s per batch"
             print(f"imagenet, {name}: {numbers['wall_s']:.1f} s{batch}")

@@ -3,47 +3,17 @@
 With plain BatchNorm under DDP each process normalises with the mean and variance of its own
 per-process batch, so 2 processes x batch 32 do not train like 1 process x batch 64. SyncBatchNorm
 all-reduces the statistics. PyTorch's ``nn.SyncBatchNorm`` refuses CPU tensors, so on CPU (gloo)
-ddpkit swaps in ``CPUSyncBatchNorm``, which all-reduces the per-channel sums with
-``torch.distributed.nn.functional.all_reduce`` (differentiable: the backward pass all-reduces too).
+ddpkit swaps in ``CPUSyncBatchNorm``, whose ``synced_batch_norm`` all-reduces each layer's per-channel sums once
+forward and once backward, and normalises with PyTorch's own fused BatchNorm kernel.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 import torch.nn as nn
 
 from ddpkit.core.process_group import Runtime
-
-
-def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-    """Differentiable sum over ranks (its backward all-reduces the gradient)."""
-    with warnings.catch_warnings():
-        # Deprecated in favour of a private module; this public one is still the autograd-aware all-reduce.
-        warnings.simplefilter("ignore", FutureWarning)
-        return dist_fn.all_reduce(tensor)
-
-
-class _WeightedSum(torch.autograd.Function):
-    """The sum over ranks of ``tensor``; backward, the sum over ranks of each rank's gradient times its ``weight``,
-    divided by this rank's weight (which its gradient's all-reduce multiplies back: ``strategies.in_place``). The
-    ranks' statistics then receive the gradient of the weighted sum of their losses, as on one process."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, weight: float) -> torch.Tensor:
-        ctx.weight = weight
-        total = tensor.clone()
-        dist.all_reduce(total)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        total = grad * ctx.weight
-        dist.all_reduce(total)
-        return (total / ctx.weight if ctx.weight else torch.zeros_like(total)), None
 
 
 class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -60,6 +30,20 @@ class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         return synced_batch_norm(self, input)
 
 
+_groups: dict = {}  # the default group -> a group of the same ranks for BatchNorm's statistics
+
+
+def _statistics_group():
+    """A process group of its own for the statistics, made at the first synchronised layer (every rank reaches it
+    together): on the default group, a layer's all-reduce in backward would wait behind DDP's gradient buckets, which
+    go out on it meanwhile, and the backward pass would stall until they are through."""
+    default = dist.group.WORLD
+    if default not in _groups:
+        _groups.clear()  # a group from an earlier default group (one torn down) is gone with it
+        _groups[default] = dist.new_group(backend=dist.get_backend())
+    return _groups[default]
+
+
 def synced_batch_norm(bn: nn.modules.batchnorm._BatchNorm, input: torch.Tensor,
                       weight: float | None = None) -> torch.Tensor:
     """``bn`` (any BatchNorm layer, in training) applied with the statistics of every rank's batch together; its
@@ -69,33 +53,68 @@ def synced_batch_norm(bn: nn.modules.batchnorm._BatchNorm, input: torch.Tensor,
     shares, as under DDP). The gradients that reach the statistics are then summed weighted, and a rank of weight 0
     (a stand-in sample, ``ddpkit.data.split_batches``) adds nothing to the statistics.
     """
-    reduce = _all_reduce if weight is None else (lambda tensor: _WeightedSum.apply(tensor, weight))
-    counted = 1.0 if weight is None or weight > 0 else 0.0
-    # Statistics in float32 at least, even under bf16/fp16 autocast: low precision cannot even count the samples.
-    out_dtype = input.dtype
-    input = input.to(torch.promote_types(input.dtype, torch.float32))
-    channels = input.size(1)
-    dims = [0, *range(2, input.dim())]
-    shape = [1, channels] + [1] * (input.dim() - 2)
-    local_count = input.numel() // channels
-    # Two passes, as single-process BatchNorm does: the global mean first, then the sum of squared
-    # deviations from it. (E[x^2] - E[x]^2 in one pass loses digits when the mean dwarfs the spread.)
-    sums = reduce(torch.cat([input.sum(dims), input.new_full((1,), float(local_count))]) * counted)
-    count = sums[-1]
-    mean = sums[:channels] / count
-    centered = input - mean.view(shape)
-    var = reduce((centered * centered).sum(dims) * counted) / count
-    if bn.track_running_stats:
-        with torch.no_grad():
-            bn.num_batches_tracked.add_(1)
-            momentum = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
-            unbiased = var * count / (count - 1).clamp(min=1)
-            bn.running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
-            bn.running_var.mul_(1 - momentum).add_(unbiased.detach(), alpha=momentum)
-    out = centered * torch.rsqrt(var.view(shape) + bn.eps)
-    if bn.affine:
-        out = out * bn.weight.view(shape) + bn.bias.view(shape)
-    return out.to(out_dtype)
+    return _OverRanks.apply(input, bn.weight if bn.affine else None, bn.bias if bn.affine else None, bn, weight)
+
+
+class _OverRanks(torch.autograd.Function):
+    """BatchNorm over all ranks' batches: one all-reduce of the sums and sums of squares forward, PyTorch's fused
+    kernel to normalise; backward, the per-channel sums of the gradient (PyTorch's own BatchNorm backward gives them,
+    as the weight's and bias's gradients) all-reduced once, then the input's gradient in two passes."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, bn, share):
+        ctx.in_dtype, ctx.share, ctx.eps = input.dtype, share, bn.eps
+        # Statistics in float32 at least, even under bf16/fp16 autocast: low precision cannot even count the samples.
+        x = input.to(torch.promote_types(input.dtype, torch.float32))
+        channels, dims = x.size(1), [0, *range(2, x.dim())]
+        counted = 1.0 if share is None or share > 0 else 0.0
+        # Sums and sums of squares accumulated in float64: E[x^2] - E[x]^2 then loses no digit that float32 keeps,
+        # unless the mean dwarfs the spread by 10^4 and more; one collective, not two.
+        sums = torch.cat([x.sum(dims, dtype=torch.float64), (x * x).sum(dims, dtype=torch.float64),
+                          torch.full((1,), float(x.numel() // channels), dtype=torch.float64, device=x.device)])
+        sums = sums * counted
+        dist.all_reduce(sums, group=_statistics_group())
+        count = sums[-1].item()
+        mean = sums[:channels] / count
+        var = (sums[channels:2 * channels] / count - mean * mean).clamp(min=0)
+        if bn.track_running_stats:
+            with torch.no_grad():
+                bn.num_batches_tracked.add_(1)
+                momentum = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+                bn.running_mean.mul_(1 - momentum).add_(mean.to(bn.running_mean.dtype), alpha=momentum)
+                unbiased = var * count / max(count - 1, 1)
+                bn.running_var.mul_(1 - momentum).add_(unbiased.to(bn.running_var.dtype), alpha=momentum)
+        mean, var = mean.to(x.dtype), var.to(x.dtype)
+        ctx.count = count
+        ctx.save_for_backward(x, weight, mean, torch.rsqrt(var + bn.eps))
+        return torch.batch_norm(x, weight, bias, mean, var, False, 0.0, bn.eps, True).to(input.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, mean, invstd = ctx.saved_tensors
+        grad = grad.to(x.dtype)
+        # This rank's sum of grad * normalised input and sum of grad, per channel: the weight's and bias's gradients.
+        _, sum_g_xhat, sum_g = torch.ops.aten.native_batch_norm_backward(
+            grad, x, weight, None, None, mean, invstd, True, ctx.eps, [False, True, True])
+        sums = torch.cat([sum_g, sum_g_xhat]).to(torch.float64)
+        # Each rank's gradient counts its share of the loss (DDP's all-reduce multiplies it back in): sum the ranks'
+        # weighted, divide by this rank's weight. A stand-in (weight 0) takes part with zeros.
+        share = 1.0 if ctx.share is None else ctx.share
+        sums = sums * share
+        dist.all_reduce(sums, group=_statistics_group())
+        sums = sums / share if share else torch.zeros_like(sums)
+        channels = x.size(1)
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        scale = invstd if weight is None else weight.to(x.dtype) * invstd
+        mean_g = (sums[:channels] / ctx.count).to(x.dtype)
+        mean_g_xhat = (sums[channels:] / ctx.count).to(x.dtype)
+        # grad_input = scale * (grad - mean_g - xhat * mean_g_xhat), with xhat = (x - mean) * invstd, in two passes.
+        slope = scale * invstd * mean_g_xhat
+        offset = scale * mean_g - slope * mean
+        grad_input = torch.addcmul(-offset.view(shape), grad, scale.view(shape))
+        grad_input.addcmul_(x, slope.view(shape), value=-1)
+        return (grad_input.to(ctx.in_dtype), sum_g_xhat if ctx.needs_input_grad[1] else None,
+                sum_g if ctx.needs_input_grad[2] else None, None, None)
 
 
 def _to_cpu_sync(module: nn.Module) -> nn.Module:

@@ -84,7 +84,7 @@ class Models:
                 return None
             first = True
         from_loader = self.batch.loader_passes > 0
-        split = not from_loader and not first
+        split = self.world_size > 1 and not from_loader and not first  # (one process: nothing to split)
         if split:
             args = self.split(args)
         elif not from_loader:
