@@ -209,24 +209,24 @@ def test_the_imagenet_original_with_batch_norm_trains_on_two_processes_as_on_one
 @pytest.mark.slow
 def test_the_nanogpt_original_cutting_its_batches_by_hand_trains_and_prints_as_on_one_process(data, tmp_path):
     args = ["--dataset", str(data / "chargpt"), "--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size",
-            "32", "--batch_size", "8", "--gradient_accumulation_steps", "4", "--eval_interval", "10", "--eval_iters",
-            "4", "--log_interval", "5", "--warmup_iters", "2", "--lr_decay_iters", "30", "--learning_rate", "3e-3",
+            "32", "--batch_size", "8", "--gradient_accumulation_steps", "4", "--eval_interval", "5", "--eval_iters",
+            "2", "--log_interval", "5", "--warmup_iters", "2", "--lr_decay_iters", "30", "--learning_rate", "3e-3",
             "--min_lr", "3e-4", "--compile", "False", "--dtype", "float32", "--device", "cpu", "--out_dir", "gpt",
-            "--max_iters", "20"]
+            "--max_iters", "10"]
     (one, one_out), (two, two_out) = [original(tmp_path, "nanogpt/original.py", nproc, *args) for nproc in (1, 2)]
     weights = [torch.load(folder / "gpt" / "ckpt.pt", weights_only=False)["model"] for folder in (one, two)]
     assert relative_difference(*weights) < 1e-5
     printed = r"(step \d+: train loss \S+, val loss \S+|iter \d+: loss \S+)"
-    assert re.findall(printed, one_out) == re.findall(printed, two_out) and len(re.findall(printed, two_out)) == 8
+    assert re.findall(printed, one_out) == re.findall(printed, two_out) and len(re.findall(printed, two_out)) == 6
 
 
 @pytest.mark.slow
 def test_the_vae_original_summing_its_loss_reaches_one_process_test_loss(data, tmp_path):
     # Its noise (the reparameterisation) is each sample's own draw: the runs agree in what they reach, not bit for bit.
-    args = ["--data", str(data), "--epochs", "2", "--batch-size", "64", "--log-interval", "100"]
+    args = ["--data", str(data), "--epochs", "1", "--batch-size", "64", "--log-interval", "100"]
     losses = []
     for nproc in (1, 2):
         folder, out = original(tmp_path, "vae/original.py", nproc, *args, flags=["--loss-reduction", "sum"])
         losses.append([float(value) for value in re.findall(r"====> Test set loss: (\S+)", out)])
-        assert {path.name for path in (folder / "results").iterdir()} >= {"sample_2.png", "reconstruction_2.png"}
-    assert len(losses[1]) == 2 and losses[1][-1] == pytest.approx(losses[0][-1], rel=0.01), losses
+        assert {path.name for path in (folder / "results").iterdir()} == {"sample_1.png", "reconstruction_1.png"}
+    assert len(losses[1]) == 1 and losses[1][-1] == pytest.approx(losses[0][-1], rel=0.01), losses
