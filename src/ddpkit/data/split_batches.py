@@ -60,24 +60,46 @@ class SharedStream:
     """
 
     def __init__(self, seed: int):
-        previous = _global_states()
-        torch.manual_seed(seed)
+        previous = global_random_states(gpus=False)
+        torch.default_generator.manual_seed(seed)  # the CPU's alone: the GPUs' streams are not the sampler's
         random.seed(seed)
         numpy = _numpy()
         if numpy is not None:
             numpy.random.seed(seed % 2**32)
-        self._states = _global_states()
+        self._states = global_random_states(gpus=False)
         self._saved: list = []
-        _set_global_states(previous)
+        set_global_random_states(previous)
 
     def __enter__(self) -> SharedStream:
-        self._saved.append(_global_states())
-        _set_global_states(self._states)
+        self._saved.append(global_random_states(gpus=False))
+        set_global_random_states(self._states)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._states = _global_states()
-        _set_global_states(self._saved.pop())
+        self._states = global_random_states(gpus=False)
+        set_global_random_states(self._saved.pop())
+
+
+def global_random_states(*, torch_only: bool = False, gpus: bool = True) -> tuple:
+    """The global random states: torch's CPU generator, the GPUs' (where CUDA has started, and ``gpus``), and, unless
+    ``torch_only``, Python's ``random`` and NumPy's (where NumPy is installed); None for those left out."""
+    cuda = torch.cuda.get_rng_state_all() if gpus and torch.cuda.is_initialized() else None
+    if torch_only:
+        return torch.get_rng_state(), cuda, None, None
+    numpy = _numpy()
+    return torch.get_rng_state(), cuda, random.getstate(), None if numpy is None else numpy.random.get_state()
+
+
+def set_global_random_states(states: tuple) -> None:
+    """Put back what ``global_random_states`` returned."""
+    cpu, cuda, python, numpy_state = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    if python is not None:
+        random.setstate(python)
+    if numpy_state is not None:
+        _numpy().random.set_state(numpy_state)
 
 
 def _numpy():
@@ -86,19 +108,6 @@ def _numpy():
     except ImportError:
         return None
     return numpy
-
-
-def _global_states() -> tuple:
-    numpy = _numpy()
-    return torch.get_rng_state(), random.getstate(), None if numpy is None else numpy.random.get_state()
-
-
-def _set_global_states(states: tuple) -> None:
-    torch_state, python_state, numpy_state = states
-    torch.set_rng_state(torch_state)
-    random.setstate(python_state)
-    if numpy_state is not None:
-        _numpy().random.set_state(numpy_state)
 
 
 class SplitBatchSampler:

@@ -22,6 +22,8 @@ import random
 
 import torch
 
+from ddpkit.data.split_batches import global_random_states, set_global_random_states
+
 
 def derived_seed(seed: int, *purpose: object) -> int:
     """A seed for ``purpose`` (a rank, a loader's number), the same on every rank that asks with the same words."""
@@ -60,54 +62,30 @@ class Streams:
         self._passes += 1
         if self._passes > 1:
             return
-        self._shared.append(_states())
+        self._shared.append(global_random_states())
         if self._own is None:
             seed_everything(derived_seed(self.seed, "rank", self.rank))
         else:
-            _set_states(self._own)
+            set_global_random_states(self._own)
 
     def leave_pass(self) -> None:
         self._passes -= 1
         if self._passes == 0:
-            self._own = _states()
-            _set_states(self._shared.pop())
+            self._own = global_random_states()
+            set_global_random_states(self._shared.pop())
 
     def enter_forward(self) -> None:
         """A training forward pass outside a split loader's pass: this rank's own stream inside it (dropout)."""
         if self._passes:
             return
-        self._shared.append(_states(torch_only=True))
+        self._shared.append(global_random_states(torch_only=True))
         if self._forward is None:
             torch.manual_seed(derived_seed(self.seed, "forward", self.rank))
         else:
-            _set_states(self._forward)
+            set_global_random_states(self._forward)
 
     def leave_forward(self) -> None:
         if self._passes:
             return
-        self._forward = _states(torch_only=True)
-        _set_states(self._shared.pop())
-
-
-def _states(torch_only: bool = False) -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    if torch_only:
-        return torch.get_rng_state(), cuda, None, None
-    try:
-        import numpy
-    except ImportError:
-        numpy = None
-    return torch.get_rng_state(), cuda, random.getstate(), None if numpy is None else numpy.random.get_state()
-
-
-def _set_states(states: tuple) -> None:
-    cpu, cuda, python, numpy_state = states
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-    if python is not None:
-        random.setstate(python)
-    if numpy_state is not None:
-        import numpy
-
-        numpy.random.set_state(numpy_state)
+        self._forward = global_random_states(torch_only=True)
+        set_global_random_states(self._shared.pop())
