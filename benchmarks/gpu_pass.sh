@@ -102,11 +102,9 @@ unchanged_one_process() {  # each round: plain python, then --unchanged on one p
 export PYTHON BATCH OUT_DIR
 export -f ddpkit environment bench train unchanged_one_process
 # In order of what is most wanted when the budget runs out (issue 45 first): the card; DDP at world size 1 (no
-# DDP wrapper at one process now) against no DDP; from JPEGs against synthetic data; the GPU tests; then the rest.
+# DDP wrapper at one process now) against no DDP; from JPEGs against synthetic data; the GPU tests;
+# --unchanged at one process; then the rest.
 step env 60 5 environment
-# ddpkit run --unchanged at one process against plain `python script.py` on the same GPU (goal: at most 1% slower), and
-# the one GPU each process sees (issue 54): benchmarks/unchanged_loop.py, 4 rounds alternating which goes first.
-step unchanged-one-process 150 60 unchanged_one_process
 # The headline: bf16 + channels_last, no DDP vs DDP vs DataParallel on one GPU (goal: DDP >= 99% of no DDP).
 step bench-bf16-cl 150 50 bench bf16-cl --precision bf16 --channels-last --strategies single,ddp,dp
 # From JPEGs (ddpkit data make-images: 500x375, quality 90), beside synthetic data in the same processes: decoded by
@@ -126,6 +124,9 @@ step bench-shards-cpu-decode 200 60 bench shards-cpu-decode --precision bf16 --c
     --data "shards:$JPEGS/packed" --decode cpu --steps 20
 step pytest-gpu 240 70 "$PYTHON" -m pytest -m gpu -n 3 --dist load -p no:cacheprovider tests/test_gpu.py \
     tests/test_images.py
+# ddpkit run --unchanged at one process against plain `python script.py` on the same GPU (goal: at most 1% slower), and
+# the one GPU each process sees (issue 54): benchmarks/unchanged_loop.py, 4 rounds alternating which goes first.
+step unchanged-one-process 150 60 unchanged_one_process
 # Whether nvJPEG's decode_jpeg lets go of the GIL (a Python loop's pace beside a thread that decodes).
 step decode-gil 60 15 "$PYTHON" benchmarks/decode_gil.py --device cuda --images 64
 # Where a file-fed step's time goes (torch.profiler over 10 steps): the wait for the workers, nvJPEG, the crops,

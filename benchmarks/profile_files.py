@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--data", required=True, metavar="folder:PATH|shards:PATH",
                         help="an image folder or a pack of one (ddpkit data make-images, ddpkit data pack)")
     parser.add_argument("--decode", default="auto", choices=("auto", "cpu", "gpu"),
-                        help="who decodes: the loader processes (cpu) or nvJPEG (gpu); auto: gpu on CUDA")
+                        help="who decodes: the loader processes (cpu) or nvJPEG (gpu); auto: ddpkit's choice (docs/data.md)")
     parser.add_argument("--model", default="resnet50", help="a model name of ddpkit's zoo (default: resnet50)")
     parser.add_argument("--image-size", type=int, default=224, help="crop size in pixels (default: 224)")
     parser.add_argument("--batch", type=int, default=256, help="images per step (default: 256)")

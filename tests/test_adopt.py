@@ -67,6 +67,9 @@ with ddpkit.Job(seed=0) as job:
         job.step(optimizer)
     loss, accuracy, count = job.evaluate(model, job.eval_loader(data, batch_size=64))
     job.print(f"evaluated {count} samples")
+    # What ddpkit's loaders use to share rank 0's choice of decoding (over the control group, the script's or not)
+    told = ddpkit.core.process_group.decided_by_main(job.runtime, lambda: f"rank {job.rank}'s answer")
+    print(f"rank {job.rank} was told {told}")
     job.save_model(model, sys.argv[1])
 print(f"rank {dist.get_rank() if dist.is_initialized() else '-'}: group up after the job: {dist.is_initialized()}")
 if dist.is_initialized():
@@ -84,6 +87,7 @@ def test_a_job_in_a_script_that_started_its_own_group_trains_as_a_job_alone(tmp_
         assert result.returncode == 0, said
         assert said.count("evaluated 256 samples") == 1, said
         assert said.count("group up after the job: True") == (2 if how == "own" else 0), said
+        assert said.count("was told rank 0's answer") == 2, said
         weights[how] = torch.load(tmp_path / f"{how}.pt", weights_only=True)
     assert all(torch.equal(weights["own"][key], weights["ddpkit"][key]) for key in weights["ddpkit"])
     assert not leftover_processes()

@@ -102,6 +102,12 @@ def test_train_from_jpegs_decoded_on_the_gpu(tmp_path):
     _, rows = train(tmp_path / "out", "--model", "convnet", "--image-size", "32", "--data", f"folder:{tmp_path / 'jpegs'}",
                     "--decode", "gpu", "--epochs", "1", "--batch-size", "16", "--nproc-per-node", "1")
     assert rows[0]["skipped_samples"] == 0 and rows[0]["val_count"] == 16
+    # auto, measured on the GPU machine: with no loader processes, nvJPEG; said with the measured pace.
+    _, rows = train(tmp_path / "auto", "--model", "convnet", "--image-size", "32", "--data",
+                    f"folder:{tmp_path / 'jpegs'}", "--workers", "0", "--epochs", "1", "--batch-size", "16",
+                    "--nproc-per-node", "1")
+    said = (tmp_path / "auto" / "logs" / "rank0.log").read_text()
+    assert rows[0]["val_count"] == 16 and "decode auto: gpu: 0 loader processes x " in said, said
 
 
 def test_asynchronous_saves_from_the_gpu_reuse_one_pinned_copy_and_keep_each_saved_state(tmp_path):

@@ -99,6 +99,35 @@ def test_batched_crops_are_torchs_antialiased_resize_rounded(monkeypatch):
         assert (got.int() - images.resample(picture, (top, left, height, width), size, flip).int()).abs().max() <= 1
 
 
+def test_decode_auto_is_the_loader_processes_when_they_keep_up_with_nvjpeg(folder, tmp_path, caplog):
+    # The rule: the loader processes when together they decode at least nvJPEG's pace beside a model; ties to them.
+    pace = images.NVJPEG_PIXELS_PER_S
+    assert images.auto_decode(15, pace / 15) == "cpu" and images.auto_decode(15, pace / 15 * 0.99) == "gpu"
+    assert images.auto_decode(0, 1e12) == "gpu"  # no loader processes: nvJPEG, on the loader's thread
+    # One core's pace is measured on the data set's own files, as a loader process decodes them (its own decode
+    # untouched); an unreadable file costs time and adds no pixels.
+    data = images.image_folder(str(folder / "jpegs" / "train"), size=24, decode="auto")
+    assert 1e5 < images.pixels_per_core(data, samples=4) < 1e11 and data.decode == "auto"
+    broken = tmp_path / "broken"
+    sample_images.write_folder(str(broken), images=4, classes=1, size=(64, 48))
+    for path in sorted(broken.rglob("*.jpg")):
+        path.write_bytes(b"")
+    assert images.pixels_per_core(images.image_folder(str(broken), decode="auto"), samples=3) == 0
+    # Settled by the loader for its device and workers; on CUDA through `decide` (rank 0's, shared), and said once.
+    data.for_device(torch.device("cpu"), 0, decide=lambda choose: pytest.fail("a CPU needs no choice"))
+    assert data.decode == "cpu"
+    asked = []
+    for workers, expected in ((0, "gpu"), (10_000, "cpu")):
+        data = images.image_folder(str(folder / "jpegs" / "train"), size=24, decode="auto")
+        with caplog.at_level(logging.INFO, logger="ddpkit"):
+            data.for_device(torch.device("cuda"), workers, decide=lambda choose: asked.append(choose()) or asked[-1])
+        assert data.decode == expected and asked[-1] == expected
+        assert f"decode auto: {expected}: {workers} loader processes x " in caplog.text
+    data = images.image_folder(str(folder / "jpegs" / "train"), size=24, decode="gpu")
+    data.for_device(torch.device("cuda"), 10_000, decide=lambda choose: pytest.fail("gpu was asked for"))
+    assert data.decode == "gpu" and images.check_decode("auto", "cuda") == "auto"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="nvJPEG needs a CUDA GPU (run on the lent GPU machine)")
 @pytest.mark.gpu
 def test_nvjpeg_decodes_what_the_cpu_decodes(folder):

@@ -61,7 +61,7 @@ class BenchOptions:
     channels_last: bool = False
     compile: bool = False
     data: str = "synthetic"  # synthetic (on the device) | loader (pinned host memory -> device) | folder:P | shards:P
-    decode: str = "auto"  # image files: cpu (loader processes) | gpu (nvJPEG) | auto (gpu on CUDA)
+    decode: str = "auto"  # image files: cpu (loader processes) | gpu (nvJPEG) | auto (images.auto_decode)
     image_size: int | None = None
     static_graph: bool = False  # DDP's static_graph (the ddp rows only)
     gradient_as_bucket_view: bool = False  # DDP's gradient_as_bucket_view (the ddp rows only)

@@ -209,7 +209,8 @@ def add_bench_command(commands) -> None:
                             "reported) (default: synthetic)")
     bench.add_argument("--decode", default="auto", choices=["auto", "cpu", "gpu"],
                        help="with folder: or shards: data: decode JPEGs in the loader processes (cpu) or with nvJPEG "
-                            "(gpu); auto = gpu on CUDA (default: auto)")
+                            "(gpu); auto = cpu, or on CUDA gpu when the loader processes are too few to keep nvJPEG's "
+                            "measured pace (default: auto)")
     bench.add_argument("--image-size", type=int, default=None, metavar="PIXELS",
                        help="side of the square input (default: 224 for torchvision's classifiers, as ImageNet "
                             "numbers are quoted; a built-in model's own size)")

@@ -95,8 +95,9 @@ class TrainConfig:
     workers: int | None = option(None, "data loader processes per rank (default: 0 for in-memory data, else a share "
                                        "of cores)", metavar="W", kind=int)
     decode: str = option("auto", "image folders and packs: where JPEGs are decoded and cropped: cpu (the loader "
-                                 "processes) or gpu (nvJPEG, in the training process); auto = gpu on a CUDA device, "
-                                 "else cpu (default: auto)", choices=images.DECODES)
+                                 "processes) or gpu (nvJPEG, in the training process); auto = cpu, or on a CUDA device "
+                                 "gpu when the loader processes are too few to keep nvJPEG's measured pace (default: "
+                                 "auto)", choices=images.DECODES)
     seed: int = option(0, "weights, sample order and image crops depend only on this (default: 0)")
     output_dir: str = option("runs/ddpkit", "metrics.jsonl, model.pt and checkpoints/ go here (default: runs/ddpkit)",
                              metavar="DIR")

@@ -23,7 +23,8 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -607,6 +608,15 @@ def broadcast_state(model: torch.nn.Module, runtime: Runtime) -> None:
         for tensor in [*model.parameters(), *model.buffers()]:
             on_device = tensor.device.type != "cpu"
             dist.broadcast(tensor.data, src=0, group=None if on_device else control_group(runtime))
+
+
+def decided_by_main(runtime: Runtime, decide: Callable[[], Any]) -> Any:
+    """``decide()``'s answer, worked out by global rank 0 alone and given to every rank over the control group (a
+    collective: every rank calls it at the same point). Without a process group, this process decides."""
+    answer = [decide() if runtime.is_main else None]
+    if runtime.backend is not None and runtime.world_size > 1:
+        dist.broadcast_object_list(answer, src=0, group=control_group(runtime))
+    return answer[0]
 
 
 @contextlib.contextmanager

@@ -42,6 +42,7 @@ import io
 import math
 import os
 import random
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,17 +60,55 @@ NAMED_SKIPS = 20  # unreadable files named in a warning each; the rest are count
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
+# How fast nvJPEG's path (torchvision's decode_jpeg on the GPU, then ddpkit's batched crops on the loader's thread)
+# hands a GPU training crops of ImageNet-sized JPEGs (500 x 375) while the model trains on it, as source pixels a
+# second: 3,019 images/s beside ResNet-50 (bf16, channels_last, batch 256) on an H200, against 4,683 images/s of
+# synthetic data (docs/benchmarks.md, 2026-11-28). Alone, with no model, it did 5,101 on an H100. torchvision's
+# nvJPEG decodes each image's Huffman code on the host, in the one thread that calls it (the profile's GPU streams
+# hold only its colour conversion and copies), and its crops share the GPU with the model.
+NVJPEG_PIXELS_PER_S = 3019 * 500 * 375
+RATE_SAMPLES = 16  # images one core decodes and crops to measure its pace (about 40 ms of ImageNet's)
+
+
 def check_decode(decode: str, device: torch.device | str) -> str:
-    """``decode`` made concrete for ``device``: ``auto`` is ``gpu`` on a CUDA device, else ``cpu``."""
+    """``decode`` checked against ``device``: ``auto`` is ``cpu`` on a CPU and stays ``auto`` on a CUDA device,
+    where ddpkit's loaders settle it (``auto_decode``) once they know their worker count."""
     device = torch.device(device)
     if decode not in DECODES:
         raise UsageError(f"decode must be one of {', '.join(DECODES)}, got {decode!r}")
     if decode == "auto":
-        return "gpu" if device.type == "cuda" else "cpu"
+        return "auto" if device.type == "cuda" else "cpu"
     if decode == "gpu" and device.type != "cuda":
         raise UsageError("GPU decoding (decode='gpu') needs a CUDA device; use decode='cpu' (or 'auto') on "
                          f"{device.type}")
     return decode
+
+
+def auto_decode(workers: int, pixels_per_core: float) -> str:
+    """What ``decode="auto"`` picks for a CUDA device: the loader processes (``cpu``) when together they decode and
+    crop at least as fast as nvJPEG's path does beside a model (``NVJPEG_PIXELS_PER_S``), else nvJPEG (``gpu``).
+    Ties go to the processes: their work costs the GPU nothing. On an H200, ResNet-50 from JPEGs ran at 98.9% of
+    synthetic data's speed decoded by 15 processes and at 64.5% decoded by nvJPEG. Without loader processes the
+    training process itself would decode between steps: then nvJPEG, on a thread of its own."""
+    return "cpu" if workers * pixels_per_core >= NVJPEG_PIXELS_PER_S else "gpu"
+
+
+def pixels_per_core(data: ImageData, samples: int = RATE_SAMPLES) -> float:
+    """Source pixels a second that one core reads, decodes and crops of ``data``, as a loader process does with
+    ``decode="cpu"``: ``samples`` images spread over the set, timed on the wall clock after a first one. Pixels,
+    not images: nvJPEG's pace (``NVJPEG_PIXELS_PER_S``) was measured on images of one size, and both paths' work
+    grows with the pixels (taken as in proportion: not measured across sizes)."""
+    cpu = ImageData(data.source, data.crops, decode="cpu", seed=data.seed, channels=data.channels)
+    indices = [round(i * (len(cpu) - 1) / samples) for i in range(samples + 1)]
+    cpu[(0, indices[0])]  # the first pays for imports and caches
+    pixels, spent = 0, 0.0
+    for index in indices[1:]:
+        start = time.perf_counter()
+        crop = cpu[(0, index)][0]
+        spent += time.perf_counter() - start
+        if crop is not None:  # an unreadable file counts as time only: a worker pays for its read too
+            pixels += math.prod(image_size_of(cpu.source.read(index)))
+    return pixels / max(spent, 1e-9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,9 +312,24 @@ class ImageData(Dataset):
         self.std = tuple(std or default_std)
         self.skipped = 0  # samples left out of batches (unreadable files) in this process since the data set was made
 
-    def for_device(self, device: torch.device) -> None:
-        """Settle ``decode="auto"`` for the device the batches go to (ddpkit's loaders call it): gpu on CUDA."""
+    def for_device(self, device: torch.device, workers: int = 0, decide: Callable | None = None) -> None:
+        """Settle ``decode="auto"`` for the device the batches go to and the loader processes that read them
+        (ddpkit's loaders call it): ``cpu`` on a CPU; on CUDA ``auto_decode`` of this machine's measured pace, worked
+        out by ``decide(choose)`` (the loaders pass one that lets global rank 0 choose for every rank)."""
         self.decode = check_decode(self.decode, device)
+        if self.decode == "auto":
+            decide = decide or (lambda choose: choose())
+            self.decode = decide(functools.partial(self._measured_choice, workers))
+
+    def _measured_choice(self, workers: int) -> str:
+        from ddpkit.core.logs import logger
+
+        pace = pixels_per_core(self)
+        choice = auto_decode(workers, pace)
+        logger.info(f"decode auto: {choice}: {workers} loader process{'es' if workers != 1 else ''} x "
+                    f"{pace / 1e6:.0f} Mpixels/s per core {'>=' if choice == 'cpu' else '<'} nvJPEG's "
+                    f"{NVJPEG_PIXELS_PER_S / 1e6:.0f}")
+        return choice
 
     @property
     def classes(self) -> list[str]:
@@ -457,8 +511,9 @@ def image_folder(root: str, *, classes: list[str] | None = None, **settings) -> 
         loader = job.train_loader(train, batch_size=256)     # float32 batches, normalised, on job.device
 
     Settings (``image_data``'s): ``train`` (default True), ``size`` (224), ``decode``: ``cpu`` (loader processes),
-    ``gpu`` (nvJPEG) or ``auto`` (the default: gpu when the loader's device is CUDA), ``seed`` of the crops (with the
-    epoch and the sample's index), ``channels`` (3 or 1), and ``Crops``' ``scale``, ``ratio``, ``resize_ratio``.
+    ``gpu`` (nvJPEG) or ``auto`` (the default: ``cpu``, or on CUDA ``gpu`` when ``auto_decode`` says the loader
+    processes are too few), ``seed`` of the crops (with the epoch and the sample's index), ``channels`` (3 or 1),
+    and ``Crops``' ``scale``, ``ratio``, ``resize_ratio``.
     ``classes``: the training set's, which a validation folder must match. Read it through ddpkit's loaders
     (``train_loader``, ``eval_loader``, ``Job.prepare``), which batch and finish it.
     """

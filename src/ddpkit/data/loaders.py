@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, Te
 
 from ddpkit.core import progress, signals
 from ddpkit.core.errors import UsageError
-from ddpkit.core.process_group import Runtime, usable_cores
+from ddpkit.core.process_group import Runtime, decided_by_main, usable_cores
 from ddpkit.data.evaluation import wait_until_only_python_holds
 from ddpkit.data.images import image_data_in, loader_hooks, takes_epoch
 from ddpkit.data.sampler import ResumableSampler, eval_indices
@@ -499,7 +499,8 @@ def _settings(data: Dataset | DataLoader, batch_size: int | None, workers: int |
         settings["generator"] = torch.Generator()
     image_data = image_data_in(dataset)
     if image_data is not None:
-        image_data.for_device(runtime.device)  # decode="auto" becomes gpu or cpu for this loader's device
+        # decode="auto" becomes gpu or cpu for this loader's device and workers, chosen by rank 0 for every rank
+        image_data.for_device(runtime.device, settings["num_workers"], functools.partial(decided_by_main, runtime))
         if settings.get("collate_fn") in (None, default_collate):
             settings["collate_fn"] = image_data.collate  # its items are uint8 crops or encoded bytes
     if runtime.device.type == "cuda":
