@@ -152,12 +152,7 @@ def setup(
     chosen_backend = None if adopting else choose_backend(
         backend, device=device_type, local_world_size=environment.local_world_size, cuda_count=cuda_count
     )
-    if device_type == "cuda":
-        # Before anything else touches CUDA: otherwise every process builds a context on GPU 0.
-        torch.cuda.set_device(gpu)
-        bound = torch.device("cuda", gpu)
-    else:
-        bound = torch.device("cpu")
+    bound = _bind_device(device_type, gpu)
     signals.catch((signal.SIGTERM,), signals.raise_terminated)
     under_agent = under_launcher_agent(environ)
     if under_agent:
@@ -167,6 +162,22 @@ def setup(
         return adopt(environment, backend, bound, timeout_s)
     if not (environment.is_distributed or force_group or init_method):
         return Runtime(env=environment, backend=None, device=bound, timeout_s=timeout_s)
+    return _start_group(environment, chosen_backend, bound, timeout_s, init_method=init_method, quiet=under_agent)
+
+
+def _bind_device(device_type: str, gpu: int) -> torch.device:
+    """The device this process is bound to: on "cuda", GPU ``gpu``, made the current one."""
+    if device_type == "cuda":
+        # Before anything else touches CUDA: otherwise every process builds a context on GPU 0.
+        torch.cuda.set_device(gpu)
+        return torch.device("cuda", gpu)
+    return torch.device("cpu")
+
+
+def _start_group(environment: env_mod.DistEnv, backend: str | None, bound: torch.device, timeout_s: float, *,
+                 init_method: str | None, quiet: bool) -> Runtime:
+    """Start the process group over ``backend`` and return its Runtime. ``quiet``: a stop while it starts is
+    reported at debug level (torchrun's agent, which stops its ranks, says why itself)."""
     # ddpkit makes the store itself unless the caller named a rendezvous or torchrun's agent hosts one.
     own_store = init_method is None and not _agent_serves_store(environment)
     if own_store and environment.world_size > 1 and environment.master_port is None:
@@ -177,17 +188,17 @@ def setup(
     where = f"{environment.master_addr}:{environment.master_port}" if init_method in (None, "env://") else init_method
     # Until the group is up a stop ends this process at once: it waits in C++ for ranks that may never come.
     signals.starting(f"starting the process group at {where} (rank {environment.rank} of {environment.world_size})",
-                     quiet=under_agent)
+                     quiet=quiet)
     try:
         store = job_store(environment, timeout_s) if own_store else None
         dist.init_process_group(
-            backend=chosen_backend,
+            backend=backend,
             init_method=None if own_store else init_method,
             store=store,
             rank=environment.rank,
             world_size=environment.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=bound if chosen_backend == "nccl" else None,
+            device_id=bound if backend == "nccl" else None,
         )
     except (dist.DistNetworkError, OSError) as error:
         raise UsageError(
@@ -198,7 +209,7 @@ def setup(
         signals.started()
     global _set_up_here
     _set_up_here = True
-    return Runtime(env=environment, backend=chosen_backend, device=bound, timeout_s=timeout_s)
+    return Runtime(env=environment, backend=backend, device=bound, timeout_s=timeout_s)
 
 
 def adopt(environment: env_mod.DistEnv, backend: str, device: torch.device, timeout_s: float) -> Runtime:
