@@ -76,13 +76,7 @@ class BenchOptions:
 
     def resolve(self, cuda_count: int) -> BenchOptions:
         """Fill the device-dependent defaults and refuse what this machine cannot run (one line each)."""
-        device = self.device
-        if device == "auto":
-            device = "cuda" if cuda_count else "cpu"
-        if device not in ("cpu", "cuda"):
-            raise UsageError(f"--device must be auto, cpu or cuda, got {self.device!r}")
-        if device == "cuda" and cuda_count == 0:
-            raise UsageError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+        device = _resolve_device(self.device, cuda_count)
         unknown = [s for s in self.strategies if s not in STRATEGIES]
         if unknown or not self.strategies:
             raise UsageError(f"--strategies takes a comma list of {', '.join(STRATEGIES)}, got {','.join(self.strategies)!r}")
@@ -100,21 +94,7 @@ class BenchOptions:
             raise UsageError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.precision in ("tf32", "fp16") and device != "cuda":
             raise UsageError(f"--precision {self.precision} is a GPU mode; on CPU use fp32 or bf16")
-        decode = self.decode
-        if self.data.partition(":")[0] in ("folder", "shards"):
-            from ddpkit import zoo
-            from ddpkit.data import images
-
-            zoo.parse_data_spec(self.data)  # the folder must exist
-            if self.data.startswith("shards:"):
-                from ddpkit.data import shards
-
-                shards.read_pack(shards.splits_of(self.data[len("shards:"):])[0])  # and be a whole pack
-            if decode == "gpu" and device != "cuda":
-                raise UsageError("--decode gpu needs --device cuda (nvJPEG); use --decode cpu or auto")
-            decode = images.check_decode(decode, device)
-        elif self.data not in DATA_SOURCES:
-            raise UsageError(f"--data must be synthetic, loader, folder:PATH or shards:PATH, got {self.data!r}")
+        decode = _resolve_decode(self.data, self.decode, device)
         for name, value, least in (("--batch-size", self.batch_size, 1), ("--steps", self.steps, 1),
                                    ("--repeats", self.repeats, 1), ("--warmup", self.warmup, 0)):
             if value < least:
@@ -137,6 +117,37 @@ class BenchOptions:
         _, image_size = zoo.model_input(model, "folder", self.image_size)
         return dataclasses.replace(self, model=model, device=device, strategies=strategies, image_size=image_size,
                                    nproc=tuple(sorted(set(nproc))), decode=decode)
+
+
+def _resolve_device(requested: str, cuda_count: int) -> str:
+    """"cpu" or "cuda" for --device ``requested`` (auto: cuda when a GPU is visible); UsageError if it cannot run."""
+    device = requested
+    if device == "auto":
+        device = "cuda" if cuda_count else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be auto, cpu or cuda, got {requested!r}")
+    if device == "cuda" and cuda_count == 0:
+        raise UsageError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+    return device
+
+
+def _resolve_decode(data: str, decode: str, device: str) -> str:
+    """The --decode for --data ``data`` on ``device``, checking that the data source is one that exists."""
+    if data.partition(":")[0] in ("folder", "shards"):
+        from ddpkit import zoo
+        from ddpkit.data import images
+
+        zoo.parse_data_spec(data)  # the folder must exist
+        if data.startswith("shards:"):
+            from ddpkit.data import shards
+
+            shards.read_pack(shards.splits_of(data[len("shards:"):])[0])  # and be a whole pack
+        if decode == "gpu" and device != "cuda":
+            raise UsageError("--decode gpu needs --device cuda (nvJPEG); use --decode cpu or auto")
+        decode = images.check_decode(decode, device)
+    elif data not in DATA_SOURCES:
+        raise UsageError(f"--data must be synthetic, loader, folder:PATH or shards:PATH, got {data!r}")
+    return decode
 
 
 def runnable(names: tuple[str, ...], cuda_count: int, *, asked: bool) -> tuple[str, ...]:
@@ -256,6 +267,22 @@ def measure(options: BenchOptions, job: Job) -> dict:
         workers = default_workers(runtime, None, dataset)
         loader = train_loader(dataset, batch_size=per_step, runtime=runtime, seed=0, workers=workers)
         batches = _device_batches(loader, memory_format, options.steps)
+    rounds = _round_variants(job, wrapped, optimizer, scheduler, batches)
+    times = {}
+    if from_files:
+        # Synthetic data first, in rounds of their own; then the loader's prefetched batches (queued while they ran)
+        # are drained before the file rounds are timed, back to back, at the pace the loader keeps up.
+        times = _timed_rounds({"synthetic": functools.partial(rounds["ddpkit"], synthetic)}, options, runtime)
+        for _ in range(-(-workers * 2 // options.steps)):
+            rounds["ddpkit"]()
+    times.update(_timed_rounds(rounds, options, runtime))
+    return _results(times, model, job, devices_here, per_step)
+
+
+def _round_variants(job: Job, wrapped, optimizer, scheduler, batches: _Batches) -> dict:
+    """One round of each variant to time, by name: ddpkit's step (over ``batches``, or the batches it is given),
+    the hand-written step and, for DDP over more than one process, the hand-written step under no_sync."""
+    device = job.device
 
     def ddpkit_round(source: _Batches = batches) -> None:
         wrapped.train()
@@ -267,16 +294,15 @@ def measure(options: BenchOptions, job: Job) -> dict:
         _hand_steps(wrapped, optimizer, job.scaler, batches, device, job.amp, no_sync)
 
     rounds = {"ddpkit": ddpkit_round, "hand": hand_round}
-    if job.strategy.replicated and runtime.world_size > 1:  # gradients all-reduced in backward: time it without
+    if job.strategy.replicated and job.runtime.world_size > 1:  # gradients all-reduced in backward: time it without
         rounds["no_sync"] = lambda: hand_round(no_sync=True)
-    times = {}
-    if from_files:
-        # Synthetic data first, in rounds of their own; then the loader's prefetched batches (queued while they ran)
-        # are drained before the file rounds are timed, back to back, at the pace the loader keeps up.
-        times = _timed_rounds({"synthetic": functools.partial(ddpkit_round, synthetic)}, options, runtime)
-        for _ in range(-(-workers * 2 // options.steps)):
-            ddpkit_round()
-    times.update(_timed_rounds(rounds, options, runtime))
+    return rounds
+
+
+def _results(times: dict, model, job: Job, devices_here: int, per_step: int) -> dict:
+    """What ``measure`` returns: the rounds' times, peak memory, the gradients' size, the all-reduce's speed and
+    the images of one step of the job (``per_step`` on this process)."""
+    runtime, device = job.runtime, job.device
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return {
         "times": times,
