@@ -92,15 +92,9 @@ def without_flags(argv: Sequence[str], flags: Sequence[str], stop: int) -> list[
 
 def build(kind: str, argv: Sequence[str], pods: Pods) -> list[dict]:
     """The objects of a ``kind`` manifest (``KINDS``) that runs the ddpkit command ``argv`` on every node."""
-    from ddpkit.launch.launcher import parse_nnodes
-
     if kind not in KINDS:
         raise UsageError(f"ddpkit manifest: KIND must be one of {', '.join(KINDS)}, got {kind!r}")
-    if not NAME.fullmatch(pods.name):
-        raise UsageError(f"--name {pods.name!r}: a lower-case DNS label of at most 42 letters, digits and '-', "
-                         "starting with a letter (the pods' and services' names derive from it)")
-    if pods.gpus_per_node < 0:
-        raise UsageError(f"--gpus-per-node must be 0 or more, got {pods.gpus_per_node}")
+    _check_pods(pods)
     parser = build_parser()
     argv, ns = command_of(argv, parser)
     stop = script_index(argv, ns, parser)
@@ -111,22 +105,8 @@ def build(kind: str, argv: Sequence[str], pods: Pods) -> list[dict]:
     if ns.launcher != "torchrun":
         raise UsageError(f"ddpkit manifest: --launcher {ns.launcher} does not run in the operator's pods; drop it "
                          "(on KubeRay, run `ddpkit ... --launcher ray` from a pod of the Ray cluster: docs/ray.md)")
-    min_nodes, nodes = parse_nnodes(ns.nnodes)
-    if nodes < 1 or (min_nodes is not None and not 1 <= min_nodes <= nodes):
-        raise UsageError(f"--nnodes must be N >= 1 or MIN:MAX with 1 <= MIN <= MAX, got {ns.nnodes}")
+    min_nodes, nodes, nproc = _launch_flags(ns, pods)
     elastic = min_nodes is not None and min_nodes != nodes
-    nproc = ns.nproc_per_node
-    if nproc != "auto" and not (nproc.isdigit() and int(nproc) >= 1):
-        raise UsageError(f"--nproc-per-node must be a whole number of at least 1 or auto, got {nproc!r}")
-    if nproc == "auto" and not pods.gpus_per_node:
-        # auto without GPUs is 2 on a machine of one's own, and a TrainJob's runtime would make it the CPU count: one
-        # process per pod, which the pod's CPU request then serves.
-        nproc = "1"
-    if nproc.isdigit() and pods.gpus_per_node and int(nproc) > pods.gpus_per_node:
-        raise UsageError(f"--nproc-per-node {nproc} with --gpus-per-node {pods.gpus_per_node}: one process per GPU "
-                         "at most")
-    if ns.max_restarts < 0:
-        raise UsageError(f"--max-restarts must be 0 or more, got {ns.max_restarts}")
     replicas = getattr(ns, "replica_groups", None)
     from ddpkit.launch import nccl
 
@@ -157,6 +137,38 @@ def build(kind: str, argv: Sequence[str], pods: Pods) -> list[dict]:
                              "use `ddpkit manifest pytorchjob`")
         objects += indexed_job(pods, command, env, nodes, ns.max_restarts)
     return objects
+
+
+def _check_pods(pods: Pods) -> None:
+    """UsageError for a name that cannot name the pods and services, or a negative GPU count."""
+    if not NAME.fullmatch(pods.name):
+        raise UsageError(f"--name {pods.name!r}: a lower-case DNS label of at most 42 letters, digits and '-', "
+                         "starting with a letter (the pods' and services' names derive from it)")
+    if pods.gpus_per_node < 0:
+        raise UsageError(f"--gpus-per-node must be 0 or more, got {pods.gpus_per_node}")
+
+
+def _launch_flags(ns: argparse.Namespace, pods: Pods) -> tuple[int | None, int, str]:
+    """The command's ``--nnodes`` as (MIN or None, MAX) and the processes per node (auto: 1 without GPUs), checked,
+    with ``--max-restarts``, against what the operator's pods can run."""
+    from ddpkit.launch.launcher import parse_nnodes
+
+    min_nodes, nodes = parse_nnodes(ns.nnodes)
+    if nodes < 1 or (min_nodes is not None and not 1 <= min_nodes <= nodes):
+        raise UsageError(f"--nnodes must be N >= 1 or MIN:MAX with 1 <= MIN <= MAX, got {ns.nnodes}")
+    nproc = ns.nproc_per_node
+    if nproc != "auto" and not (nproc.isdigit() and int(nproc) >= 1):
+        raise UsageError(f"--nproc-per-node must be a whole number of at least 1 or auto, got {nproc!r}")
+    if nproc == "auto" and not pods.gpus_per_node:
+        # auto without GPUs is 2 on a machine of one's own, and a TrainJob's runtime would make it the CPU count: one
+        # process per pod, which the pod's CPU request then serves.
+        nproc = "1"
+    if nproc.isdigit() and pods.gpus_per_node and int(nproc) > pods.gpus_per_node:
+        raise UsageError(f"--nproc-per-node {nproc} with --gpus-per-node {pods.gpus_per_node}: one process per GPU "
+                         "at most")
+    if ns.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be 0 or more, got {ns.max_restarts}")
+    return min_nodes, nodes, nproc
 
 
 def _metadata(pods: Pods, name: str, **labels: str) -> dict:
