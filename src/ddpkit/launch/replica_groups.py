@@ -132,21 +132,7 @@ def run_groups(groups: int, group_command: Sequence[str], *, heartbeat_timeout_s
     groups, and must be given the same settings."""
     from ddpkit.core.process_group import usable_cores
 
-    if groups < 1:
-        raise UsageError(f"--replica-groups must be at least 1, got {groups}")
-    if heartbeat_timeout_s is not None and not heartbeat_timeout_s > 0:
-        raise UsageError(f"--replica-heartbeat-timeout must be positive, got {heartbeat_timeout_s}")
-    if min_replicas is not None and not 1 <= min_replicas <= groups:
-        raise UsageError(f"--min-replicas must be between 1 and --replica-groups ({groups}), got {min_replicas}")
-    if groups % machines.count:
-        raise UsageError(f"--replica-groups {groups} on --nnodes {machines.count} machines: every machine runs as many "
-                         f"groups, so give a multiple of {machines.count}")
-    for flag, value, own in (("--replica-heartbeat-timeout", heartbeat_timeout_s, "--heartbeat_timeout_ms"),
-                             ("--min-replicas", min_replicas, "--min_replicas")):
-        if lighthouse_address is not None and value is not None:
-            raise UsageError(f"{flag} is the lighthouse's own setting: give it to the lighthouse at {lighthouse_address} "
-                             f"(torchft_lighthouse {own}), or leave out --lighthouse (and TORCHFT_LIGHTHOUSE) so that "
-                             "ddpkit starts one")
+    _check_settings(groups, heartbeat_timeout_s, min_replicas, lighthouse_address, machines)
     settings = {"--replica-groups": groups, "--nproc-per-node": nproc, "--min-replicas": min_replicas or 1,
                 "--replica-heartbeat-timeout": heartbeat_timeout_s or 2.0, "--lighthouse": lighthouse_address}
     children: list[subprocess.Popen] = []
@@ -180,6 +166,26 @@ def run_groups(groups: int, group_command: Sequence[str], *, heartbeat_timeout_s
     for group, status in failed:
         logger.error(f"replica group {group} ended with exit status {status}")
     return failed[0][1] if failed else 0
+
+
+def _check_settings(groups: int, heartbeat_timeout_s: float | None, min_replicas: int | None,
+                    lighthouse_address: str | None, machines: Machines) -> None:
+    """UsageError for a setting of ``run_groups`` out of its range or at odds with the others, in the flags' words."""
+    if groups < 1:
+        raise UsageError(f"--replica-groups must be at least 1, got {groups}")
+    if heartbeat_timeout_s is not None and not heartbeat_timeout_s > 0:
+        raise UsageError(f"--replica-heartbeat-timeout must be positive, got {heartbeat_timeout_s}")
+    if min_replicas is not None and not 1 <= min_replicas <= groups:
+        raise UsageError(f"--min-replicas must be between 1 and --replica-groups ({groups}), got {min_replicas}")
+    if groups % machines.count:
+        raise UsageError(f"--replica-groups {groups} on --nnodes {machines.count} machines: every machine runs as many "
+                         f"groups, so give a multiple of {machines.count}")
+    for flag, value, own in (("--replica-heartbeat-timeout", heartbeat_timeout_s, "--heartbeat_timeout_ms"),
+                             ("--min-replicas", min_replicas, "--min_replicas")):
+        if lighthouse_address is not None and value is not None:
+            raise UsageError(f"{flag} is the lighthouse's own setting: give it to the lighthouse at "
+                             f"{lighthouse_address} (torchft_lighthouse {own}), or leave out --lighthouse (and "
+                             "TORCHFT_LIGHTHOUSE) so that ddpkit starts one")
 
 
 @contextlib.contextmanager

@@ -206,7 +206,6 @@ class ReplicaGroup:
         joining group copies from a healthy one with the model and the optimizer. Give every group the same
         initial weights (the same seed): the groups start together and nobody copies anything then."""
         import torchft
-        from torch.distributed import TCPStore
 
         host = advertised_host(self._store_address)  # what the other groups reach this one's store and manager by
         # FSDP inside the group (HSDP), or several processes: the gradients are averaged across the groups after
@@ -215,26 +214,7 @@ class ReplicaGroup:
         if self.nproc > 1 and not self.sharded and not isinstance(model, nn.parallel.DistributedDataParallel):
             model = nn.parallel.DistributedDataParallel(model)  # averages the gradients among the group's processes
         self._model, self._optimizer, self._state = model, optimizer, dict(state or {})
-        # The group's own store (its managers are its clients), hosted by its rank 0; the other groups are told its
-        # address. A new one at each start of the group: nothing of an earlier one's managers is left in it.
-        if self.rank == 0:
-            self._store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False)
-        store_port = self._store.port if self.rank == 0 else None
-        if self.nproc > 1:
-            told = [store_port]
-            torch.distributed.broadcast_object_list(told, src=0)
-            store_port = told[0]
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        self.manager = torchft.Manager(
-            pg=torchft.ProcessGroupGloo(timeout=timeout),  # the gloo timeout is set here, not by timeout=
-            load_state_dict=self._load_state_dict, state_dict=self._state_dict, min_replica_size=self.min_replicas,
-            replica_id=str(self.group), lighthouse_addr=self.lighthouse, store_addr=host, store_port=store_port,
-            rank=self.rank, world_size=self.nproc, port=0, timeout=timeout, hostname=host,  # what it tells others
-            quorum_timeout=datetime.timedelta(seconds=self.quorum_timeout_s),
-            # Same seed everywhere instead of a copy at step 0: torchft's init_sync with its asynchronous quorum
-            # halves the first step's gradient (the group being synced contributes zeros, counted as a member).
-            init_sync=False, heartbeat_interval=datetime.timedelta(milliseconds=100),
-        )
+        self.manager = self._new_manager(host, self._group_store_port(host))
         if self.nproc > 1:
             # Every process's manager has reached the group's store before rank 0, which hosts it, can go on: a
             # rank 0 that stops at once (the other groups finished the run) would leave the others connecting to a
@@ -259,6 +239,39 @@ class ReplicaGroup:
         # after its step, or never: set_to_none by the step of the loop before).
         self._ddp.register_forward_pre_hook(self._before_forward)
         return self._ddp, self._group_optimizer
+
+    def _group_store_port(self, host: str) -> int:
+        """The port of the group's own store at ``host``, which its rank 0 starts (and keeps) and tells the others."""
+        from torch.distributed import TCPStore
+
+        # The group's own store (its managers are its clients), hosted by its rank 0; the other groups are told its
+        # address. A new one at each start of the group: nothing of an earlier one's managers is left in it.
+        if self.rank == 0:
+            self._store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False)
+        store_port = self._store.port if self.rank == 0 else None
+        if self.nproc > 1:
+            told = [store_port]
+            torch.distributed.broadcast_object_list(told, src=0)
+            store_port = told[0]
+        return store_port
+
+    def _new_manager(self, host: str, store_port: int):
+        """torchft's Manager for this process: it takes part in the lighthouse's quorums as group ``self.group``,
+        serves this process's state to a joining group (or loads a healthy one's), over the group's store at
+        ``host``:``store_port``."""
+        import torchft
+
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        return torchft.Manager(
+            pg=torchft.ProcessGroupGloo(timeout=timeout),  # the gloo timeout is set here, not by timeout=
+            load_state_dict=self._load_state_dict, state_dict=self._state_dict, min_replica_size=self.min_replicas,
+            replica_id=str(self.group), lighthouse_addr=self.lighthouse, store_addr=host, store_port=store_port,
+            rank=self.rank, world_size=self.nproc, port=0, timeout=timeout, hostname=host,  # what it tells others
+            quorum_timeout=datetime.timedelta(seconds=self.quorum_timeout_s),
+            # Same seed everywhere instead of a copy at step 0: torchft's init_sync with its asynchronous quorum
+            # halves the first step's gradient (the group being synced contributes zeros, counted as a member).
+            init_sync=False, heartbeat_interval=datetime.timedelta(milliseconds=100),
+        )
 
     @property
     def _after_backward(self) -> bool:
