@@ -60,7 +60,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import ddpkit
 from ddpkit.watch import heartbeat, pace
-from ddpkit.app import trainer
+from ddpkit.app import train_config
 from ddpkit import zoo
 
 SIDES = ("hand", "ddpkit")
@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=21, help="timed rounds; each times both sides (default: 21)")
     parser.add_argument("--warmup", type=int, default=22, help="untimed steps of each side first (default: 22)")
     parser.add_argument("--batch-size", type=int, default=32, help="per process (default: 32)")
-    parser.add_argument("--optimizer", default="adam", choices=trainer.OPTIMIZERS,
+    parser.add_argument("--optimizer", default="adam", choices=train_config.OPTIMIZERS,
                         help="the same on both sides; adam is ddpkit train's default (default: adam)")
     parser.add_argument("--seed", type=int, default=0, help="weights and sample order (default: 0)")
     parser.add_argument("--json", default=None, metavar="FILE", help="rank 0 also writes the results here")
@@ -100,7 +100,7 @@ class HandLoop:
         # same call (gloo, env:// from torchrun's variables), and a process holds one default group, so
         # both sides use it. On CPU: no device_ids.
         self.model = DDP(copy.deepcopy(base_model))
-        optimizer_class, settings = trainer.optimizer_settings(args.optimizer, None)
+        optimizer_class, settings = train_config.optimizer_settings(args.optimizer, None)
         self.optimizer = optimizer_class(self.model.parameters(), **settings)
         # drop_last as in ddpkit (every step a full global batch), so both sides see the same batches.
         self.sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=True)
@@ -150,7 +150,7 @@ class DdpkitLoop:
 
     def __init__(self, base_model, datasets, job, args):
         self.job = job
-        optimizer_class, settings = trainer.optimizer_settings(args.optimizer, None)
+        optimizer_class, settings = train_config.optimizer_settings(args.optimizer, None)
         self.model, self.optimizer = job.setup(copy.deepcopy(base_model), optimizer_class, **settings)
         # The call ddpkit train makes (workers=None: ddpkit's default, 0 for an in-memory TensorDataset).
         loader = job.train_loader(datasets.train, args.batch_size, seed=args.seed)

@@ -25,7 +25,8 @@ from ddpkit.checkpoint import Checkpointer, CheckpointError
 from ddpkit.data import ResumableSampler, train_loader
 from ddpkit.core.env import DistEnv
 from ddpkit.core.process_group import Runtime
-from ddpkit.app.trainer import TrainConfig, lr_factor, make_scheduler, place_scheduler
+from ddpkit.app.lr_schedule import lr_factor, make_scheduler, place_scheduler
+from ddpkit.app.train_config import TrainConfig
 from ddpkit.zoo import ConvNet, Net
 
 
@@ -391,17 +392,17 @@ def test_a_failed_write_is_reported(tmp_path):
 
 
 def test_learning_rate_schedules():
-    cosine = TrainConfig(schedule="cosine", epochs=2, warmup_steps=4)
+    cosine = TrainConfig(schedule="cosine", epochs=2, warmup_steps=4).lr_schedule()
     assert [lr_factor(cosine, s, 10) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert lr_factor(cosine, 4, 10) == 1.0 and lr_factor(cosine, 12, 10) == pytest.approx(0.5)
     assert lr_factor(cosine, 20, 10) == pytest.approx(0.0)
-    step = TrainConfig(schedule="step", epochs=9, lr_gamma=0.5)  # every 3 epochs by default
+    step = TrainConfig(schedule="step", epochs=9, lr_gamma=0.5).lr_schedule()  # every 3 epochs by default
     assert [lr_factor(step, s * 10, 10) for s in (0, 2, 3, 6, 8)] == [1, 1, 0.5, 0.25, 0.25]
-    assert lr_factor(TrainConfig(), 1000, 10) == 1.0
+    assert lr_factor(TrainConfig().lr_schedule(), 1000, 10) == 1.0
 
 
 def test_a_scheduler_placed_at_a_step_matches_one_stepped_there():
-    cfg = TrainConfig(schedule="cosine", epochs=3, warmup_steps=2)
+    cfg = TrainConfig(schedule="cosine", epochs=3, warmup_steps=2).lr_schedule()
     stepped = make_scheduler(cfg, torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), 5)
     for _ in range(7):
         stepped.optimizer.step()

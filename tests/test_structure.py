@@ -165,6 +165,49 @@ print(changed, hooks, len(logging.getLogger("ddpkit").handlers))
 """
 
 
+LONGEST_FUNCTION = 60  # lines, from its `def` to its last line, docstring and comments included
+
+
+def long_functions(path: Path) -> list[str]:
+    """'file:line name (N lines)' for each function or method of ``path`` longer than ``LONGEST_FUNCTION`` lines."""
+    return [f"{path.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > LONGEST_FUNCTION]
+
+
+def test_no_function_is_longer_than_60_lines():
+    # Past that, a function's steps want names of their own (docs/architecture.md, "Rules").
+    assert [found for path in PACKAGE_FILES for found in long_functions(path)] == []
+
+
+TRAIN_MODULES = sorted((SRC / "ddpkit" / "app").glob("train*.py")) + [SRC / "ddpkit" / "app" / "lr_schedule.py"]
+
+
+def config_reaches(path: Path) -> list[str]:
+    """The functions of ``path`` below ``ddpkit train``'s top (``run``, ``train``) that take the whole ``TrainConfig``
+    (a ``cfg`` parameter) or reach back up for it (``<x>.cfg``); ``TrainConfig``'s own methods are its own."""
+    tree = ast.parse(path.read_text())
+    owners = {id(item): node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef) for item in node.body}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or owners.get(id(node)) == "TrainConfig":
+            continue
+        if id(node) not in owners and node.name in ("run", "train"):
+            continue
+        takes = "cfg" in {argument.arg for argument in node.args.args + node.args.kwonlyargs}
+        if takes or any(isinstance(n, ast.Attribute) and n.attr == "cfg" for n in ast.walk(node)):
+            found.append(f"{path.name}:{node.lineno} {node.name}")
+    return found
+
+
+def test_the_train_commands_settings_reach_down_to_at_most_10_functions():
+    # Below run() and train(), a function gets the few settings it needs, not the whole TrainConfig
+    # (docs/architecture.md, "ddpkit train by concern"): 17 did before the trainer was cut up, 7 since.
+    reaching = [found for path in TRAIN_MODULES for found in config_reaches(path)]
+    assert len(reaching) <= 10, reaching
+
+
 def test_no_module_uses_another_modules_underscore_names():
     problems = [problem for path in PACKAGE_FILES + USER_FILES for problem in private_uses(path)]
     assert problems == []
@@ -231,6 +274,15 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     hooked = subprocess.run([sys.executable, "-c", IMPORT_ALL, "this_hooks"], capture_output=True, text=True,
                             cwd=tmp_path, env=child_env(PYTHONPATH=str(tmp_path)), timeout=60)
     assert hooked.stdout.split("\n")[0] == "['SIGTERM'] ['this_hooks'] 0", hooked.stderr
+    body = "".join(f"    x = {i}\n" for i in range(59))  # with its `def` line, 60 lines: allowed
+    bad.write_text(f"def fits():\n{body}")
+    assert long_functions(bad) == []
+    method = body.replace("    x", "        x") + "        return x\n"  # 61 lines
+    bad.write_text(f"def fits():\n{body}\n\nclass C:\n    def too_long(self):\n{method}")
+    assert long_functions(bad) == ["bad.py:64 too_long (61 lines)"]
+    bad.write_text("def run(cfg):\n    pass\ndef lower(cfg):\n    pass\nclass TrainConfig:\n    def own(self, cfg):\n"
+                   "        pass\nclass Loop:\n    def steps(self):\n        return self.run.cfg\n")
+    assert config_reaches(bad) == ["bad.py:3 lower", "bad.py:9 steps"]
 
 
 def _docs_hook():

@@ -276,7 +276,8 @@ def measure(options: BenchOptions, job: Job) -> dict:
         for _ in range(-(-workers * 2 // options.steps)):
             rounds["ddpkit"]()
     times.update(_timed_rounds(rounds, options, runtime))
-    return _results(times, model, job, devices_here, per_step)
+    return {**_results(times, model, job, devices_here, per_step),
+            **({"decode": files.train.decode} if from_files else {})}  # what --decode auto came to
 
 
 def _round_variants(job: Job, wrapped, optimizer, scheduler, batches: _Batches) -> dict:
@@ -502,6 +503,8 @@ def summarize(strategy: str, devices: int, raw: dict) -> dict:
     if "no_sync_images_per_sec" in row:
         # The share of a synchronised step spent waiting for the all-reduce (what no_sync removes).
         row["comm_share"] = max(0.0, 1.0 - row["hand_images_per_sec"] / row["no_sync_images_per_sec"])
+    if "decode" in raw:
+        row["decode"] = raw["decode"]
     row["peak_memory_bytes"] = raw["peak_memory_bytes"]
     row["grad_bytes"] = raw["grad_bytes"]
     row["allreduce_bytes_per_s"] = raw.get("allreduce_bytes_per_s")
@@ -599,13 +602,16 @@ def _projection(options: BenchOptions, rows: list[dict]) -> dict:
 def format_table(options: BenchOptions, rows: list[dict]) -> str:
     """The tutorials' layout: one row per device count, images/s and efficiency per strategy."""
     strategies = [s for s in STRATEGIES if any(r["strategy"] == s for r in rows)]
+    decoded = " or ".join(sorted({r["decode"] for r in rows if "decode" in r})) or options.decode
+    if decoded != options.decode:
+        decoded = f"{options.decode}: {decoded}"  # what auto came to
     header = ["devices"] + [f"{LABELS.get(s, s)} img/s (eff)" for s in strategies]
     header += ["DDP comm wait", "ddpkit/hand (DDP)"]
     lines = [f"ddpkit bench: {options.model}, {options.precision}"
              + (", channels_last" if options.channels_last else "") + (", compile" if options.compile else "")
              + (", DDP static_graph" if options.static_graph else "")
              + (", DDP gradient_as_bucket_view" if options.gradient_as_bucket_view else "")
-             + f", {options.data} data{' (' + options.decode + ' decoding)' if ':' in options.data else ''} {options.image_size}x{options.image_size}, batch {options.batch_size} per device, "
+             + f", {options.data} data{' (' + decoded + ' decoding)' if ':' in options.data else ''} {options.image_size}x{options.image_size}, batch {options.batch_size} per device, "
              f"{options.device}; "
              f"median of {options.repeats} x {options.steps} steps", "  ".join(f"{h:>18}" for h in header)]
     for devices in sorted({r["devices"] for r in rows}):
@@ -623,7 +629,7 @@ def format_table(options: BenchOptions, rows: list[dict]) -> str:
         lines.append("  ".join(cells))
     from_files = [r for r in rows if "fraction_of_synthetic" in r]
     if from_files:
-        lines.append(f"{options.data} ({options.decode} decoding) against synthetic data on the device, same step:")
+        lines.append(f"{options.data} ({decoded} decoding) against synthetic data on the device, same step:")
         lines += [f"  {LABELS.get(r['strategy'], r['strategy'])} x{r['devices']}: {r['images_per_sec']:.0f} of "
                   f"{r['synthetic_images_per_sec']:.0f} img/s = {r['fraction_of_synthetic']:.1%}" for r in from_files]
     return "\n".join(lines)

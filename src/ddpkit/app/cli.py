@@ -126,7 +126,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 
 def _train_config(ns: argparse.Namespace):
     from ddpkit.app.config import from_namespace
-    from ddpkit.app.trainer import TrainConfig
+    from ddpkit.app.train_config import TrainConfig
 
     return from_namespace(TrainConfig, ns)
 
@@ -179,9 +179,8 @@ def _check_before_launch(cfg, options: LaunchOptions, cuda_count: int | None = N
 
     from ddpkit import zoo
     from ddpkit.core.process_group import choose_backend, choose_device
-    from ddpkit.app.trainer import strategy_for
 
-    strategy = strategy_for(cfg)
+    strategy = cfg.make_strategy()
     nproc = options.nproc_per_node
     cuda_count = torch.cuda.device_count() if cuda_count is None else cuda_count
     # The last local rank is the one that runs out of GPUs first.
@@ -221,9 +220,9 @@ def _write_resolved_config(ns: argparse.Namespace, parser: argparse.ArgumentPars
     """OUTPUT_DIR/config.toml: every setting of this run, with what ``auto`` and the defaults came to, so that
     ``ddpkit train --config OUTPUT_DIR/config.toml`` repeats it (on a machine with other device counts too)."""
     from ddpkit import checkpoint
-    from ddpkit.app import config, trainer
+    from ddpkit.app import config, train_config
 
-    resolved = {"nproc-per-node": nproc_per_node, "lr": trainer.optimizer_settings(cfg.optimizer, cfg.lr)[1]["lr"]}
+    resolved = {"nproc-per-node": nproc_per_node, "lr": train_config.optimizer_settings(cfg.optimizer, cfg.lr)[1]["lr"]}
     settings, unset = config.resolved_settings(ns, parser, resolved)
     text = config.config_text(settings, unset, "ddpkit train")
     path = os.path.join(cfg.output_dir, config.CONFIG_FILE)
@@ -231,8 +230,8 @@ def _write_resolved_config(ns: argparse.Namespace, parser: argparse.ArgumentPars
 
 
 def cmd_train(ns: argparse.Namespace, argv: Sequence[str], parser: argparse.ArgumentParser) -> int:
-    from ddpkit.app import trainer
     from ddpkit import zoo
+    from ddpkit.app import train_config, trainer
 
     if ns.list_models:
         print("\n".join(["net", "convnet", *zoo.torchvision_classifiers()]))
@@ -240,7 +239,7 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str], parser: argparse.Argu
     with _same_on_every_rank():
         cfg = _train_config(ns)
         cfg.validate()
-        trainer.check_output_dir(cfg.output_dir)
+        train_config.check_output_dir(cfg.output_dir)
     if _already_a_rank():
         # Already one rank of a job (torchrun, Slurm's srun, the legacy launcher): train, launch nothing.
         environment = read_environment(argv=())
@@ -256,7 +255,7 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str], parser: argparse.Argu
     if ns.launcher == "ray":
         return _train_on_ray(ns, argv, parser, cfg)
     _refuse_address(ns)
-    options = _launch_options(ns, ns.launcher, one_process=trainer.strategy_for(cfg).one_process)
+    options = _launch_options(ns, ns.launcher, one_process=cfg.make_strategy().one_process)
     _check_before_launch(cfg, options)
     warn_earlier_run(cfg.output_dir)
     _write_resolved_config(ns, parser, cfg, options.nproc_per_node)
@@ -275,9 +274,7 @@ def cmd_train(ns: argparse.Namespace, argv: Sequence[str], parser: argparse.Argu
 
 def _train_on_ray(ns: argparse.Namespace, argv: Sequence[str], parser: argparse.ArgumentParser, cfg) -> int:
     """``ddpkit train`` with one rank per Ray Train worker: each runs this command line again as its rank."""
-    from ddpkit.app import trainer
-
-    if trainer.strategy_for(cfg).one_process and ns.nproc_per_node == "auto":
+    if cfg.make_strategy().one_process and ns.nproc_per_node == "auto":
         ns.nproc_per_node = "1"  # single and dp are one process per node by nature
 
     def prepare(nproc_per_node: int, use_gpu: bool) -> None:
@@ -302,7 +299,7 @@ def _in_flag_terms(error: UsageError) -> UsageError:
     if "`" not in str(error):
         return error  # nothing to translate: no need to import the trainer (and torch) for it
     from ddpkit.app.config import said_in_flags
-    from ddpkit.app.trainer import OTHER_FLAGS, TrainConfig
+    from ddpkit.app.train_config import OTHER_FLAGS, TrainConfig
 
     return said_in_flags(error, TrainConfig, OTHER_FLAGS)
 
@@ -482,7 +479,7 @@ def _train_replica_groups(ns: argparse.Namespace, argv: Sequence[str], parser, c
     machines = _replica_machines(ns)
     if getattr(ns, "launcher", None) not in (None, "torchrun"):
         raise UsageError(f"--replica-groups starts each group with torchrun's agent: drop --launcher {ns.launcher}")
-    trainer.check_replica_settings(cfg)
+    cfg.check_for_replica_groups()
     require_torchft()
     warn_earlier_run(cfg.output_dir)
     nproc = replica_groups.group_nproc(ns.nproc_per_node)

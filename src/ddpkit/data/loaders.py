@@ -349,7 +349,6 @@ def ahead_on_a_thread(batches: Iterator[Any], move: Callable[[Any], Any], device
     ready: queue.Queue = queue.Queue(maxsize=max(1, ahead - 1))  # + the one the thread holds = ``ahead``
     stop = threading.Event()
     done = object()
-    on_gpu = device.type == "cuda"
 
     def put(item) -> bool:
         while not stop.is_set():
@@ -362,29 +361,11 @@ def ahead_on_a_thread(batches: Iterator[Any], move: Callable[[Any], Any], device
 
     def make_ready() -> None:
         try:
-            side = None
-            if on_gpu:
-                # A new thread's current device is GPU 0: without this, leaving the stream's context would make it
-                # so, and rank r > 0 would open a CUDA context (and put what moves by default) on GPU 0.
-                torch.cuda.set_device(device)
-                side = torch.cuda.Stream(device)
-            for batch in batches:
-                if stop.is_set():
-                    return
-                if side is None:
-                    item = (move(batch), None)
-                else:
-                    with torch.cuda.stream(side):
-                        moved = move(batch)
-                        event = torch.cuda.Event()
-                        event.record(side)
-                    item = (moved, event)
-                if not put(item):
-                    return
+            _move_each(batches, move, device, put, stop)
         except BaseException as error:  # noqa: BLE001 - handed to the training thread, which raises it
             put((error, done))
             return
-        put((None, done))
+        put((None, done))  # not put once stopped: the caller has left
 
     thread = threading.Thread(target=make_ready, name="ddpkit-batches-ahead", daemon=True)
     thread.start()
@@ -404,6 +385,32 @@ def ahead_on_a_thread(batches: Iterator[Any], move: Callable[[Any], Any], device
 
             logger.warning(f"the loader's thread did not end within {JOIN_S:.0f} s of its pass (a loader worker "
                            "that does not answer?); left to end with the process")
+
+
+def _move_each(batches: Iterator[Any], move: Callable[[Any], Any], device: torch.device,
+               put: Callable[[tuple], bool], stop) -> None:
+    """``ahead_on_a_thread``'s thread: each batch moved (on a GPU, on a stream of its own) and ``put`` with the event
+    that marks it ready, until the batches end, ``stop`` is set or ``put`` finds it set."""
+    side = None
+    if device.type == "cuda":
+        # A new thread's current device is GPU 0: without this, leaving the stream's context would make it so, and
+        # rank r > 0 would open a CUDA context (and put what moves by default) on GPU 0.
+        torch.cuda.set_device(device)
+        side = torch.cuda.Stream(device)
+    for batch in batches:
+        if stop.is_set() or not put(_moved(batch, move, side)):
+            return
+
+
+def _moved(batch: Any, move: Callable[[Any], Any], side) -> tuple[Any, Any]:
+    """(``move(batch)``, None), or on a CUDA stream ``side``: (what it made there, the event recorded after it)."""
+    if side is None:
+        return move(batch), None
+    with torch.cuda.stream(side):
+        moved = move(batch)
+        event = torch.cuda.Event()
+        event.record(side)
+    return moved, event
 
 
 def _on_current_stream(batch: Any, ready: torch.cuda.Event, device: torch.device) -> Any:
