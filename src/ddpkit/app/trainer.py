@@ -7,6 +7,12 @@
 One optimizer step consumes ``batch_size`` samples on each of the ``world_size`` processes, for
 ``accumulate`` micro-steps: the global batch is ``batch_size * world_size * accumulate``. Gradients
 are all-reduced only on the last micro-step (DDP's ``no_sync`` on the others).
+
+This module is the run's top: ``run`` (the job and its logs), ``train`` (the epochs, ``model.pt``) and ``start``
+(everything built in the order it needs). Each concern below it has a module of its own: ``train_config`` (the
+settings and their checks), ``lr_schedule``, ``train_state`` (what the others hand each other), ``train_resume``,
+``train_records`` (``metrics.jsonl`` and what the run says), ``train_replicas`` (``--replica-groups``) and
+``train_loop`` (the steps of each epoch); docs/architecture.md says why the lines run there.
 """
 
 from __future__ import annotations
