@@ -11,9 +11,10 @@ import torch
 
 from conftest import DIGITS_CONVNET, child_env, leftover_processes
 from nodes import SUBNET, make_nodes
+import test_ray
 from test_ray import RAY_ENV, ranks_left, ray_node, stop_ray
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.slow, *test_ray.pytestmark]  # ray, and skipped without Ray Train
 PORT = 6379  # each namespace has its own ports: Ray's default is free in it
 
 
