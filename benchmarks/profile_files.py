@@ -51,6 +51,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def every_thread() -> dict:
+    """torch.profiler's setting that records the CPU work of every thread, not only the one that started it: the
+    loader's own thread, where nvJPEG decodes and the crops are made, is another (without it, the 2026-11-28 H200
+    profile read 0 ms for both). Empty where this torch has no such setting."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    try:
+        return {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
+    except TypeError:
+        return {}
+
+
 def event_sum(events, names: tuple[str, ...], attribute: str) -> float:
     """Microseconds of ``attribute`` summed over the events whose name starts with one of ``names``."""
     return sum(getattr(e, attribute) for e in events if e.key.startswith(names))
@@ -89,7 +101,7 @@ def main(argv=None) -> int:
             return (time.perf_counter() - started) / steps
 
         train(args.warmup)
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, **every_thread()) as prof:
             wall = train(args.steps)
         events = prof.key_averages()
         summary = {"data": args.data, "decode": getattr(files.train, "decode", args.decode),
