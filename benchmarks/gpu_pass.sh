@@ -122,6 +122,9 @@ step bench-shards-gpu-decode 200 60 bench shards-gpu-decode --precision bf16 --c
     --data "shards:$JPEGS/packed" --decode gpu --steps 20
 step bench-shards-cpu-decode 200 60 bench shards-cpu-decode --precision bf16 --channels-last --strategies ddp \
     --data "shards:$JPEGS/packed" --decode cpu --steps 20
+# What `--decode auto` picks on this machine (measured by rank 0 since 2026-11-28; its table says which), and its rate.
+step bench-folder-auto-decode 200 60 bench folder-auto-decode --precision bf16 --channels-last --strategies ddp \
+    --data "folder:$JPEGS/folder" --decode auto --steps 20
 step pytest-gpu 240 70 "$PYTHON" -m pytest -m gpu -n 3 --dist load -p no:cacheprovider tests/test_gpu.py \
     tests/test_images.py
 # ddpkit run --unchanged at one process against plain `python script.py` on the same GPU (goal: at most 1% slower), and
