@@ -10,7 +10,7 @@ batch, ``ddpkit.data.split_batches``), not 1 / world size, so that an uneven bat
 batch. The weights of a batch sum to 1 over the ranks; a gradient accumulated over several backward passes therefore
 keeps what earlier passes left in ``.grad`` (the same on every rank) as it is.
 
-BatchNorm layers in training normalise over every rank's batch together (``sync_bn.synced_batch_norm``), their
+BatchNorm layers in training normalise over every rank's batch together (``sync_bn.OverAllRanks``), their
 class also swapped for a subclass in place, so the module's structure and keys stay as they were.
 """
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable.replicate import replicate
 
-from ddpkit.strategies.sync_bn import synced_batch_norm
+from ddpkit.strategies.sync_bn import OverAllRanks
 
 Weight = Callable[[], float]
 
@@ -46,16 +46,6 @@ def weighted_all_reduce(weight: Weight, bucket: dist.GradBucket) -> torch.future
     return dist.all_reduce(buffer, async_op=True).get_future().then(lambda done: done.value()[0])
 
 
-class _OverAllRanks:
-    """Mixed in before a BatchNorm class: in training, statistics over every rank's batch."""
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.training and dist.is_initialized() and dist.get_world_size() > 1:
-            self._check_input_dim(input)
-            return synced_batch_norm(self, input, weight=self.ddpkit_weight())
-        return super().forward(input)
-
-
 _synced_classes: dict[type, type] = {}
 
 
@@ -63,9 +53,10 @@ def batch_norm_over_all_ranks(module: nn.Module, weight: Weight) -> None:
     """Every BatchNorm layer of ``module`` normalises over all ranks' batches in training, in place."""
     for layer in module.modules():
         kind = type(layer)
-        if not isinstance(layer, nn.modules.batchnorm._BatchNorm) or issubclass(kind, _OverAllRanks):
+        if not isinstance(layer, nn.modules.batchnorm._BatchNorm):
             continue
-        if kind not in _synced_classes:
-            _synced_classes[kind] = type(kind.__name__, (_OverAllRanks, kind), {"__module__": kind.__module__})
-        layer.__class__ = _synced_classes[kind]
-        layer.ddpkit_weight = weight
+        if not issubclass(kind, OverAllRanks):
+            if kind not in _synced_classes:
+                _synced_classes[kind] = type(kind.__name__, (OverAllRanks, kind), {"__module__": kind.__module__})
+            layer.__class__ = _synced_classes[kind]
+        layer.share = weight

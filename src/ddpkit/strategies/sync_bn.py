@@ -9,6 +9,8 @@ forward and once backward, and normalises with PyTorch's own fused BatchNorm ker
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -16,18 +18,25 @@ import torch.nn as nn
 from ddpkit.core.process_group import Runtime
 
 
-class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+class OverAllRanks:
+    """Mixed in before a BatchNorm class: in training on several ranks, the statistics of every rank's batch together
+    (``synced_batch_norm``); ``share``, where set, gives this rank's share of the loss (None: equal shares)."""
+
+    share: Callable[[], float] | None = None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.training and dist.is_initialized() and dist.get_world_size() > 1:
+            self._check_input_dim(input)
+            return synced_batch_norm(self, input, weight=None if self.share is None else self.share())
+        return super().forward(input)
+
+
+class CPUSyncBatchNorm(OverAllRanks, nn.modules.batchnorm._BatchNorm):
     """BatchNorm over the union of every rank's batch; works with any backend, gloo included."""
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        self._check_input_dim(input)
-        if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
-            return super().forward(input)
-        return synced_batch_norm(self, input)
 
 
 _groups: dict = {}  # the default group -> a group of the same ranks for BatchNorm's statistics
