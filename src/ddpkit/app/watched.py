@@ -70,7 +70,8 @@ def main(argv: list[str]) -> None:
     if unchanged_setting is not None:
         from ddpkit import unchanged
 
-        _unchanged = unchanged.install(unchanged.Setting.decode(unchanged_setting), source_of(target, module))
+        unchanged.install(unchanged.Setting.decode(unchanged_setting))
+        _unchanged = True
     if not _unchanged:
         tell_of_copies()
     threading.Thread(target=watch_when_up, name="ddpkit-watch", daemon=True).start()
@@ -91,7 +92,7 @@ def main(argv: list[str]) -> None:
 
 
 UNCHANGED = "--unchanged="  # the first argument under ``ddpkit run --unchanged``: ``ddpkit.unchanged.Setting``
-_unchanged = False  # --unchanged is on in this process (it did not stand aside)
+_unchanged = False  # --unchanged is on in this process
 
 
 def source_of(target: str, module: bool) -> str | None:

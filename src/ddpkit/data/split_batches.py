@@ -61,11 +61,7 @@ class SharedStream:
 
     def __init__(self, seed: int):
         previous = global_random_states(gpus=False)
-        torch.default_generator.manual_seed(seed)  # the CPU's alone: the GPUs' streams are not the sampler's
-        random.seed(seed)
-        numpy = _numpy()
-        if numpy is not None:
-            numpy.random.seed(seed % 2**32)
+        seed_global_random_states(seed, gpus=False)  # the CPU's alone: the GPUs' streams are not the sampler's
         self._states = global_random_states(gpus=False)
         self._saved: list = []
         set_global_random_states(previous)
@@ -88,6 +84,19 @@ def global_random_states(*, torch_only: bool = False, gpus: bool = True) -> tupl
         return torch.get_rng_state(), cuda, None, None
     numpy = _numpy()
     return torch.get_rng_state(), cuda, random.getstate(), None if numpy is None else numpy.random.get_state()
+
+
+def seed_global_random_states(seed: int, *, gpus: bool = True) -> None:
+    """Seed the global random states with ``seed``, as a script's own seeding would: torch's CPU generator (and every
+    GPU's, with ``gpus``), Python's ``random`` and NumPy's (where NumPy is installed)."""
+    if gpus:
+        torch.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    numpy = _numpy()
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
 
 
 def set_global_random_states(states: tuple) -> None:

@@ -66,12 +66,9 @@ def stands_aside(source: str) -> str | None:
     return None if found is None else found.group(0).strip()
 
 
-def install(setting: Setting, source: str | None) -> bool:
-    """Put --unchanged into this process before the script runs; False when it stands aside (``source``, the script's
-    text, names a way of distributing itself: ``ddpkit run`` says so once, and passes no --unchanged then)."""
-    named = stands_aside(source or "")
-    if named is not None:  # (the launcher has said so, where it read the script)
-        return False
+def install(setting: Setting) -> None:
+    """Put --unchanged into this process before the script runs. (Where the script distributes itself, ``ddpkit run``
+    has said so once, having read it, and passes no --unchanged: ``stands_aside``.)"""
     environment = process_group.read_environment()
     if environment.rank != 0:
         os.environ.setdefault("TQDM_DISABLE", "1")  # one progress bar, rank 0's (read when tqdm is imported)
@@ -85,7 +82,6 @@ def install(setting: Setting, source: str | None) -> bool:
                     + (f" (each batch split {runtime.world_size} ways, the script's batch size and steps kept)"
                        if many else "") + f"; seed {seed}"
                     + ("" if setting.seed is not None else f" (drawn: repeat the run with --seed {seed})"))
-    return True
 
 
 def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int) -> None:
@@ -124,7 +120,4 @@ def shared_seed(seed: int | None, runtime: process_group.Runtime) -> int:
     """``seed``, or one that rank 0 draws, the same on every rank."""
     if seed is not None:
         return seed
-    drawn = [random.SystemRandom().randrange(2**31) if runtime.is_main else None]
-    if runtime.backend is not None and runtime.world_size > 1:
-        dist.broadcast_object_list(drawn, src=0)
-    return int(drawn[0])
+    return int(process_group.decided_by_main(runtime, lambda: random.SystemRandom().randrange(2**31)))

@@ -18,28 +18,16 @@
 from __future__ import annotations
 
 import hashlib
-import random
 
 import torch
 
-from ddpkit.data.split_batches import global_random_states, set_global_random_states
+from ddpkit.data.split_batches import global_random_states, seed_global_random_states, set_global_random_states
 
 
 def derived_seed(seed: int, *purpose: object) -> int:
     """A seed for ``purpose`` (a rank, a loader's number), the same on every rank that asks with the same words."""
     digest = hashlib.sha256("/".join(map(str, (seed, *purpose))).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
-
-
-def seed_everything(seed: int) -> None:
-    """torch (CPU and every GPU), ``random`` and NumPy, as a script's own seeding would."""
-    torch.manual_seed(seed)
-    random.seed(seed)
-    try:
-        import numpy
-    except ImportError:
-        return
-    numpy.random.seed(seed % 2**32)
 
 
 class Streams:
@@ -55,7 +43,7 @@ class Streams:
         self._shared: list[tuple] = []
 
     def start(self) -> None:
-        seed_everything(self.seed)
+        seed_global_random_states(self.seed)
 
     def enter_pass(self) -> None:
         """A split loader starts a training pass: this rank's own streams until it ends."""
@@ -64,7 +52,7 @@ class Streams:
             return
         self._shared.append(global_random_states())
         if self._own is None:
-            seed_everything(derived_seed(self.seed, "rank", self.rank))
+            seed_global_random_states(derived_seed(self.seed, "rank", self.rank))
         else:
             set_global_random_states(self._own)
 
