@@ -16,7 +16,7 @@ from ddpkit.strategies.sync_bn import CPUSyncBatchNorm
 
 
 def test_one_plain_process_gets_ddps_interface_without_its_work_and_is_torn_down():
-    from ddpkit.strategies import DDP, OneProcessDDP, strategy_of
+    from ddpkit.strategies import DDP, OneProcessDDP, distributed_already, strategy_of
 
     with ddpkit.distributed(device="cpu") as rt:
         assert (rt.rank, rt.world_size, rt.backend, rt.device.type) == (0, 1, "gloo", "cpu")
@@ -29,6 +29,7 @@ def test_one_plain_process_gets_ddps_interface_without_its_work_and_is_torn_down
         # behind DDP's interface, and still known as DDP's.
         assert type(model) is OneProcessDDP and not isinstance(model, DistributedDataParallel)
         assert model.module is bare and ddpkit.unwrap(model) is bare and strategy_of(model) == DDP()
+        assert distributed_already(model) and not distributed_already(bare)  # --unchanged stands aside for the first
         assert list(model.state_dict()) == ["weight", "bias"]
         x = torch.randn(4, 3)
         with model.no_sync():

@@ -2,18 +2,26 @@
 ``ddpkit run --unchanged`` on 1 and on 2 processes and compares. Nothing in it knows about ranks.
 
     python unchanged_script.py OUT mean     # BatchNorm, an uneven last batch, clipping, accumulation, an exact
-                                            # evaluation, a GAN's two models and optimizers, batches of 1
+                                            # evaluation, a GAN's two models and optimizers, batches of 1,
+                                            # evaluations written in every way scripts write them
     python unchanged_script.py OUT sum      # losses summed over the batch (the VAE's), a batch cut by hand with the
                                             # loss inside the model (nanoGPT's), random_split and a drawn seed
     python unchanged_script.py OUT both     # both of the above: on one process, where a sum and a mean split alike
     python unchanged_script.py OUT outside  # a batch cut by hand, its loss computed outside the model
 
-A third argument ``float64`` makes it compute in float64. It writes OUT/result.pt with torch.save (rank 0 alone under --unchanged) and, as a script's own side files do,
-OUT/draws-<pid>.json with the noise it drew (every rank writes its own).
+A third argument ``float64`` makes it compute in float64. It writes OUT/result.pt with torch.save (rank 0 alone under
+--unchanged) and, as a script's own side files do, OUT/draws-<pid>.json with the noise it drew (every rank writes its
+own). Whole models too, as older tutorials save them: the classifier (OUT/whole.pt), a deep copy of it taken after its
+first epoch (OUT/best.pt), the language model (OUT/lm.pt).
+
+It names init_process_group and DistributedDataParallel in its comments and strings, never in its code: it is a
+one-device script all the same.
 """
 
+import copy
 import json
 import os
+import pickle
 import random
 import sys
 
@@ -55,9 +63,66 @@ def classifier_with_batch_norm():
                 correct += (output.argmax(1) == y).sum().item()
                 total += len(y)
         result[f"eval_{epoch}"] = [correct, total, loss_sum]
+        if epoch == 0:
+            best = copy.deepcopy(model)  # a best-model copy, as many scripts keep one (an EMA copy is taken alike)
     model.train()  # (a pass that starts while every model is in eval mode reads whole batches: an evaluation)
     result["isinstance"] = isinstance(model, nn.Sequential)
     result["keys"] = list(model.state_dict())
+    with torch.no_grad():  # the copy evaluates on its own, a plain model
+        result["best_eval"] = F.cross_entropy(best(data), labels, reduction="sum").item()
+    result["best_plain"] = [type(best).__name__, type(best[1]).__name__, len(best._forward_pre_hooks)]
+    torch.save(model, os.path.join(out, "whole.pt"))
+    torch.save({"model": best, "epoch": 0}, os.path.join(out, "best.pt"))
+    return model
+
+
+def evaluations():
+    """A model trained between evaluations written in every way scripts write them: each must count every sample
+    once, as on one device (``result["evaluations"]``: count, correct, summed loss per evaluation)."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_set, test_set = TensorDataset(data[:30], labels[:30]), TensorDataset(data[30:], labels[30:])
+    train_loader = DataLoader(train_set, batch_size=6, shuffle=True)
+    test_loader = DataLoader(test_set, batch_size=4)
+    found = result["evaluations"] = {}
+
+    def step(x, y, train):  # a trainer's step function: gradients switched per batch, the model left in train mode
+        with torch.set_grad_enabled(train):
+            logits = model(x)
+            loss = F.cross_entropy(logits, y, reduction="sum")
+        return loss, (logits.argmax(1) == y).sum().item(), len(y)
+
+    def count(name, loader, forward):
+        totals = [0, 0, 0.0]
+        for index, (x, y) in enumerate(loader):
+            loss, correct, samples = forward(index, x, y)
+            totals = [totals[0] + samples, totals[1] + correct, totals[2] + loss.item()]
+        found[name] = totals
+
+    def eval_mode_after_the_start(index, x, y):
+        if index == 0:
+            model.eval()  # placed inside the loop, gradients left on
+        return step(x, y, True)
+
+    def inference(index, x, y):
+        with torch.inference_mode():
+            return step(x, y, True)
+
+    count("before training", test_loader, lambda index, x, y: step(x, y, False))
+    for epoch in range(2):
+        model.train()
+        for index, (x, y) in enumerate(train_loader):
+            if index == 2:  # an evaluation inside the training loop, then this batch trains
+                count(f"inside the loop {epoch}", test_loader, lambda index, x, y: step(x, y, False))
+            loss, _, _ = step(x, y, True)
+            optimizer.zero_grad()
+            (loss / len(y)).backward()
+            optimizer.step()
+        count(f"gradients off in the step {epoch}", test_loader, lambda index, x, y: step(x, y, False))
+        count(f"inference mode {epoch}", test_loader, inference)
+        count(f"the train set's own data {epoch}", DataLoader(train_set, batch_size=8),
+              lambda index, x, y: step(x, y, False))
+        count(f"eval mode inside the loop {epoch}", test_loader, eval_mode_after_the_start)
     return model
 
 
@@ -140,6 +205,24 @@ def cut_by_hand():
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+    copied = pickle.loads(pickle.dumps(model))
+    result["pickled"] = [type(copied).__name__, torch.equal(copied.head.weight, model.head.weight)]
+    torch.save(model, os.path.join(out, "lm.pt"))
+    return model
+
+
+def counted_inside_a_training_pass():
+    """A pass that trains, then only evaluates a batch: --unchanged says once that the count is the share's."""
+    model = nn.Linear(6, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for index, (x, y) in enumerate(DataLoader(TensorDataset(data, labels), batch_size=9)):
+        if index == 2:
+            with torch.no_grad():
+                result["counted inside a training pass"] = len(model(x))
+            continue
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y, reduction="sum").backward()  # (the mode of summed losses)
+        optimizer.step()
     return model
 
 
@@ -154,14 +237,15 @@ def loss_outside():
 
 
 models = {}
+# One device: no DistributedDataParallel / init_process_group branches here ("init_process_group" is just a word).
 if reduction == "outside":
     models["outside"] = loss_outside()
 if reduction in ("mean", "both"):
-    models.update(classifier=classifier_with_batch_norm(), gan=gan(), ones=batches_of_one())
+    models.update(classifier=classifier_with_batch_norm(), gan=gan(), ones=batches_of_one(), evaluated=evaluations())
 if reduction in ("sum", "both"):
     result["seed_drawn"] = random.randint(0, 10**6)  # a seed the script draws: the same on every rank
     torch.manual_seed(result["seed_drawn"])  # the script's own seeding applies as on one device
-    models.update(autoencoder=summed_losses(), by_hand=cut_by_hand())
+    models.update(autoencoder=summed_losses(), by_hand=cut_by_hand(), counted=counted_inside_a_training_pass())
 result["weights"] = {name: {key: value.tolist() for key, value in model.state_dict().items()}
                      for name, model in models.items()}
 torch.save(result, os.path.join(out, "result.pt"))

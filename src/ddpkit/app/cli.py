@@ -402,7 +402,7 @@ def _unchanged_argument(ns: argparse.Namespace) -> list[str]:
     if named is None:
         return [f"--unchanged={setting.encode()}"]
     if _says_it_once():
-        logger.warning(f"--unchanged stood aside: {ns.script} distributes itself ({named}), and runs as under ddpkit run")
+        logger.warning(f"--unchanged stood aside: {ns.script} distributes itself (it {named}), and runs as under ddpkit run")
     ns.unchanged = False
     return []
 

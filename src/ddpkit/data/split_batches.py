@@ -34,6 +34,7 @@ class Share:
     indices: list
     weight: float  # this rank's samples / the batch's (0 for a stand-in)
     samples: int  # the whole batch's size, as one process reads it
+    whole: bool = dataclasses.field(default=False, repr=False)  # not split: every rank reads the whole batch
 
 
 def share_of(batch: Sequence, rank: int, world_size: int) -> Share:
@@ -120,9 +121,10 @@ def _numpy():
 
 
 class SplitBatchSampler:
-    """The batches of ``batches`` (a loader's batch sampler), each cut to this rank's share; ``whole`` passes read the
-    whole batches instead (an evaluation, which every rank computes in full). Each share yielded is also queued in
-    ``shares``, for whoever follows the batches the loader hands out (with workers, the sampler runs ahead)."""
+    """The batches of ``batches`` (a loader's batch sampler), each cut to this rank's share; while ``whole`` is set
+    (it is read at each batch), the whole batches instead (an evaluation, which every rank computes in full). Each
+    share yielded is also queued in ``shares``, for whoever follows the batches the loader hands out (with workers,
+    the sampler runs ahead)."""
 
     def __init__(self, batches: Iterable, *, rank: int, world_size: int, stream: SharedStream):
         self.batches = batches
@@ -136,7 +138,6 @@ class SplitBatchSampler:
         return len(self.batches)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[list]:
-        whole = self.whole
         iterator = None
         while True:
             with self.stream:
@@ -146,6 +147,7 @@ class SplitBatchSampler:
             if batch is None:
                 return
             batch = batch.tolist() if isinstance(batch, torch.Tensor) else list(batch)
-            share = Share(batch, 1.0, len(batch)) if whole else share_of(batch, self.rank, self.world_size)
+            share = Share(batch, 1.0, len(batch), whole=True) if self.whole else \
+                share_of(batch, self.rank, self.world_size)
             self.shares.append(share)
             yield share.indices

@@ -79,5 +79,14 @@ def strategy_of(model: nn.Module, optimizer=None) -> Strategy:
     return Single()
 
 
+def distributed_already(module: nn.Module) -> bool:
+    """Whether ``module`` is already spread over the processes by a wrapper of its own: DDP, or FSDP (FSDP2's
+    ``fully_shard`` or FSDP1's class), as a script that distributes itself leaves its model."""
+    if isinstance(strategy_of(module), (DDP, FSDP)):
+        return True
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FullyShardedDataParallel)
+
+
 __all__ = ["STRATEGIES", "DDP", "DataParallel", "FSDP", "Pipeline", "PipelineLayout", "PipelineParallel", "Single",
-           "Strategy", "ZeRO", "create", "model_parallel", "strategy_of", "unwrap"]
+           "Strategy", "ZeRO", "create", "distributed_already", "model_parallel", "strategy_of", "unwrap"]

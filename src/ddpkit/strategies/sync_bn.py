@@ -20,12 +20,14 @@ from ddpkit.core.process_group import Runtime
 
 class OverAllRanks:
     """Mixed in before a BatchNorm class: in training on several ranks, the statistics of every rank's batch together
-    (``synced_batch_norm``); ``share``, where set, gives this rank's share of the loss (None: equal shares)."""
+    (``synced_batch_norm``); ``share``, where set, gives this rank's share of the loss (None: equal shares), and
+    ``whole``, where set, whether every rank holds the whole batch now (its own statistics are then the batch's)."""
 
     share: Callable[[], float] | None = None
+    whole: Callable[[], bool] | None = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.training and dist.is_initialized() and dist.get_world_size() > 1:
+        if self.training and dist.is_initialized() and dist.get_world_size() > 1 and not (self.whole and self.whole()):
             self._check_input_dim(input)
             return synced_batch_norm(self, input, weight=None if self.share is None else self.share())
         return super().forward(input)

@@ -12,17 +12,18 @@ What ddpkit puts into the script's processes, all of it here, before the script'
   (``models``, ``ddpkit.strategies.in_place``), BatchNorm over the whole batch;
 - ``torch.save`` to a path, by rank 0 alone, atomically (``saving``).
 
-A script that starts its own process group, wraps its model in DDP or FSDP, or uses ddpkit runs as under
-``ddpkit run``: --unchanged stands aside, saying so in one line. docs/unchanged.md says what is split, what is
+A script that starts its own process group, wraps its model in DDP or FSDP, or is built on ddpkit or on another
+library that distributes it (Accelerate, Lightning, DeepSpeed, Horovod) runs as under ``ddpkit run``: --unchanged
+stands aside, saying so in one line (``stands_aside``: from the names its code uses, not from its comments). docs/unchanged.md says what is split, what is
 averaged, what stays the same and what it costs.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
 import random
-import re
 
 import torch
 import torch.distributed as dist
@@ -33,9 +34,11 @@ from ddpkit.core.logs import logger
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
-# What a script that distributes itself names: it runs as under `ddpkit run`, and --unchanged stands aside.
-DISTRIBUTES_ITSELF = re.compile(r"\b(init_process_group|DistributedDataParallel|fully_shard|FullyShardedDataParallel)"
-                                r"\b|^\s*(import ddpkit|from ddpkit\b)", re.M)
+# What the code of a script that distributes itself uses: it runs as under `ddpkit run`, and --unchanged stands aside.
+DISTRIBUTING_NAMES = ("init_process_group", "DistributedDataParallel", "fully_shard", "FullyShardedDataParallel")
+# Libraries that distribute a script themselves (their own launch, process group and wrappers), and ddpkit's library.
+DISTRIBUTING_LIBRARIES = ("ddpkit", "accelerate", "lightning", "lightning_fabric", "pytorch_lightning", "deepspeed",
+                          "horovod")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +64,26 @@ class Setting:
 
 
 def stands_aside(source: str) -> str | None:
-    """The name that makes ``source`` (a script's text) one that distributes itself, or None."""
-    found = DISTRIBUTES_ITSELF.search(source)
-    return None if found is None else found.group(0).strip()
+    """What makes ``source`` (a script's text) one that distributes itself, or None: a library it imports
+    (``DISTRIBUTING_LIBRARIES``) or a name its code uses (``DISTRIBUTING_NAMES``), wherever in the code, a branch
+    included. Comments and strings count for nothing. A script that does not parse is left to Python to refuse."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for module in modules:
+                if not getattr(node, "level", 0) and module.partition(".")[0] in DISTRIBUTING_LIBRARIES:
+                    return f"imports {module}"
+            imported = [alias.name for alias in node.names] if isinstance(node, ast.ImportFrom) else []
+            named = next((name for name in imported if name in DISTRIBUTING_NAMES), None)
+        else:
+            named = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        if named in DISTRIBUTING_NAMES:
+            return f"uses {named}"
+    return None
 
 
 def install(setting: Setting) -> None:
@@ -93,10 +113,10 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int) 
     streams = Streams(seed, runtime.rank)
     streams.start()
     batch = Batch(world_size=runtime.world_size, summed=setting.loss_reduction == "sum")
-    models = Models(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams)
-    models.install()
-    Loaders(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams,
-            all_models_evaluating=models.all_evaluating).install()
+    loaders = Loaders(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams)
+    loaders.install()
+    Models(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams,
+           witness=loaders.witness).install()
     control = process_group.control_group(runtime)
     SaveOnce(rank=runtime.rank, wait_for_rank_0=lambda: control is None or dist.barrier(group=control)).install()
 

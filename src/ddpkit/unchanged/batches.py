@@ -4,12 +4,18 @@ A loader is taken over when it is first iterated (``DataLoader.__iter__``: no ho
 its batches): its batch sampler is wrapped in a ``SplitBatchSampler``, so each rank fetches only its share of every
 batch, and ``len(loader)``, the batch size, the collate_fn and the workers stay as the script set them.
 
-Each pass over a loader is one of two kinds, decided when it starts:
+Each pass over a loader is one of two kinds, decided from what the script does with its batches, never guessed at its
+start (``Pass``; docs/unchanged.md, "Training or evaluation: the rule"):
 
-- **training** (gradients on, and not every model seen so far in eval mode): each batch split; the weight of this
-  rank's gradient (``Batch``) follows the batches as the loader hands them out;
-- **evaluation** (under ``torch.no_grad()``/``inference_mode()``, or every model in eval mode): every rank reads
-  the whole batches, as one process does, so that the script's own sums and counts are those of one process.
+- until the pass shows what it is, every rank reads the whole batches, and a training step on such a batch computes
+  the whole batch's gradient on every rank (the same on each, averaged): exact, at N times the work;
+- **training**, once one of the script's models is called in training mode with gradients on during the pass: the
+  batches drawn from then on are split; the weight of this rank's gradient (``Batch``) follows the batches as the
+  loader hands them out;
+- **evaluation**, once a batch was handed out, a model called on it, and none of those calls trained (gradients off,
+  whatever the switch: ``no_grad``, ``inference_mode``, ``set_grad_enabled(False)`` inside a step function; or the
+  model in eval mode): every rank reads the whole batches to the end, as one process does, so that the script's own
+  sums and counts are those of one process.
 
 A loader of an ``IterableDataset``, or one without a batch sampler (``batch_size=None``), is left as it is: its
 batches are split where they enter the model, as when a script cuts its batches by hand (``unchanged.models``).
@@ -19,12 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 from collections.abc import Callable, Iterator
 
-import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from ddpkit.data.split_batches import SharedStream, SplitBatchSampler
+from ddpkit.core.logs import logger
+from ddpkit.data.split_batches import Share, SharedStream, SplitBatchSampler
 from ddpkit.unchanged.randomness import Streams, derived_seed
 
 
@@ -37,7 +44,7 @@ class Batch:
     summed: bool = False  # the script's loss is a sum over its batch (``--loss-reduction sum``)
     weight: float = 1.0
     whole: bool = True  # every rank has the whole batch (nothing split it)
-    loader_passes: int = 0  # split loaders' training passes going on: their batches are split, not at the models
+    loader_passes: int = 0  # split loaders' passes going on: they set the batch, which the models do not split
 
     def __post_init__(self) -> None:
         self.weight = 1.0 / self.world_size
@@ -53,24 +60,41 @@ class Batch:
     def current_weight(self) -> float:
         return self.weight
 
+    def is_whole(self) -> bool:
+        return self.whole
+
     def output_scale(self) -> float:
         """What a model's outputs' gradient is multiplied by: for a loss summed over a share, the batch's size over
         the share's, so that the share's sum counts as the whole batch's would (a stand-in counts 0 anyway)."""
         return 1.0 / self.weight if self.summed and not self.whole and self.weight > 0 else 1.0
 
 
-class Loaders:
-    """Takes over the script's DataLoaders as they are iterated (``install``)."""
+@dataclasses.dataclass
+class Pass:
+    """One pass over a split loader, and what its batches showed so far."""
 
-    def __init__(self, *, rank: int, world_size: int, batch: Batch, streams: Streams,
-                 all_models_evaluating: Callable[[], bool]):
+    sampler: SplitBatchSampler
+    training: bool = False  # a model trained on one of its batches: its batches are split from then on
+    evaluation: bool = False  # a batch whose every model call evaluated: whole batches to its end
+    share: Share | None = None  # the batch last handed out
+    trained: bool = False  # what the calls on that batch did
+    evaluated: bool = False
+    own_streams: bool = False  # this rank's own random streams (``Streams.enter_pass``) are on for this pass
+
+
+class Loaders:
+    """Takes over the script's DataLoaders as they are iterated (``install``), and follows each pass."""
+
+    def __init__(self, *, rank: int, world_size: int, batch: Batch, streams: Streams):
         self.rank = rank
         self.world_size = world_size
         self.batch = batch
         self.streams = streams
-        self.all_models_evaluating = all_models_evaluating
         self._numbers = itertools.count()
         self._original_iter: Callable | None = None
+        self._passes: list[Pass] = []  # the passes going on, the one that handed out a batch last at the end
+        self._trained_before: weakref.WeakSet[SplitBatchSampler] = weakref.WeakSet()  # their last pass trained
+        self._warned = False
 
     def install(self) -> None:
         self._original_iter = DataLoader.__iter__
@@ -85,23 +109,79 @@ class Loaders:
         sampler = self.split_sampler(loader)
         if sampler is None:
             return self._original_iter(loader)
-        training = torch.is_grad_enabled() and not self.all_models_evaluating()
-        sampler.whole = not training
+        sampler.whole = True  # until the pass shows what it is
         sampler.shares.clear()
-        return self.follow(loader, sampler) if training else self._original_iter(loader)
+        return self.follow(loader, Pass(sampler))
 
-    def follow(self, loader: DataLoader, sampler: SplitBatchSampler) -> Iterator:
-        """A training pass over ``loader``: its batches, this rank's weight set to each one's as it is handed out, and
-        this rank's own random streams from its start (before the loader draws its workers' seeds) to its end."""
+    def follow(self, loader: DataLoader, this: Pass) -> Iterator:
+        """A pass over ``loader``: its batches, this rank's weight set to each one's as it is handed out. A loader whose
+        last pass trained starts in this rank's own random streams (before the loader draws its workers' seeds);
+        another enters them when the pass shows that it trains."""
         self.batch.loader_passes += 1
-        self.streams.enter_pass()
+        if this.sampler in self._trained_before:
+            self._own_streams(this)
         try:
             for batch in self._original_iter(loader):
-                self.batch.set(sampler.shares.popleft().weight)
+                self._settle(this)
+                this.share, this.trained, this.evaluated = this.sampler.shares.popleft(), False, False
+                self._make_current(this)
                 yield batch
         finally:
             self.batch.loader_passes -= 1
-            self.streams.leave_pass()
+            if this in self._passes:
+                self._passes.remove(this)
+            if this.own_streams:
+                self.streams.leave_pass()
+            if this.training:
+                self._trained_before.add(this.sampler)
+            else:
+                self._trained_before.discard(this.sampler)
+            if self._passes:
+                self._make_current(self._passes[-1])  # an enclosing pass goes on with the batch it handed out
+
+    def witness(self, *, training: bool) -> None:
+        """One of the script's models was called (``unchanged.models``): in training (gradients on, training mode),
+        or not. The pass that handed out a batch last learns what its batches are for."""
+        if not self._passes:
+            return
+        this = self._passes[-1]
+        if not training:
+            this.evaluated = True
+            return
+        this.trained = True
+        if not this.training:
+            this.training, this.sampler.whole = True, False  # the batches drawn from here on are split
+            self._own_streams(this)
+
+    def _settle(self, this: Pass) -> None:
+        """What the batch handed out last showed, before the next is handed out."""
+        if this.share is None or this.trained or not this.evaluated:
+            return
+        if not this.training:
+            this.evaluation = True
+        elif not this.share.whole and not self._warned and self.world_size > 1:
+            self._warned = True
+            if self.rank == 0:
+                logger.warning("--unchanged: a pass over a DataLoader that trained its model split its batches, then called "
+                           "the model on one without training it (gradients off, or eval mode): what the script "
+                               "counts or sums from such a batch is this process's share, not one device's. Evaluate "
+                               "in a loop of its own")
+
+    def _make_current(self, this: Pass) -> None:
+        if this in self._passes:
+            self._passes.remove(this)
+        self._passes.append(this)
+        if this.share is None:
+            return
+        if this.share.whole:
+            self.batch.set_whole()
+        else:
+            self.batch.set(this.share.weight)
+
+    def _own_streams(self, this: Pass) -> None:
+        if not this.own_streams:
+            this.own_streams = True
+            self.streams.enter_pass()
 
     def split_sampler(self, loader: DataLoader) -> SplitBatchSampler | None:
         """The loader's SplitBatchSampler, put in place at its first pass; None for a loader whose batches it

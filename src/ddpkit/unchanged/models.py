@@ -18,6 +18,7 @@ times the work.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from torch.utils import _pytree as pytree
 from ddpkit.core.errors import UsageError
 from ddpkit.core.logs import logger
 from ddpkit.data.split_batches import share_of
+from ddpkit.strategies import distributed_already
 from ddpkit.strategies.in_place import replicate_in_place
 from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.randomness import Streams
@@ -54,8 +56,10 @@ class _ScaleGradient(torch.autograd.Function):
 class Models:
     """The global hooks, the models they found, and what each root call of one does."""
 
-    def __init__(self, *, rank: int, world_size: int, batch: Batch, streams: Streams):
+    def __init__(self, *, rank: int, world_size: int, batch: Batch, streams: Streams,
+                 witness: Callable[..., None]):
         self.rank = rank
+        self.witness = witness  # told of each call of a model: in training or not (``Loaders.witness``)
         self.world_size = world_size
         self.batch = batch
         self.streams = streams
@@ -69,20 +73,20 @@ class Models:
         module_hooks.register_module_forward_pre_hook(self.before)
         module_hooks.register_module_forward_hook(self.after, always_call=True)
 
-    def all_evaluating(self) -> bool:
-        """Whether every model found so far is in eval mode (a loader's pass then reads whole batches)."""
-        models = list(self.found)
-        return bool(models) and not any(model.training for model in models)
-
     def before(self, module: nn.Module, args: tuple):
         self.depth += 1
-        if self.depth != 1 or self.off or not (module.training and torch.is_grad_enabled()):
+        if self.depth != 1 or self.off:
+            return None
+        if not (module.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()):
+            if module in self.found or (module not in self.passed and _trainable(module)):
+                self.witness(training=False)  # a model evaluating: its loader's pass is an evaluation
             return None
         first = False
         if module not in self.found:
             if module in self.passed or not self.adopt(module):
                 return None
             first = True
+        self.witness(training=True)
         from_loader = self.batch.loader_passes > 0
         split = self.world_size > 1 and not from_loader and not first  # (one process: nothing to split)
         if split:
@@ -133,10 +137,10 @@ class Models:
     def adopt(self, module: nn.Module) -> bool:
         """Make ``module`` a replica, if it is a model; False for one that is not (nothing to train, or the script's
         own DDP or FSDP, which stands aside)."""
-        if not any(parameter.requires_grad for parameter in module.parameters()):
+        if not _trainable(module):
             self.passed.add(module)
             return False
-        if any(_distributed_already(part) for part in module.modules()):
+        if any(distributed_already(part) for part in module.modules()):
             self.off = True
             logger.warning("--unchanged stood aside: the script wraps its model in DDP or FSDP itself, and runs as "
                            "under ddpkit run")
@@ -146,7 +150,7 @@ class Models:
             self.passed.add(module)  # a part of a model found already, called on its own: that model's replica
             return False
         if self.world_size > 1:  # one process has nothing to average: its models run as they are
-            replicate_in_place(module, weight=self.batch.current_weight)
+            replicate_in_place(module, weight=self.batch.current_weight, whole=self.batch.is_whole)
         self.found.add(module)
         logger.debug(f"--unchanged: {type(module).__name__} is a model; its gradients are averaged over the ranks")
         return True
@@ -165,13 +169,5 @@ class Models:
         return tuple(arg[rows] if isinstance(arg, torch.Tensor) and arg.dim() > 0 else arg for arg in args)
 
 
-def _distributed_already(module: nn.Module) -> bool:
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(module, DistributedDataParallel):
-        return True
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    except ImportError:
-        return False
-    return isinstance(module, (FSDPModule, FullyShardedDataParallel))
+def _trainable(module: nn.Module) -> bool:
+    return any(parameter.requires_grad for parameter in module.parameters())
