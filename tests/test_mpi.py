@@ -58,3 +58,10 @@ def test_a_mistake_in_the_command_is_said_once_not_once_per_rank(tmp_path):
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.count("ddpkit: error: unknown model 'nope'") == 1, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_mpirun_ddpkit_run_unchanged_prints_each_line_of_the_script_once(tmp_path):
+    from test_unchanged import PRINTS, printed_once
+
+    (tmp_path / "prints.py").write_text(PRINTS)
+    printed_once(mpirun("run", "--unchanged", "prints.py", cwd=tmp_path))

@@ -162,3 +162,12 @@ def test_srun_ddpkit_run_gives_a_torchrun_style_script_its_rank(slurm, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "task0.txt").read_text() == "0 2 3.0"
     assert (tmp_path / "task1.txt").read_text() == "1 2 3.0"
+
+
+def test_srun_ddpkit_run_unchanged_prints_each_line_of_the_script_once(slurm, tmp_path):
+    import sys
+
+    from test_unchanged import PRINTS, printed_once
+
+    (tmp_path / "prints.py").write_text(PRINTS)
+    printed_once(_srun(slurm, sys.executable, "-m", "ddpkit", "run", "--unchanged", str(tmp_path / "prints.py")))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, public_scripts_data, run_ddpkit
+from conftest import REPO, public_scripts_data, run_command, run_ddpkit
 from ddpkit.data.split_batches import SharedStream, share_of
 from ddpkit.unchanged import Setting, stands_aside
 from ddpkit.unchanged.batches import Batch
@@ -175,7 +175,18 @@ def test_a_gans_noise_differs_across_ranks_and_rank_0_alone_writes_what_torch_sa
     draws = [path.read_text() for path in out.glob("draws-*.json")]  # the script's own files: one per rank
     assert len(draws) == 2 and draws[0] != draws[1]
     assert sorted(path.name for path in out.iterdir() if not path.name.startswith("draws-")) == \
-        ["best.pt", "result.pt", "whole.pt"]
+        ["best.pt", "log.csv", "mlruns", "result.pt", "tb", "whole.pt"]
+
+
+def test_what_the_script_writes_and_prints_is_written_and_printed_once_as_on_one_process(runs):
+    for key in (("both", 1), ("mean", 2)):
+        out, done, result = runs[key]
+        # The CSV the script appends to: a line per epoch; TensorBoard's run: one event file; the file read back.
+        assert [line.split(",")[0] for line in (out / "log.csv").read_text().splitlines()] == ["0", "1"], key
+        assert len(list((out / "tb").iterdir())) == 1 and result["log lines"] == 2, key
+        runs_logged = [path.parent for path in (out / "mlruns").glob("*/*/metrics/eval_loss")]
+        assert len(runs_logged) == 1 and len((runs_logged[0] / "eval_loss").read_text().splitlines()) == 2, key
+        assert len(re.findall(r"epoch 1: \d+ of 45 right", done.stdout)) == 1, done.stdout
 
 
 # A Python process that never imported ddpkit loads the whole models the script saved, as one device's files: the
@@ -243,6 +254,36 @@ def test_a_script_that_steps_an_optimizer_without_a_process_group_is_told_of_its
     done = run_ddpkit("run", "--nproc-per-node", "2", SCRIPT, str(tmp_path), "outside", timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert len(re.findall(r"each of the 2 processes trains its own copy.*`ddpkit run --unchanged`", done.stderr)) == 1
+
+
+# A one-device script that prints as it trains: each line once on the console under any launcher.
+PRINTS = """
+import torch, torch.nn as nn, torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+model = nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step, (x, y) in enumerate(DataLoader(TensorDataset(torch.randn(12, 4), torch.randint(0, 2, (12,))), batch_size=4)):
+    optimizer.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    print("step", step, "done")
+"""
+
+
+def printed_once(done: subprocess.CompletedProcess) -> None:
+    """Each of the script's lines once on the console, and where the other ranks' output is, said once."""
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [len(re.findall(rf"^step {step} done$", done.stdout, re.M)) for step in range(3)] == [1, 1, 1], done.stdout
+    said = re.findall(r"the other ranks' is in (\S+)rank<N>\.log", done.stderr)
+    assert len(said) == 1, done.stderr
+    assert Path(said[0], "rank1.log").read_text().count("done") == 3
+
+
+def test_under_an_outer_torchrun_each_line_of_the_script_is_printed_once(tmp_path):
+    (tmp_path / "prints.py").write_text(PRINTS)
+    done = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "ddpkit", "run", "--unchanged", "prints.py"], timeout=120, cwd=tmp_path, warm=True)
+    printed_once(done)
 
 
 # -- the public originals, as their authors wrote them -----------------------------------------------------------------

@@ -10,8 +10,9 @@
     python unchanged_script.py OUT outside  # a batch cut by hand, its loss computed outside the model
 
 A third argument ``float64`` makes it compute in float64. It writes OUT/result.pt with torch.save (rank 0 alone under
---unchanged) and, as a script's own side files do, OUT/draws-<pid>.json with the noise it drew (every rank writes its
-own). Whole models too, as older tutorials save them: the classifier (OUT/whole.pt), a deep copy of it taken after its
+--unchanged), OUT/log.csv (a line per epoch, appended) and a TensorBoard run in OUT/tb as a script's own side files
+and an MLflow run in OUT/mlruns (rank 0's alone under --unchanged), prints a line per epoch, and writes OUT/draws-<pid>.json with the noise it drew
+through os.open, which --unchanged leaves alone (every rank writes its own). Whole models too, as older tutorials save them: the classifier (OUT/whole.pt), a deep copy of it taken after its
 first epoch (OUT/best.pt), the language model (OUT/lm.pt).
 
 It names init_process_group and DistributedDataParallel in its comments and strings, never in its code: it is a
@@ -40,6 +41,14 @@ result = {}
 
 def classifier_with_batch_norm():
     """37 samples in batches of 8 (the last of 5, split 3 + 2), two micro-steps per step, clipped; then counted."""
+    import mlflow
+    from torch.utils.tensorboard import SummaryWriter
+
+    board = SummaryWriter(os.path.join(out, "tb"))
+    os.environ.setdefault("MLFLOW_TRACKING_URI", "file://" + os.path.join(out, "mlruns"))
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow.set_experiment("unchanged")
+    mlflow.start_run(run_name="classifier")  # (named: MLflow would draw a name from the script's random stream)
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     loader = DataLoader(TensorDataset(data[:37], labels[:37]), batch_size=8, shuffle=True)
@@ -63,11 +72,20 @@ def classifier_with_batch_norm():
                 correct += (output.argmax(1) == y).sum().item()
                 total += len(y)
         result[f"eval_{epoch}"] = [correct, total, loss_sum]
+        print(f"epoch {epoch}: {correct} of {total} right")
+        with open(os.path.join(out, "log.csv"), "a") as log:
+            log.write(f"{epoch},{correct},{loss_sum}\n")
+        board.add_scalar("eval/loss", loss_sum, epoch)
+        mlflow.log_metric("eval_loss", loss_sum, step=epoch)
         if epoch == 0:
             best = copy.deepcopy(model)  # a best-model copy, as many scripts keep one (an EMA copy is taken alike)
     model.train()  # (a pass that starts while every model is in eval mode reads whole batches: an evaluation)
     result["isinstance"] = isinstance(model, nn.Sequential)
     result["keys"] = list(model.state_dict())
+    board.close()
+    mlflow.end_run()
+    with open(os.path.join(out, "log.csv")) as log:  # read back: this process's own file
+        result["log lines"] = len(log.read().splitlines())
     with torch.no_grad():  # the copy evaluates on its own, a plain model
         result["best_eval"] = F.cross_entropy(best(data), labels, reduction="sum").item()
     result["best_plain"] = [type(best).__name__, type(best[1]).__name__, len(best._forward_pre_hooks)]
@@ -143,8 +161,9 @@ def gan():
         g_optimizer.zero_grad()
         F.softplus(-critic(fake)).mean().backward()
         g_optimizer.step()
-    with open(os.path.join(out, f"draws-{os.getpid()}.json"), "w") as file:
-        json.dump(draws, file)
+    draws_file = os.open(os.path.join(out, f"draws-{os.getpid()}.json"), os.O_WRONLY | os.O_CREAT, 0o644)
+    os.write(draws_file, json.dumps(draws).encode())
+    os.close(draws_file)
     return generator
 
 

@@ -10,7 +10,8 @@ What ddpkit puts into the script's processes, all of it here, before the script'
 - the script's DataLoaders, each batch split across the ranks (``batches``, ``ddpkit.data.split_batches``);
 - its models, each a DDP replica in place when first called to train, gradients weighted by share
   (``models``, ``ddpkit.strategies.in_place``), BatchNorm over the whole batch;
-- ``torch.save`` to a path, by rank 0 alone, atomically (``saving``).
+- ``torch.save`` to a path, by rank 0 alone, atomically (``saving``);
+- the console, the files the script writes and its trackers' runs, once: rank 0's (``outputs``).
 
 A script that starts its own process group, wraps its model in DDP or FSDP, or is built on ddpkit or on another
 library that distributes it (Accelerate, Lightning, DeepSpeed, Horovod) runs as under ``ddpkit run``: --unchanged
@@ -94,6 +95,9 @@ def install(setting: Setting) -> None:
         os.environ.setdefault("TQDM_DISABLE", "1")  # one progress bar, rank 0's (read when tqdm is imported)
     own_gpu = one_gpu_each(environment.local_rank, environment.local_world_size)
     runtime = process_group.setup(own_gpu=own_gpu, environment=environment)
+    from ddpkit.unchanged import outputs
+
+    outputs.install(runtime)
     seed = shared_seed(setting.seed, runtime)
     _install_hooks(runtime, setting, seed)
     if runtime.is_main:
