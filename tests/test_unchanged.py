@@ -77,7 +77,7 @@ def test_the_shared_stream_draws_the_same_order_whatever_the_global_stream_did_a
 def test_the_setting_travels_as_one_word_and_a_bad_reduction_is_refused():
     assert Setting.decode(Setting(seed=3, loss_reduction="sum").encode()) == Setting(seed=3, loss_reduction="sum")
     assert Setting.decode(Setting().encode()) == Setting(seed=None, loss_reduction="mean")
-    with pytest.raises(Exception, match="`loss_reduction` must be one of mean, sum, got 'max'"):
+    with pytest.raises(Exception, match="`loss_reduction` must be one of mean, sum, coupled, got 'max'"):
         Setting(loss_reduction="max")
 
 
@@ -125,7 +125,8 @@ def runs(tmp_path_factory) -> dict:
     # both of the 2-process runs.
     # In float64: the same computation gives the same weights to 1e-12, where float32's rounding, grown by training,
     # would leave 1e-5 (the public originals below, in float32) and hide a difference of method.
-    for nproc, mode, flags in ((1, "both", []), (2, "mean", []), (2, "sum", ["--loss-reduction", "sum"])):
+    for nproc, mode, flags in ((1, "both", []), (2, "mean", []), (2, "sum", ["--loss-reduction", "sum"]),
+                               (2, "coupled", ["--loss-reduction", "coupled"])):
         out, done = unchanged(tmp, nproc, mode, "--seed", "5", *flags, script_args=["float64"])
         found[mode, nproc] = out, done, torch.load(out / "result.pt", weights_only=True)
     return found
@@ -241,6 +242,21 @@ def test_a_summed_loss_and_a_batch_cut_by_hand_with_its_loss_inside_the_model_tr
     # A batch of a training pass that the script only evaluated: its share, said once.
     assert (one["counted inside a training pass"], two["counted inside a training pass"]) == (9, 5)
     assert len(re.findall(r"a pass over a DataLoader that trained its model split its batches", done.stderr)) == 1
+
+
+def test_a_loss_that_couples_the_batch_trains_to_one_process_weights_with_loss_reduction_coupled(runs):
+    # In-batch negatives (CLIP's loss, its targets made from the batch's size), BatchNorm in a tower, a temperature
+    # returned by the model, an uneven last batch (5: 3 + 2): each rank computes its share, the outputs gathered.
+    (_, _, one), (_, done, two) = runs["both", 1], runs["coupled", 2]
+    assert worst_relative_difference({"clip": one["weights"]["clip"]}, two["weights"]) < 1e-12, done.stderr
+
+
+@pytest.mark.slow
+def test_a_loss_computed_inside_the_model_from_its_share_is_refused_with_coupled_in_one_line(tmp_path):
+    _, done = unchanged(tmp_path, 2, "coupled-inside", "--loss-reduction", "coupled", expect=2)
+    refusal = re.findall(r"--loss-reduction coupled: the model returns a tensor that is not one row per sample",
+                         done.stderr)
+    assert len(refusal) == 1 and "Traceback" not in done.stderr, done.stderr
 
 
 def test_a_batch_cut_by_hand_with_its_loss_outside_the_model_is_refused_in_one_line(tmp_path):

@@ -6,8 +6,10 @@
                                             # evaluations written in every way scripts write them
     python unchanged_script.py OUT sum      # losses summed over the batch (the VAE's), a batch cut by hand with the
                                             # loss inside the model (nanoGPT's), random_split and a drawn seed
-    python unchanged_script.py OUT both     # both of the above: on one process, where a sum and a mean split alike
+    python unchanged_script.py OUT coupled  # a CLIP-style loss over in-batch negatives (--loss-reduction coupled)
+    python unchanged_script.py OUT both     # all of the above: on one process, where every reduction splits alike
     python unchanged_script.py OUT outside  # a batch cut by hand, its loss computed outside the model
+    python unchanged_script.py OUT coupled-inside  # a loss computed inside the model, with coupled
 
 A third argument ``float64`` makes it compute in float64. It writes OUT/result.pt with torch.save (rank 0 alone under
 --unchanged), OUT/log.csv (a line per epoch, appended) and a TensorBoard run in OUT/tb as a script's own side files
@@ -245,6 +247,39 @@ def counted_inside_a_training_pass():
     return model
 
 
+class Towers(nn.Module):
+    """CLIP's shape: two encoders, their embeddings normalised, and the temperature returned with them."""
+
+    def __init__(self):
+        super().__init__()
+        self.image = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+        self.text = nn.Embedding(3, 4)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x, tokens):
+        return F.normalize(self.image(x), dim=1), F.normalize(self.text(tokens), dim=1), self.logit_scale.exp()
+
+
+def clip_style():
+    """Each sample's pair against every other pair of its batch: the targets are made from the batch's size."""
+    torch.manual_seed(11)  # the script's own seeding: the same towers whatever ran before
+    model = Towers()
+    # (SGD: Adam divides by the root of each gradient's square, so a component near 0 that float64 rounds otherwise
+    # moves by the learning rate; with Adam the runs here end 5e-9 apart, with SGD 1e-15.)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    order = torch.Generator().manual_seed(5)
+    for epoch in range(2):
+        for x, y in DataLoader(TensorDataset(data[:37], labels[:37]), batch_size=8, shuffle=True, generator=order):
+            image, text, scale = model(x, y)
+            logits = scale * image @ text.T
+            targets = torch.arange(len(logits))
+            loss = (F.cross_entropy(logits, targets) + F.cross_entropy(logits.T, targets)) / 2
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return model
+
+
 def loss_outside():
     model = nn.Linear(6, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -265,6 +300,10 @@ if reduction in ("sum", "both"):
     result["seed_drawn"] = random.randint(0, 10**6)  # a seed the script draws: the same on every rank
     torch.manual_seed(result["seed_drawn"])  # the script's own seeding applies as on one device
     models.update(autoencoder=summed_losses(), by_hand=cut_by_hand(), counted=counted_inside_a_training_pass())
+if reduction in ("coupled", "both"):
+    models["clip"] = clip_style()
+if reduction == "coupled-inside":  # a loss computed inside the model from its share: refused with coupled
+    models["by_hand"] = cut_by_hand()
 result["weights"] = {name: {key: value.tolist() for key, value in model.state_dict().items()}
                      for name, model in models.items()}
 torch.save(result, os.path.join(out, "result.pt"))

@@ -153,10 +153,13 @@ def add_run_command(commands) -> None:
     run.add_argument("--seed", type=int, default=None, metavar="S",
                      help="with --unchanged: the seed every process starts from, so that a run can be repeated and "
                           "1 and N processes compared (default: one drawn per run, and printed)")
-    run.add_argument("--loss-reduction", choices=("mean", "sum"), default=None,
+    run.add_argument("--loss-reduction", choices=("mean", "sum", "coupled"), default=None,
                      help="with --unchanged: how the script's loss reduces over its batch; `sum` for a loss summed "
                           "over the samples (reduction='sum', as pytorch/examples' VAE), which --unchanged cannot "
-                          "tell from a mean (default: mean, PyTorch's default)")
+                          "tell from a mean; `coupled` for a loss that couples the samples (in-batch negatives: "
+                          "CLIP, SimCLR): every process loads the whole batch, each computes its share of the "
+                          "model's forward, and the outputs are gathered, so any loss is exact "
+                          "(default: mean, PyTorch's default)")
     run.add_argument("--local-rank-arg", action="store_true",
                      help="also pass --local-rank=N, like the old `python -m torch.distributed.launch`")
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as in `python -m`")

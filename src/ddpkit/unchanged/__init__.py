@@ -33,7 +33,7 @@ from ddpkit.core import process_group
 from ddpkit.core.errors import UsageError
 from ddpkit.core.logs import logger
 
-LOSS_REDUCTIONS = ("mean", "sum")
+LOSS_REDUCTIONS = ("mean", "sum", "coupled")
 
 # What the code of a script that distributes itself uses: it runs as under `ddpkit run`, and --unchanged stands aside.
 DISTRIBUTING_NAMES = ("init_process_group", "DistributedDataParallel", "fully_shard", "FullyShardedDataParallel")
@@ -116,7 +116,8 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int) 
 
     streams = Streams(seed, runtime.rank)
     streams.start()
-    batch = Batch(world_size=runtime.world_size, summed=setting.loss_reduction == "sum")
+    batch = Batch(world_size=runtime.world_size, summed=setting.loss_reduction == "sum",
+                  coupled=setting.loss_reduction == "coupled")
     loaders = Loaders(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams)
     loaders.install()
     Models(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams,

@@ -42,6 +42,7 @@ class Batch:
 
     world_size: int
     summed: bool = False  # the script's loss is a sum over its batch (``--loss-reduction sum``)
+    coupled: bool = False  # the loss couples the batch (``--loss-reduction coupled``): split at the models alone
     weight: float = 1.0
     whole: bool = True  # every rank has the whole batch (nothing split it)
     loader_passes: int = 0  # split loaders' passes going on: they set the batch, which the models do not split
@@ -150,7 +151,8 @@ class Loaders:
             return
         this.trained = True
         if not this.training:
-            this.training, this.sampler.whole = True, False  # the batches drawn from here on are split
+            this.training = True
+            this.sampler.whole = self.batch.coupled  # the batches drawn from here on are split (but at the models)
             self._own_streams(this)
 
     def _settle(self, this: Pass) -> None:

@@ -28,29 +28,17 @@ from torch.utils import _pytree as pytree
 
 from ddpkit.core.errors import UsageError
 from ddpkit.core.logs import logger
-from ddpkit.data.split_batches import share_of
+from ddpkit.data.split_batches import Share, share_of
 from ddpkit.strategies import distributed_already
 from ddpkit.strategies.in_place import replicate_in_place
 from ddpkit.unchanged.batches import Batch
+from ddpkit.unchanged.gathered import ScaleGradient, gathered, share_sizes
 from ddpkit.unchanged.randomness import Streams
 
 NOT_SPLIT = ("--unchanged: this script feeds its model batches that no DataLoader split (cut by hand, or from an "
              "IterableDataset or a loader without a batch size) and computes its loss outside the model, where its "
              "targets are not split: give it a DataLoader over a map-style data set, or return the loss from the "
              "model's forward (as nanoGPT does), or run it without --unchanged")
-
-
-class _ScaleGradient(torch.autograd.Function):
-    """The identity forward; its gradient times ``scale`` backward."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
 
 
 class Models:
@@ -67,7 +55,7 @@ class Models:
         self.passed: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # called at the top, not models (no parameters)
         self.depth = 0
         self.off = False
-        self._calls: list[tuple[nn.Module, bool]] = []  # the open root call: its module, split here or not
+        self._calls: list[tuple[nn.Module, Share | None]] = []  # the open root call: its module, its share if split
 
     def install(self) -> None:
         module_hooks.register_module_forward_pre_hook(self.before)
@@ -87,14 +75,15 @@ class Models:
                 return None
             first = True
         self.witness(training=True)
-        from_loader = self.batch.loader_passes > 0
+        from_loader = self.batch.loader_passes > 0 and not self.batch.coupled
         split = self.world_size > 1 and not from_loader and not first  # (one process: nothing to split)
+        share = None
         if split:
-            args = self.split(args)
+            args, share = self.split(args)
         elif not from_loader:
             self.batch.set_whole()
         self.streams.enter_forward()
-        self._calls.append((module, split))
+        self._calls.append((module, share))
         if first and self.world_size > 1:
             from torch.distributed._composable.replicate import replicate
 
@@ -106,14 +95,19 @@ class Models:
         self.depth -= 1
         if self.depth != 0 or not self._calls or self._calls[-1][0] is not module:
             return None
-        _, split = self._calls.pop()
+        _, share = self._calls.pop()
+        split = share is not None
         self.streams.leave_forward()
+        if split and self.batch.coupled:
+            rows = len(share.indices)
+            return gathered(output, sizes=share_sizes(share.samples, world_size=self.world_size), rank=self.rank,
+                            rows=rows, with_gradients=True)
         if split:
             output = self.whole_batch_losses(output)
         scale = self.batch.output_scale()
         if scale == 1.0:
             return output if split else None
-        return pytree.tree_map_only(torch.Tensor, lambda t: _ScaleGradient.apply(t, scale) if t.requires_grad else t,
+        return pytree.tree_map_only(torch.Tensor, lambda t: ScaleGradient.apply(t, scale) if t.requires_grad else t,
                                     output)
 
     def whole_batch_losses(self, output):
@@ -155,8 +149,9 @@ class Models:
         logger.debug(f"--unchanged: {type(module).__name__} is a model; its gradients are averaged over the ranks")
         return True
 
-    def split(self, args: tuple) -> tuple:
-        """This rank's share of the batch in ``args``: each tensor argument cut along its first dimension."""
+    def split(self, args: tuple) -> tuple[tuple, Share]:
+        """This rank's share of the batch in ``args``: each tensor argument cut along its first dimension. (With a
+        loss that couples the batch, each rank's gradient then weighs 1, or 0 for a stand-in: ``gathered``.)"""
         sizes = {arg.shape[0] for arg in args if isinstance(arg, torch.Tensor) and arg.dim() > 0}
         if len(sizes) != 1:
             raise UsageError(NOT_SPLIT if not sizes else
@@ -164,9 +159,9 @@ class Models:
                              f"{sorted(sizes)}), so they cannot be split across the processes: give the script a "
                              "DataLoader, or run it without --unchanged", said_elsewhere=self.rank != 0)
         share = share_of(range(sizes.pop()), self.rank, self.world_size)
-        self.batch.set(share.weight)
+        self.batch.set(float(share.weight > 0) if self.batch.coupled else share.weight)
         rows = slice(share.indices[0], share.indices[-1] + 1)
-        return tuple(arg[rows] if isinstance(arg, torch.Tensor) and arg.dim() > 0 else arg for arg in args)
+        return tuple(arg[rows] if isinstance(arg, torch.Tensor) and arg.dim() > 0 else arg for arg in args), share
 
 
 def _trainable(module: nn.Module) -> bool:
