@@ -60,7 +60,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import ddpkit
 from ddpkit.watch import heartbeat, pace
-from ddpkit.app import train_config
+from ddpkit.app.train import config as train_config
 from ddpkit import zoo
 
 SIDES = ("hand", "ddpkit")

@@ -25,8 +25,8 @@ from ddpkit.checkpoint import Checkpointer, CheckpointError
 from ddpkit.data import ResumableSampler, train_loader
 from ddpkit.core.env import DistEnv
 from ddpkit.core.process_group import Runtime
-from ddpkit.app.lr_schedule import lr_factor, make_scheduler, place_scheduler
-from ddpkit.app.train_config import TrainConfig
+from ddpkit.app.train.lr_schedule import lr_factor, make_scheduler, place_scheduler
+from ddpkit.app.train.config import TrainConfig
 from ddpkit.zoo import ConvNet, Net
 
 

@@ -87,7 +87,7 @@ def test_any_write_in_a_job_that_fills_the_disk_is_one_line(small_disk, capfd):
 
 
 def test_a_metrics_line_that_does_not_fit_names_the_file(small_disk):
-    from ddpkit.app.train_records import append_record
+    from ddpkit.app.train.records import append_record
 
     (small_disk / "filler").write_bytes(b"x" * (2**20 - 4096))  # the disk holds one block more
     with pytest.raises(DiskFull, match=f"writing {small_disk}/metrics.jsonl failed: no space left on the device"):

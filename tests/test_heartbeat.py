@@ -276,7 +276,7 @@ def _stack_shown(err: str, pid: int) -> None:
     """The stalled process's stack, read from outside while it is stopped: inside the trainer, wherever in
     the epoch (its steps, evaluation, a checkpoint) the stop found it."""
     assert f"its stack (py-spy dump --pid {pid}):" in err, err
-    assert "train (ddpkit/app/trainer.py:" in err.split("its stack", 1)[1], err
+    assert "train (ddpkit/app/train/trainer.py:" in err.split("its stack", 1)[1], err
 
 
 def _last_checkpoint_kept(out: Path, *, writer_killed: bool = False) -> None:

@@ -85,7 +85,7 @@ def test_prepare_model_single_and_sync_bn():
 
 def test_library_errors_name_its_parameters_and_the_command_line_says_its_flags():
     from ddpkit.app.config import in_flag_terms
-    from ddpkit.app.train_config import OTHER_FLAGS, TrainConfig
+    from ddpkit.app.train.config import OTHER_FLAGS, TrainConfig
 
     with pytest.raises(ddpkit.UsageError) as caught:
         ddpkit.create("ddp", bucket_cap_mb=0)

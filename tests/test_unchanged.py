@@ -169,13 +169,18 @@ def test_evaluations_written_every_way_count_every_sample_once_and_training_betw
         assert two["evaluations"][name][2] == pytest.approx(loss, rel=1e-12), name
     assert worst_relative_difference({"m": one["weights"]["evaluated"]}, {"m": two["weights"]["evaluated"]}) < 1e-12
     assert "a pass over a DataLoader that trained" not in done.stderr
+    # Divided: each of the 2 processes computed about half of the rows that one process computed without gradients
+    # (the model's first evaluating call is whole, on every process: it shows that the model can be divided).
+    [whole] = [json.loads(path.read_text()) for path in runs["both", 1][0].glob("rows-*.json")]
+    shares = [json.loads(path.read_text()) for path in runs["mean", 2][0].glob("rows-*.json")]
+    assert len(shares) == 2 and all(share < 0.6 * whole for share in shares), (whole, shares)
 
 
 def test_a_gans_noise_differs_across_ranks_and_rank_0_alone_writes_what_torch_save_writes(runs):
     out, _, _ = runs["mean", 2]
     draws = [path.read_text() for path in out.glob("draws-*.json")]  # the script's own files: one per rank
     assert len(draws) == 2 and draws[0] != draws[1]
-    assert sorted(path.name for path in out.iterdir() if not path.name.startswith("draws-")) == \
+    assert sorted(path.name for path in out.iterdir() if not path.name.startswith(("draws-", "rows-"))) == \
         ["best.pt", "log.csv", "mlruns", "result.pt", "tb", "whole.pt"]
 
 

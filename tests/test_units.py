@@ -17,7 +17,7 @@ from ddpkit.core.errors import UsageError
 from ddpkit.launch.launcher import LaunchOptions, resolve_nproc, torchrun_argv
 from ddpkit.core.process_group import Runtime, choose_backend, choose_device, free_port, job_store
 from ddpkit.launch.rendezvous import bind_address
-from ddpkit.app.train_config import TrainConfig
+from ddpkit.app.train.config import TrainConfig
 from listening import listening
 
 
@@ -283,7 +283,7 @@ def test_secrets_in_the_environment_are_never_printed_or_recorded():
 
 
 def test_batchnorm_is_found_where_it_is_and_only_there():
-    from ddpkit.app.train_resume import has_batchnorm
+    from ddpkit.app.train.resume import has_batchnorm
     from ddpkit.zoo import ConvNet, Net
 
     assert has_batchnorm(Net()) and not has_batchnorm(ConvNet())

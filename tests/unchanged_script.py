@@ -39,6 +39,9 @@ if sys.argv[3:] == ["float64"]:  # where float32's rounding, which training grow
 data = torch.randn(45, 6)  # unseeded: the same on every rank, as ddpkit seeds every rank alike
 labels = torch.randint(0, 3, (45,))
 result = {}
+# A seed the script draws: the same on every rank. Drawn first, whatever the mode: a library that draws from Python's
+# stream (MLflow names its runs with it) would otherwise make it differ between the modes.
+seed_drawn = random.randint(0, 10**6)
 
 
 def classifier_with_batch_norm():
@@ -96,10 +99,20 @@ def classifier_with_batch_norm():
     return model
 
 
+class Rows(nn.Sequential):
+    """Keeps the number of rows of each call without gradients: how much of an evaluation this process computed."""
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():
+            self.rows = getattr(self, "rows", 0) + len(x)
+        return super().forward(x)
+
+
 def evaluations():
     """A model trained between evaluations written in every way scripts write them: each must count every sample
-    once, as on one device (``result["evaluations"]``: count, correct, summed loss per evaluation)."""
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    once, as on one device (``result["evaluations"]``: count, correct, summed loss per evaluation). The rows this
+    process computed in them: OUT/rows-<pid>.json, every process's own (os.open)."""
+    model = Rows(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     train_set, test_set = TensorDataset(data[:30], labels[:30]), TensorDataset(data[30:], labels[30:])
     train_loader = DataLoader(train_set, batch_size=6, shuffle=True)
@@ -143,6 +156,9 @@ def evaluations():
         count(f"the train set's own data {epoch}", DataLoader(train_set, batch_size=8),
               lambda index, x, y: step(x, y, False))
         count(f"eval mode inside the loop {epoch}", test_loader, eval_mode_after_the_start)
+    rows_file = os.open(os.path.join(out, f"rows-{os.getpid()}.json"), os.O_WRONLY | os.O_CREAT, 0o644)
+    os.write(rows_file, json.dumps(model.rows).encode())
+    os.close(rows_file)
     return model
 
 
@@ -297,8 +313,8 @@ if reduction == "outside":
 if reduction in ("mean", "both"):
     models.update(classifier=classifier_with_batch_norm(), gan=gan(), ones=batches_of_one(), evaluated=evaluations())
 if reduction in ("sum", "both"):
-    result["seed_drawn"] = random.randint(0, 10**6)  # a seed the script draws: the same on every rank
-    torch.manual_seed(result["seed_drawn"])  # the script's own seeding applies as on one device
+    result["seed_drawn"] = seed_drawn
+    torch.manual_seed(seed_drawn)  # the script's own seeding applies as on one device
     models.update(autoencoder=summed_losses(), by_hand=cut_by_hand(), counted=counted_inside_a_training_pass())
 if reduction in ("coupled", "both"):
     models["clip"] = clip_style()

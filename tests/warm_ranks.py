@@ -63,7 +63,7 @@ COLD_VARIABLE = "DDPKIT_TEST_FRESH_RANKS"  # set (to anything) for pytest: every
 # What ranks of `ddpkit train`, `ddpkit run` and `ddpkit bench` import, once per pytest worker; no module a rank runs
 # as __main__ (ddpkit.__main__, ddpkit.app.watched, ddpkit.app.bench: runpy would warn, and each is run afresh).
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch.distributed.checkpoint",
-           "torchvision", "torchvision.models", "numpy", "sklearn.datasets", "ddpkit", "ddpkit.app.trainer",
+           "torchvision", "torchvision.models", "numpy", "sklearn.datasets", "ddpkit", "ddpkit.app.train.trainer",
            "ddpkit.app.cli", "ddpkit.job"]
 MESSAGE_MAX = 1 << 20
 FDS_MAX = 64  # the file descriptors a client hands over, at most

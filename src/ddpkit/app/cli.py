@@ -126,7 +126,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 
 def _train_config(ns: argparse.Namespace):
     from ddpkit.app.config import from_namespace
-    from ddpkit.app.train_config import TrainConfig
+    from ddpkit.app.train.config import TrainConfig
 
     return from_namespace(TrainConfig, ns)
 
@@ -202,7 +202,7 @@ def _check_before_launch(cfg, options: LaunchOptions, cuda_count: int | None = N
 
 
 def _spawn_train_worker(rank: int, world_size: int, port: int, cfg) -> None:
-    from ddpkit.app import trainer
+    from ddpkit.app.train import trainer
 
     signals.end_with_parent()  # the launcher is the parent: if it is killed, this rank ends too
     environment = env_mod.from_spawn(rank, world_size, master_port=port)
@@ -220,7 +220,8 @@ def _write_resolved_config(ns: argparse.Namespace, parser: argparse.ArgumentPars
     """OUTPUT_DIR/config.toml: every setting of this run, with what ``auto`` and the defaults came to, so that
     ``ddpkit train --config OUTPUT_DIR/config.toml`` repeats it (on a machine with other device counts too)."""
     from ddpkit import checkpoint
-    from ddpkit.app import config, train_config
+    from ddpkit.app import config
+    from ddpkit.app.train import config as train_config
 
     resolved = {"nproc-per-node": nproc_per_node, "lr": train_config.optimizer_settings(cfg.optimizer, cfg.lr)[1]["lr"]}
     settings, unset = config.resolved_settings(ns, parser, resolved)
@@ -231,7 +232,8 @@ def _write_resolved_config(ns: argparse.Namespace, parser: argparse.ArgumentPars
 
 def cmd_train(ns: argparse.Namespace, argv: Sequence[str], parser: argparse.ArgumentParser) -> int:
     from ddpkit import zoo
-    from ddpkit.app import train_config, trainer
+    from ddpkit.app.train import config as train_config
+    from ddpkit.app.train import trainer
 
     if ns.list_models:
         print("\n".join(["net", "convnet", *zoo.torchvision_classifiers()]))
@@ -299,7 +301,7 @@ def _in_flag_terms(error: UsageError) -> UsageError:
     if "`" not in str(error):
         return error  # nothing to translate: no need to import the trainer (and torch) for it
     from ddpkit.app.config import said_in_flags
-    from ddpkit.app.train_config import OTHER_FLAGS, TrainConfig
+    from ddpkit.app.train.config import OTHER_FLAGS, TrainConfig
 
     return said_in_flags(error, TrainConfig, OTHER_FLAGS)
 
@@ -472,7 +474,7 @@ def _train_replica_groups(ns: argparse.Namespace, argv: Sequence[str], parser, c
     """``ddpkit train --replica-groups R``: R groups of --nproc-per-node processes, each ``ddpkit train`` as the ranks
     of its own launch (its restarts under --max-restarts), beside torchft's lighthouse; OUTPUT_DIR/logs/group<G>/
     each."""
-    from ddpkit.app import trainer
+    from ddpkit.app.train import trainer
     from ddpkit.launch import replica_groups
     from ddpkit.strategies.replica_groups import require_torchft
 

@@ -68,7 +68,7 @@ def add_launch_flags(parser: argparse.ArgumentParser, *, with_launcher: bool = F
 
 def add_train_flags(parser: argparse.ArgumentParser) -> None:
     from ddpkit.app.config import add_flags
-    from ddpkit.app.train_config import TrainConfig
+    from ddpkit.app.train.config import TrainConfig
 
     add_flags(parser, TrainConfig)  # flags, defaults, choices and help: TrainConfig's fields declare them
     parser.add_argument("--list-models", action="store_true", help="print the model names and exit")

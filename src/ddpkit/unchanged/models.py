@@ -32,6 +32,7 @@ from ddpkit.data.split_batches import Share, share_of
 from ddpkit.strategies import distributed_already
 from ddpkit.strategies.in_place import replicate_in_place
 from ddpkit.unchanged.batches import Batch
+from ddpkit.unchanged.divided import KEYWORDS_SEEN, Call, Evaluations
 from ddpkit.unchanged.gathered import ScaleGradient, gathered, share_sizes
 from ddpkit.unchanged.randomness import Streams
 
@@ -55,20 +56,23 @@ class Models:
         self.passed: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # called at the top, not models (no parameters)
         self.depth = 0
         self.off = False
-        self._calls: list[tuple[nn.Module, Share | None]] = []  # the open root call: its module, its share if split
+        self._calls: list[Call] = []  # the open root call
+        self.evaluations = Evaluations(rank=rank, world_size=world_size)
 
     def install(self) -> None:
         module_hooks.register_module_forward_pre_hook(self.before)
-        module_hooks.register_module_forward_hook(self.after, always_call=True)
+        if KEYWORDS_SEEN:
+            module_hooks.register_module_forward_hook(self.after, always_call=True, with_kwargs=True)
+        else:
+            module_hooks.register_module_forward_hook(lambda module, args, output: self.after(module, args, {}, output),
+                                                      always_call=True)
 
     def before(self, module: nn.Module, args: tuple):
         self.depth += 1
         if self.depth != 1 or self.off:
             return None
         if not (module.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()):
-            if module in self.found or (module not in self.passed and _trainable(module)):
-                self.witness(training=False)  # a model evaluating: its loader's pass is an evaluation
-            return None
+            return self.evaluating(module, args)
         first = False
         if module not in self.found:
             if module in self.passed or not self.adopt(module):
@@ -83,7 +87,7 @@ class Models:
         elif not from_loader:
             self.batch.set_whole()
         self.streams.enter_forward()
-        self._calls.append((module, share))
+        self._calls.append(Call(module, args, share=share))
         if first and self.world_size > 1:
             from torch.distributed._composable.replicate import replicate
 
@@ -91,11 +95,24 @@ class Models:
             replicate.state(module).forward_pre_hook(module, args, {})
         return args if split else None
 
-    def after(self, module: nn.Module, args: tuple, output):
-        self.depth -= 1
-        if self.depth != 0 or not self._calls or self._calls[-1][0] is not module:
+    def evaluating(self, module: nn.Module, args: tuple):
+        """A model called without training: its loader's pass learns it is an evaluation, and a whole batch is
+        divided across the ranks where the model allows (``divided``)."""
+        if module not in self.found and (module in self.passed or not _trainable(module)):
             return None
-        _, share = self._calls.pop()
+        self.witness(training=False)
+        divided = self.evaluations.divide(module, args) if self.batch.loader_passes and self.batch.whole else None
+        self._calls.append(Call(module, args, evaluating=True, share=None if divided is None else divided[1]))
+        return None if divided is None else divided[0]
+
+    def after(self, module: nn.Module, args: tuple, kwargs: dict, output):
+        self.depth -= 1
+        if self.depth != 0 or not self._calls or self._calls[-1].module is not module:
+            return None
+        call = self._calls.pop()
+        if call.evaluating:
+            return self.evaluations.finish(call, kwargs, output)
+        share = call.share
         split = share is not None
         self.streams.leave_forward()
         if split and self.batch.coupled:

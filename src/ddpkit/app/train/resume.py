@@ -11,10 +11,10 @@ from typing import Any
 import torch.nn as nn
 
 from ddpkit import checkpoint
-from ddpkit.app.lr_schedule import place_scheduler
-from ddpkit.app.train_config import TrainConfig
-from ddpkit.app.train_replicas import opens_the_run
-from ddpkit.app.train_state import Position, RunState
+from ddpkit.app.train.lr_schedule import place_scheduler
+from ddpkit.app.train.config import TrainConfig
+from ddpkit.app.train.replicas import opens_the_run
+from ddpkit.app.train.state import Position, RunState
 from ddpkit.core.logs import logger
 from ddpkit.job import Job
 

@@ -1,6 +1,6 @@
 """``ddpkit train``'s settings: ``TrainConfig``, whose fields are the command's flags (help, choices and defaults
 declared once, ``app/config.py``), what it checks before any process starts, and what it derives for the run (the
-strategy object, the optimizer, the learning-rate schedule). Nothing here trains; ``app/trainer.py`` does.
+strategy object, the optimizer, the learning-rate schedule). Nothing here trains; ``app/train/trainer.py`` does.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from ddpkit import strategies, zoo
 from ddpkit.app import trackers
 from ddpkit.app.config import flag_terms, option
-from ddpkit.app.lr_schedule import SCHEDULES, Schedule
+from ddpkit.app.train.lr_schedule import SCHEDULES, Schedule
 from ddpkit.core import logs, process_group
 from ddpkit.core.errors import UsageError
 from ddpkit.core.precision import AMP_DTYPES

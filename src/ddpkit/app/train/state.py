@@ -1,5 +1,5 @@
 """What one ``ddpkit train`` run works with once it is built (``RunState``), and where it goes on from
-(``Position``): handed from the set-up (``app/trainer.py``) to the resume, the records and the epoch loop."""
+(``Position``): handed from the set-up (``app/train/trainer.py``) to the resume, the records and the epoch loop."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from ddpkit import checkpoint, data
-from ddpkit.app.train_config import TrainConfig
+from ddpkit.app.train.config import TrainConfig
 from ddpkit.job import Job
 
 

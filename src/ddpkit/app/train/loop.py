@@ -12,10 +12,10 @@ import time
 import torch
 import torch.nn as nn
 
-from ddpkit.app.lr_schedule import place_scheduler
-from ddpkit.app.train_records import memory, skipped_samples
-from ddpkit.app.train_replicas import OthersFinished, Rejoined
-from ddpkit.app.train_state import RunState
+from ddpkit.app.train.lr_schedule import place_scheduler
+from ddpkit.app.train.records import memory, skipped_samples
+from ddpkit.app.train.replicas import OthersFinished, Rejoined
+from ddpkit.app.train.state import RunState
 from ddpkit.core import logs, preempt, process_group
 from ddpkit.core.errors import UsageError
 from ddpkit.core.logs import logger

@@ -1,6 +1,6 @@
 """The loop ``ddpkit train`` runs in every process: the reference for what the library does.
 
-    >>> from ddpkit.app.trainer import TrainConfig, run
+    >>> from ddpkit.app.train.trainer import TrainConfig, run
     >>> run(TrainConfig(model="net", data="digits", epochs=1))      # doctest: +SKIP
     {'epoch': 0, 'train_loss': ..., 'val_acc': ..., ...}
 
@@ -9,10 +9,8 @@ One optimizer step consumes ``batch_size`` samples on each of the ``world_size``
 are all-reduced only on the last micro-step (DDP's ``no_sync`` on the others).
 
 This module is the run's top: ``run`` (the job and its logs), ``train`` (the epochs, ``model.pt``) and ``start``
-(everything built in the order it needs). Each concern below it has a module of its own: ``train_config`` (the
-settings and their checks), ``lr_schedule``, ``train_state`` (what the others hand each other), ``train_resume``,
-``train_records`` (``metrics.jsonl`` and what the run says), ``train_replicas`` (``--replica-groups``) and
-``train_loop`` (the steps of each epoch); docs/architecture.md says why the lines run there.
+(everything built in the order it needs). Each concern below it has a module of its own in this package (its
+docstring names them); docs/architecture.md says why the lines run there.
 """
 
 from __future__ import annotations
@@ -24,11 +22,12 @@ import os
 import torch
 
 from ddpkit import checkpoint, data, zoo
-from ddpkit.app import trackers, train_records, train_replicas, train_resume
-from ddpkit.app.lr_schedule import make_scheduler
-from ddpkit.app.train_config import TrainConfig, in_train_flags, optimizer_settings
-from ddpkit.app.train_loop import EpochLoop
-from ddpkit.app.train_state import Position, RunState
+from ddpkit.app import trackers
+from ddpkit.app.train import records, replicas, resume
+from ddpkit.app.train.lr_schedule import make_scheduler
+from ddpkit.app.train.config import TrainConfig, in_train_flags, optimizer_settings
+from ddpkit.app.train.loop import EpochLoop
+from ddpkit.app.train.state import Position, RunState
 from ddpkit.core import logs, preempt, process_group, ray_reports
 from ddpkit.core.env import DistEnv
 from ddpkit.core.errors import UsageError, said_once
@@ -46,9 +45,9 @@ def run(cfg: TrainConfig, environment: DistEnv | None = None) -> dict:
     ``environment`` is read from the launcher's variables when not given (``mp.spawn`` passes its own).
     """
     cfg.validate()
-    if train_replicas.in_a_replica_group():
+    if replicas.in_a_replica_group():
         cfg.check_for_replica_groups()
-    replica = train_replicas.replica_group(cfg.stall_timeout)
+    replica = replicas.replica_group(cfg.stall_timeout)
     logs_folder = os.path.join(cfg.output_dir, LOGS_FOLDER, *([f"group{replica.group}"] if replica else []))
     with in_train_flags():  # the library's errors name its parameters; this command's user knows its flags
         # replica_group=False: this command drives its ReplicaGroup itself (train's loop, not Job's).
@@ -70,10 +69,10 @@ def train(cfg: TrainConfig, job: Job, replica=None) -> dict:
     """The whole run in this process: build, resume, the epochs, model.pt. Returns the last epoch's metrics."""
     run_state = start(cfg, job, replica)
     if run_state.too_late:
-        return train_replicas.others_finished(replica, {})
-    metrics_path = os.path.join(cfg.output_dir, train_records.METRICS_FILE)
-    if job.is_main and train_replicas.opens_the_run(replica):
-        train_records.keep_metrics_before(metrics_path, run_state.position.epoch)
+        return replicas.others_finished(replica, {})
+    metrics_path = os.path.join(cfg.output_dir, records.METRICS_FILE)
+    if job.is_main and replicas.opens_the_run(replica):
+        records.keep_metrics_before(metrics_path, run_state.position.epoch)
     record: dict = {}
     loop = EpochLoop(run_state)
     tracked = trackers.Trackers(cfg.tracker if job.is_main else (), cfg.output_dir, dataclasses.asdict(cfg))
@@ -82,19 +81,19 @@ def train(cfg: TrainConfig, job: Job, replica=None) -> dict:
         while epoch < cfg.epochs:
             try:
                 record = loop.run_epoch(epoch)
-            except train_replicas.Rejoined as rejoined:  # this replica group copied the others' state: on from their step
+            except replicas.Rejoined as rejoined:  # this replica group copied the others' state: on from their step
                 run_state.position = rejoined.position(run_state)
                 epoch = run_state.position.epoch
                 continue
-            except train_replicas.OthersFinished:
-                return train_replicas.others_finished(replica, record)
+            except replicas.OthersFinished:
+                return replicas.others_finished(replica, record)
             ray_reports.report(record)  # under Ray: to ray.train.report, from every rank
             if run_state.leads:
-                train_records.append_record(metrics_path, record)
+                records.append_record(metrics_path, record)
                 tracked.log(record)
                 job.print(f"epoch {epoch + 1}/{cfg.epochs}: train_loss {record['train_loss']:.4f}  val_loss "
                           f"{record['val_loss']:.4f}  val_acc {record['val_acc']:.2%} ({record['val_count']} samples)  "
-                          f"{record['images_per_sec']:.0f} images/s" + train_records.replicas_said(record))
+                          f"{record['images_per_sec']:.0f} images/s" + records.replicas_said(record))
             loop.save(epoch + 1, 0, [0.0, 0.0], if_idle=False)
             epoch += 1
     run_state.ckpt.wait()
@@ -126,7 +125,7 @@ def start(cfg: TrainConfig, job: Job, replica=None) -> RunState:
         model = zoo.build_model(cfg.model, in_channels=channels, num_classes=sets.num_classes, image_size=image_size,
                                 arguments=cfg.model_arguments())
     job.strategy.check(world_size=job.world_size, cuda_count=torch.cuda.device_count(), batch_size=cfg.batch_size)
-    ckpt, resumed = train_resume.open_checkpoints(cfg, job, model, replica)
+    ckpt, resumed = resume.open_checkpoints(cfg, job, model, replica)
     optimizer_class, settings = optimizer_settings(cfg.optimizer, cfg.lr)
     example = zoo.example_batch(sets, cfg.batch_size, channels, image_size)
     wrapped, optimizer = job.setup(model, optimizer_class, example=example, **settings)
@@ -146,9 +145,9 @@ def start(cfg: TrainConfig, job: Job, replica=None) -> RunState:
     run_state = RunState(cfg, job, wrapped, optimizer, make_scheduler(cfg.lr_schedule(), optimizer, steps_per_epoch),
                          loader, val_loader, ckpt, steps_per_epoch, position=Position(), replica=replica,
                          global_batch=cfg.batch_size * job.data_replicas * cfg.accumulate * groups)
-    train_records.announce(run_state, sets, sum(p.numel() for p in model.parameters()))
+    records.announce(run_state, sets, sum(p.numel() for p in model.parameters()))
     if resumed is not None:
-        run_state.position = train_resume.restore(run_state, resumed)
+        run_state.position = resume.restore(run_state, resumed)
     job.global_step = run_state.position.global_step
     if replica is not None:
         replica.resume_at(job.global_step)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit import checkpoint
-from ddpkit.app.train_state import RunState
+from ddpkit.app.train.state import RunState
 from ddpkit.core import process_group
 from ddpkit.core.errors import disk_full
 from ddpkit.core.logs import logger

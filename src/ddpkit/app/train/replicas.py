@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from ddpkit.app.train_state import Position, RunState
+from ddpkit.app.train.state import Position, RunState
 from ddpkit.core.logs import logger
 from ddpkit.watch import heartbeat
 
