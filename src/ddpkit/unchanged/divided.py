@@ -12,8 +12,8 @@ cannot cut), one whose outputs are not batch-shaped (a loss it returns), and one
 mode (whose statistics are the batch's) are computed whole, as before. A call whose outputs turn out not
 batch-shaped is computed again, whole, and that model is not divided again. The rows each rank computes are a
 contiguous run of the batch, as a split training batch's; a batch smaller than the world is computed whole.
-PyTorch's global forward hooks show a call's keywords from torch 2.5 on (``KEYWORDS_SEEN``): before, evaluation
-stays whole.
+PyTorch's global forward hooks show a call's keywords only in releases after late 2024 (pytorch#137403;
+``KEYWORDS_SEEN``, read from the hook's signature; torch 2.4 has none): on an older torch, evaluation stays whole.
 """
 
 from __future__ import annotations
