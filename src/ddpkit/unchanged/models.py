@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 from ddpkit.core.errors import UsageError
 from ddpkit.core.logs import logger
 from ddpkit.data.split_batches import share_of
+from ddpkit.strategies.fsdp import is_fsdp2
 from ddpkit.strategies.in_place import replicate_in_place
 from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.randomness import Streams
@@ -170,8 +171,6 @@ def _distributed_already(module: nn.Module) -> bool:
 
     if isinstance(module, DistributedDataParallel):
         return True
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    except ImportError:
-        return False
-    return isinstance(module, (FSDPModule, FullyShardedDataParallel))
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return isinstance(module, FullyShardedDataParallel) or is_fsdp2(module)
