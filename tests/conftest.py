@@ -23,6 +23,9 @@ import torch
 
 import warm
 import warm_ranks
+from ddpkit.core.version import torch_at_least
+from ddpkit.strategies.fsdp import FSDP_ON_CPU
+from ddpkit.strategies.pipeline import PIPELINE_EVAL
 
 # Every process a test starts inherits this variable, so leftovers (workers of a torchrun agent
 # included) can be found in /proc at the end whatever their parent became.
@@ -35,6 +38,23 @@ def child_env(**extra: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "SLURM_", "TORCHELASTIC", "DDPKIT_LOG", "DDPKIT_CONFIG"))}
     env.update({MARKER_KEY: MARKER, "PYTHONUNBUFFERED": "1"}, **extra)
     return env
+
+
+# What differs with the torch installed (pyproject's floor is 2.4): features ddpkit refuses on an older one, and what
+# torch itself does differently there.
+def _agent_reports_ended_ranks() -> bool:
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+    # Newer agents count the workers they stop after a failure among the failures (pytorch#160908); torch 2.4's
+    # report the failed one alone, so ddpkit cannot say which ranks the launcher ended.
+    return hasattr(SubprocessContext, "_capture_process_failures")
+
+
+AGENT_REPORTS_ENDED_RANKS = _agent_reports_ended_ranks()
+needs_fsdp_on_cpu = pytest.mark.skipif(not torch_at_least(FSDP_ON_CPU),
+                                       reason=f"FSDP2 on the CPU needs torch>={FSDP_ON_CPU} (ddpkit refuses it before)")
+needs_pipeline = pytest.mark.skipif(not torch_at_least(PIPELINE_EVAL),
+                                    reason=f"--strategy pipeline needs torch>={PIPELINE_EVAL} (schedule.eval)")
 
 
 def warm_ranks_env(**extra: str) -> dict[str, str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from conftest import children_of, leftover_processes, run_ddpkit, warm_python, warm_ranks_env
+from conftest import AGENT_REPORTS_ENDED_RANKS, children_of, leftover_processes, run_ddpkit, warm_python, warm_ranks_env
 import warm_ranks
 from ddpkit import checkpoint
 from ddpkit.watch import heartbeat
@@ -175,7 +175,8 @@ def test_a_rank_asleep_in_a_library_script_is_named_with_its_stack(tmp_path):
     assert "The other ranks wait for it: 0 at step 30 (backward)" in err
     assert "deep_in_user_code (sleeper.py:6)" in err  # its stack, read by py-spy
     assert "Traceback" not in err
-    assert "rank 0 (pid" in err and "was ended by the launcher (SIGTERM) when another rank failed" in err
+    if AGENT_REPORTS_ENDED_RANKS:  # torch 2.4's agent reports the failed rank alone
+        assert "rank 0 (pid" in err and "was ended by the launcher (SIGTERM) when another rank failed" in err
     assert took < 90, f"took {took:.0f} s"
     assert not leftover_processes()
 

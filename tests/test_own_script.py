@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, WeightedRandomSampler
 
 import ddpkit
-from conftest import leftover_processes, max_relative_difference, run_ddpkit
+from conftest import leftover_processes, max_relative_difference, needs_fsdp_on_cpu, run_ddpkit
 from ddpkit.core.env import DistEnv
 from ddpkit.core.process_group import Runtime
 from ddpkit.data import eval_loader, train_loader
@@ -380,6 +380,7 @@ def test_an_unedited_script_keeps_its_argv_file_and_exit_status(tmp_path):
     assert f"['{script}', '--flag', 'x'] argv.py __main__" in done.stdout
 
 
+@needs_fsdp_on_cpu
 def test_under_fsdp_the_scripts_optimizer_and_scheduler_drive_the_sharded_parameters():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -399,6 +400,7 @@ def test_under_fsdp_the_scripts_optimizer_and_scheduler_drive_the_sharded_parame
         assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
 
 
+@needs_fsdp_on_cpu
 def test_an_optimizer_that_stepped_is_refused_where_its_parameters_must_change():
     model = nn.Linear(4, 2)
     optimizer = torch.optim.Adam(model.parameters())

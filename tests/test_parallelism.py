@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import (DIGITS_CONVNET, finish, max_relative_difference, run_ddpkit, start_train, train, train_here,
-                      worker_pid)
+from conftest import (DIGITS_CONVNET, finish, max_relative_difference, needs_fsdp_on_cpu, needs_pipeline, run_ddpkit,
+                      start_train, train, train_here, worker_pid)
 from ddpkit import checkpoint
 from ddpkit.checkpoint import sharded
 from ddpkit.app.cli import main
@@ -184,6 +184,7 @@ def fsdp_run(tmp_path_factory):
     return folder, state_fsdp, rows
 
 
+@needs_fsdp_on_cpu
 def test_fsdp_trains_the_same_weights_as_ddp_with_less_state_per_rank(ddp_run, fsdp_run):
     _, state_ddp, rows_ddp = ddp_run
     _, state_fsdp, rows_fsdp = fsdp_run
@@ -196,6 +197,7 @@ def test_fsdp_trains_the_same_weights_as_ddp_with_less_state_per_rank(ddp_run, f
     assert len(rows_fsdp[-1]["peak_memory_mb"]) == 2 and min(rows_fsdp[-1]["peak_memory_mb"]) > 0
 
 
+@needs_fsdp_on_cpu
 def test_fsdp_saves_each_ranks_own_shard_and_resumes_it_exactly(tmp_path, ddp_run, fsdp_run):
     folder, state_fsdp, _ = fsdp_run
     saved = folder / "checkpoints" / "step-00000015"
@@ -224,6 +226,7 @@ def test_fsdp_saves_each_ranks_own_shard_and_resumes_it_exactly(tmp_path, ddp_ru
     assert max_relative_difference(zero, state_ddp) <= 1e-5
 
 
+@needs_fsdp_on_cpu
 def test_fsdp_checkpoints_load_on_one_process_and_export(tmp_path, fsdp_run):
     folder, state_fsdp, _ = fsdp_run
     # The epoch's last checkpoint, resharded onto one process (in this one: the same code, no launcher):
@@ -235,6 +238,7 @@ def test_fsdp_checkpoints_load_on_one_process_and_export(tmp_path, fsdp_run):
     assert max_relative_difference(torch.load(tmp_path / "exported.pt", weights_only=True), state_fsdp) == 0
 
 
+@needs_fsdp_on_cpu
 def test_a_rank_killed_while_saving_in_the_background_restarts_the_group_from_its_last_checkpoint(tmp_path, fsdp_run):
     """kill -9 of rank 1 under --max-restarts 1, FSDP saving sharded checkpoints asynchronously: torchrun's agent
     restarts the group, which resumes from its own newest complete checkpoint and ends with the same model."""
@@ -288,6 +292,7 @@ def test_zero_trains_the_same_weights_as_ddp_with_less_optimizer_state(tmp_path,
     assert saved["optimizer"]["param_groups"] == plain["param_groups"]
 
 
+@needs_pipeline
 def test_pipeline_trains_like_ddp_and_checkpoints_the_whole_model(tmp_path, ddp_run):
     _, state_ddp, rows_ddp = ddp_run
     # 2 stages, one pipeline with batch 64 in 4 micro-batches: global batch 64, as DDP's.
@@ -305,6 +310,7 @@ def test_pipeline_trains_like_ddp_and_checkpoints_the_whole_model(tmp_path, ddp_
 
 
 @pytest.mark.slow  # 4 processes on 2 cores, twice: about 35 s
+@needs_pipeline
 def test_pipeline_with_replicas_trains_like_ddp_and_resumes(tmp_path, ddp_run):
     _, state_ddp, rows_ddp = ddp_run
     # 2 stages x 2 replicas, each pipeline batch 32 in 4 micro-batches: global batch 64, as DDP's.
@@ -392,6 +398,7 @@ PIPELINE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@needs_pipeline
 def test_pipeline_stages_match_the_unsplit_model_for_both_schedules(tmp_path):
     script = tmp_path / "pipe.py"
     script.write_text(PIPELINE_SCRIPT)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, public_scripts_data, run_ddpkit
+from ddpkit.core.version import torch_at_least
 
 CONVERSIONS = REPO / "benchmarks" / "conversions"
 EXAMPLES = REPO / "examples"
@@ -52,6 +53,7 @@ def test_pytorch_examples_imagenet_trains_evaluates_top5_exactly_and_resumes(dat
     assert state["epoch"] == 2 and state["scheduler"]["last_epoch"] == 2
 
 
+@pytest.mark.skipif(not torch_at_least("2.6"), reason="pytorch/examples' VAE script uses torch.accelerator (torch>=2.6)")
 def test_pytorch_examples_vae_sums_its_test_loss_over_the_whole_set(data, tmp_path):
     out = ddpkit_run("vae_main.py", "--data", str(data), "--epochs", "1", "--batch-size", "64", "--log-interval", "10",
                      cwd=tmp_path)

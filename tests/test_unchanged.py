@@ -21,6 +21,7 @@ from conftest import REPO, public_scripts_data, run_command, run_ddpkit
 from ddpkit.data.split_batches import SharedStream, share_of
 from ddpkit.unchanged import Setting, stands_aside
 from ddpkit.unchanged.batches import Batch
+from ddpkit.unchanged.divided import KEYWORDS_SEEN
 from ddpkit.unchanged.randomness import derived_seed
 
 SCRIPT = str(Path(__file__).with_name("unchanged_script.py"))
@@ -170,10 +171,12 @@ def test_evaluations_written_every_way_count_every_sample_once_and_training_betw
     assert worst_relative_difference({"m": one["weights"]["evaluated"]}, {"m": two["weights"]["evaluated"]}) < 1e-12
     assert "a pass over a DataLoader that trained" not in done.stderr
     # Divided: each of the 2 processes computed about half of the rows that one process computed without gradients
-    # (the model's first evaluating call is whole, on every process: it shows that the model can be divided).
+    # (the model's first evaluating call is whole, on every process: it shows that the model can be divided). On a
+    # torch whose global hooks do not show a call's keywords, every process computes them all.
     [whole] = [json.loads(path.read_text()) for path in runs["both", 1][0].glob("rows-*.json")]
     shares = [json.loads(path.read_text()) for path in runs["mean", 2][0].glob("rows-*.json")]
-    assert len(shares) == 2 and all(share < 0.6 * whole for share in shares), (whole, shares)
+    assert len(shares) == 2, shares
+    assert all(share < 0.6 * whole for share in shares) if KEYWORDS_SEEN else shares == [whole, whole], (whole, shares)
 
 
 def test_a_gans_noise_differs_across_ranks_and_rank_0_alone_writes_what_torch_save_writes(runs):

@@ -312,3 +312,17 @@ def test_variables_set_for_a_block_are_as_before_after_it(monkeypatch):
         assert os.environ["DDPKIT_TEST_KEPT"] == "inside" and os.environ["DDPKIT_TEST_NEW"] == "1"
         raise RuntimeError("the block failed")
     assert os.environ["DDPKIT_TEST_KEPT"] == "before" and "DDPKIT_TEST_NEW" not in os.environ
+
+
+def test_a_feature_for_a_newer_torch_is_refused_in_one_line_naming_it(monkeypatch):
+    from ddpkit.core import version
+
+    monkeypatch.setattr(torch, "__version__", "2.4.1+cu121")
+    assert version.torch_at_least("2.4") and version.torch_at_least("2.4.1") and not version.torch_at_least("2.5")
+    with pytest.raises(UsageError) as caught:
+        version.require_torch("2.7", "`strategy` fsdp on the CPU")
+    assert str(caught.value) == ("`strategy` fsdp on the CPU needs torch>=2.7 (this is torch 2.4.1+cu121); "
+                                 "upgrade it: pip install -U 'torch>=2.7'")
+    monkeypatch.setattr(torch, "__version__", "2.9.0a0+git1234")  # a nightly of 2.9 has 2.9's features
+    assert version.torch_at_least("2.9") and not version.torch_at_least("2.10")
+    version.require_torch("2.7", "`strategy` fsdp on the CPU")

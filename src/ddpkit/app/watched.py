@@ -148,7 +148,7 @@ def watch_when_up() -> None:
     if process_group.set_up_by_ddpkit() and not _unchanged:
         return
     try:
-        store = dist.distributed_c10d._get_default_store().clone()  # noqa: SLF001 - the group's own store
+        store = process_group.own_connection(dist.distributed_c10d._get_default_store())  # noqa: SLF001 - the group's own store
         store.set_timeout(datetime.timedelta(seconds=heartbeat.STORE_TIMEOUT_S))
         store.set(f"{WHO_KEY}/{dist.get_rank()}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         # A stall takes longer than this to call: a script whose group lives less needs no watch, and its ranks

@@ -120,8 +120,8 @@ def save(state: dict, folder: Path, group, *, asynchronous: bool, staging: Stagi
         stager = staging.stager_for(state) if staging is not None else None
         given = {"async_stager": stager} if stager is not None else {}  # torch before 2.9 has no such argument
         return dcp.async_save(state, storage_writer=writer, planner=planner, process_group=group,
-                              no_dist=_alone(group), **given)
-    dcp.save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=_alone(group))
+                              **_alone_argument(group), **given)
+    dcp.save(state, storage_writer=writer, planner=planner, process_group=group, **_alone_argument(group))
     return None
 
 
@@ -166,11 +166,19 @@ def _alone(group) -> bool:
     return group is None and not (dist.is_available() and dist.is_initialized())
 
 
+# dcp.save, async_save and load take ``no_dist`` on newer torch; torch 2.4's decide it as ``_alone`` does.
+_NO_DIST_ARGUMENT = "no_dist" in inspect.signature(dcp.save).parameters
+
+
+def _alone_argument(group) -> dict:
+    return {"no_dist": _alone(group)} if _NO_DIST_ARGUMENT else {}
+
+
 def load(state: dict, folder: str | os.PathLike, group) -> None:
     """Fill ``state`` (this rank's part, as ``Strategy.sharded_state`` lays it out) from ``folder``, in place."""
     try:
         dcp.load(state, storage_reader=SafeReader(folder), planner=SafeLoadPlanner(), process_group=group,
-                 no_dist=_alone(group))
+                 **_alone_argument(group))
     except (Exception, CheckpointException) as error:
         raise CheckpointError(f"{folder} cannot be loaded into this model and optimizer: {why(error)}; resume with "
                               "the optimizer that wrote it") from None
@@ -180,7 +188,12 @@ def load_model(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The whole model's state_dict from a sharded checkpoint, in this process alone (no process group)."""
     state = model_shapes(folder, "cpu")
     try:
-        dcp.load({MODEL: state}, storage_reader=SafeReader(folder), planner=SafeLoadPlanner(), no_dist=True)
+        if _NO_DIST_ARGUMENT or _alone(None):
+            dcp.load({MODEL: state}, storage_reader=SafeReader(folder), planner=SafeLoadPlanner(),
+                     **({"no_dist": True} if _NO_DIST_ARGUMENT else {}))
+        else:  # an older dcp.load would go by the process group that is up: its deprecated form takes "alone"
+            dcp.load_state_dict({MODEL: state}, storage_reader=SafeReader(folder), planner=SafeLoadPlanner(),
+                                no_dist=True)
     except (Exception, CheckpointException) as error:
         raise CheckpointError(f"{folder}: its model cannot be read: {why(error)}") from None
     return state

@@ -28,6 +28,7 @@ import socket
 import torch.distributed as dist
 
 from ddpkit.core.errors import UsageError
+from ddpkit.core.version import torch_at_least
 
 GLOO_VARIABLE = "GLOO_SOCKET_IFNAME"
 LOOPBACK = "127.0.0.1"
@@ -151,10 +152,13 @@ def store_on(address: str, *, port: int = 0, world_size: int | None = None, time
         reason = os.strerror(error.errno) if error.errno else str(error)
         raise dist.DistNetworkError(f"cannot listen on {address}:{port}: {reason}") from None
     chosen_port = listener.getsockname()[1]
-    # The store takes the descriptor over and closes it with itself: the Python object lets go of it.
+    # The store takes the descriptor over and closes it with itself: the Python object lets go of it. libuv's
+    # server (the default since torch 2.4) takes a listening descriptor only from torch 2.8 (pytorch#150215);
+    # before, the legacy server does.
+    legacy = {} if torch_at_least("2.8") else {"use_libuv": False}
     return dist.TCPStore(address, chosen_port, world_size, is_master=True,
                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=wait_for_workers,
-                         master_listen_fd=listener.detach())
+                         master_listen_fd=listener.detach(), **legacy)
 
 
 def bind_address(host: str, *, one_machine: bool) -> str | None:

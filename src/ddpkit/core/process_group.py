@@ -280,6 +280,29 @@ def job_store(environment: env_mod.DistEnv, timeout_s: float) -> dist.Store:
     return dist.PrefixStore("default_pg", store)
 
 
+def own_connection(store: dist.Store) -> dist.Store:
+    """A connection of its own to the default group's ``store`` (``dist.distributed_c10d._get_default_store()``),
+    for a thread that must never wait behind the main thread's store calls, nor change their timeout.
+
+    ``Store.clone`` does that from torch 2.8. Before, a new client of the TCPStore underneath, under the prefixes
+    that torch puts on it (a PrefixStore does not tell its prefix there): the group's name, over "default_pg"
+    (``init_process_group``'s, or ``job_store``'s), over "/worker/attempt_N" where torchrun's agent hosts the store.
+    Another chain: a RuntimeError."""
+    if hasattr(store, "clone"):
+        return store.clone()
+    depth, base = 0, store
+    while isinstance(base, dist.PrefixStore):
+        depth, base = depth + 1, base.underlying_store
+    if not isinstance(base, dist.TCPStore) or depth not in (2, 3):
+        raise RuntimeError(f"no second connection to a {type(base).__name__} under {depth} prefixes on torch "
+                           f"{torch.__version__} (Store.clone needs torch>=2.8)")
+    connection: dist.Store = dist.TCPStore(base.host, base.port, is_master=False, timeout=base.timeout)
+    if depth == 3:
+        connection = dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                                      connection)
+    return dist.PrefixStore(f"{dist.group.WORLD.group_name}/", dist.PrefixStore("default_pg", connection))
+
+
 def collect_garbage_at_exit() -> None:
     """Make this process collect cyclic garbage (DDP models, their reducers and process groups) when it
     exits, before the interpreter shuts down; called by ``setup``, not at import.

@@ -465,6 +465,11 @@ def report_failures(failures: dict[int, tuple[int, int]], rank_logs_dir: str | N
     return EXIT_USAGE if EXIT_USAGE in codes else 1
 
 
+def _pid(failed: Exception) -> int:
+    """The failed worker's pid from spawn's exception: ``error_pid`` on newer torch, ``pid`` on torch 2.4."""
+    return getattr(failed, "error_pid", None) or failed.pid
+
+
 def spawn(worker: Callable[..., object], nproc: int, args: tuple = ()) -> int:
     """The tutorials' way: ``torch.multiprocessing.spawn(worker, args=(port, *args))``, rank first."""
     import torch.multiprocessing as mp
@@ -479,10 +484,10 @@ def spawn(worker: Callable[..., object], nproc: int, args: tuple = ()) -> int:
     try:
         mp.spawn(worker, args=(nproc, free_port(), *args), nprocs=nproc, join=True)
     except ProcessExitedException as failed:
-        return report_failures({failed.error_index: (failed.exit_code, failed.error_pid)})
+        return report_failures({failed.error_index: (failed.exit_code, _pid(failed))})
     except ProcessRaisedException as failed:
         # spawn hands the worker's traceback over in the exception instead of printing it.
         print(failed, file=sys.stderr)  # the worker's traceback: program output, not a message of ours
-        logger.error(f"rank {failed.error_index} (pid {failed.error_pid}) raised the exception above")
+        logger.error(f"rank {failed.error_index} (pid {_pid(failed)}) raised the exception above")
         return 1
     return 0

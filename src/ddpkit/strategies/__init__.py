@@ -23,7 +23,7 @@ from ddpkit.core.errors import UsageError
 from ddpkit.strategies.base import Strategy, unwrap
 from ddpkit.strategies.ddp import DDP, OneProcessDDP
 from ddpkit.strategies.dp import DataParallel
-from ddpkit.strategies.fsdp import FSDP
+from ddpkit.strategies.fsdp import FSDP, is_fsdp2
 from ddpkit.strategies.pipeline import Pipeline, PipelineLayout, PipelineParallel
 from ddpkit.strategies.single import Single
 from ddpkit.strategies.split import model_parallel
@@ -66,8 +66,7 @@ def strategy_of(model: nn.Module, optimizer=None) -> Strategy:
     """
     if getattr(model, "is_pipeline", False):
         return PipelineParallel()
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing can be sharded yet
-    if fsdp is not None and isinstance(model, fsdp.FSDPModule):
+    if is_fsdp2(model):
         return FSDP()
     zero = sys.modules.get("torch.distributed.optim")
     if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):

@@ -20,9 +20,34 @@ import torch.nn as nn
 
 from ddpkit.core.errors import UsageError
 from ddpkit.core.process_group import Runtime, broadcast_buffers
+from ddpkit.core.version import require_torch
 from ddpkit.strategies import split
 from ddpkit.strategies.base import Strategy, state_dicts, uncompiled
 from ddpkit.strategies import state as state_layouts
+
+
+FSDP_ON_CPU = "2.7"  # the torch whose FSDP2 runs on the CPU (gloo)
+# Where FSDP2 lives: public in torch.distributed.fsdp from torch 2.6, in torch.distributed._composable.fsdp before.
+FSDP2_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+
+
+def fsdp2():
+    """The module that holds FSDP2's ``fully_shard`` and ``FSDPModule`` on this torch (imported here)."""
+    import importlib
+
+    for name in FSDP2_MODULES:
+        module = importlib.import_module(name)
+        if hasattr(module, "fully_shard"):
+            return module
+    raise ImportError(f"no fully_shard in {' or '.join(FSDP2_MODULES)} (torch {torch.__version__})")
+
+
+def is_fsdp2(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded by ``fully_shard``, without importing FSDP (nothing is sharded before)."""
+    import sys
+
+    return any(isinstance(model, sys.modules[name].FSDPModule) for name in FSDP2_MODULES
+               if hasattr(sys.modules.get(name), "FSDPModule"))
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
@@ -47,12 +72,19 @@ class FSDP(Strategy):
     eval_lockstep: ClassVar[bool] = True  # each forward all-gathers: every rank runs as many
     in_replica_groups: ClassVar[bool] = True  # HSDP: sharded inside each group, each shard averaged across them
 
+    def check(self, *, world_size: int, cuda_count: int, batch_size: int | None = None,  # noqa: ARG002
+              build_model=None) -> None:
+        if cuda_count == 0:  # the launcher says it once, before any process starts
+            require_torch(FSDP_ON_CPU, "`strategy` fsdp on the CPU")
+
     def wrap(self, model: nn.Module, runtime: Runtime, *, example=None) -> nn.Module:  # noqa: ARG002
         """Shard ``model`` over every rank of the process group, block by block, then the rest at the root."""
         if runtime.backend is None:
             raise UsageError("`strategy` fsdp needs a process group; start it with a launcher (ddpkit run / torchrun)")
-        from torch.distributed.fsdp import fully_shard  # imported on use: it adds 0.6 s to every ddpkit command
-
+        if runtime.device.type == "cpu":
+            # Before, FSDP2 makes CUDA streams whatever the device (pytorch#136843, #145935).
+            require_torch(FSDP_ON_CPU, "`strategy` fsdp on the CPU")
+        fully_shard = fsdp2().fully_shard  # imported on use: it adds 0.6 s to every ddpkit command
         model = model.to(runtime.device)
         for unit in shard_units(model):
             fully_shard(unit)

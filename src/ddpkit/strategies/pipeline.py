@@ -30,11 +30,14 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpkit.core.errors import UsageError
 from ddpkit.core.process_group import Runtime, broadcast_buffers
 from ddpkit.core.snapshot import snapshot
+from ddpkit.core.version import require_torch
 from ddpkit.strategies import split
 from ddpkit.strategies.base import Strategy, unwrap
 from ddpkit.strategies import state as state_layouts
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B
+# The torch whose schedules evaluate (``schedule.eval``, pytorch#157795): a pipeline's forward without a backward.
+PIPELINE_EVAL = "2.9"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +179,7 @@ class PipelineParallel(Strategy):
         layout = self.layout(world_size, batch_size or (self.microbatches or 2 * (self.stages or world_size)))
         if build_model is not None:
             split.cut(build_model(), layout.stages, self.split_names())
+        require_torch(PIPELINE_EVAL, "`strategy` pipeline")
 
     def check_training(self, *, accumulate: int, amp: str) -> None:
         if accumulate > 1:
@@ -196,6 +200,7 @@ class PipelineParallel(Strategy):
         """
         if runtime.backend is None:
             raise UsageError("`strategy` pipeline needs a process group; start it with a launcher (ddpkit run / torchrun)")
+        require_torch(PIPELINE_EVAL, "`strategy` pipeline")
         if example is None:
             raise UsageError("a pipeline needs an example batch of inputs to size its stages: wrap(..., example=batch)")
         # Imported here: torch.distributed.pipelining takes a second to import, which every ddpkit command would pay.

@@ -389,7 +389,10 @@ def watch(runtime, *, pace: Pace, stall_s: float | None, timeout_s: float, statu
         return
     import torch.distributed as dist
 
-    store = dist.distributed_c10d._get_default_store().clone()  # its own connection: the thread never waits on ours
+    from ddpkit.core import process_group
+
+    # A connection of its own: the thread never waits on ours.
+    store = process_group.own_connection(dist.distributed_c10d._get_default_store())
     store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
     address = (runtime.env.master_addr, runtime.env.master_port) if runtime.env.master_port else None
     beat = Heartbeat(store, rank=runtime.rank, world_size=runtime.world_size, stall_s=stall_s,
