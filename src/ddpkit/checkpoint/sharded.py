@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
-from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only
 
 from ddpkit.core.errors import CheckpointError, disk_full, first_line
 
@@ -112,11 +112,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def save(state: dict, folder: Path, group, *, asynchronous: bool, staging: Staging | None = None) -> Future | None:
     """Every rank writes its part of ``state`` into ``folder``; with ``asynchronous``, DCP copies it to host
-    memory (``staging``'s, where it has some) and returns a future that completes once every rank's part and the
-    metadata are on disk."""
+    memory (``staging``'s, where it has some; a tensor on the CPU is copied here where DCP would keep it as it is)
+    and returns a future that completes once every rank's part and the metadata are on disk."""
     writer = FileSystemWriter(folder, sync_files=True, overwrite=True)
     planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)  # replicas' tensors: rank 0's, as model.pt
     if asynchronous:
+        if not _STAGING_COPIES_CPU_TENSORS:
+            state = tree_map_only(torch.Tensor, lambda tensor: tensor.detach().clone() if tensor.device.type == "cpu"
+                                  else tensor, state)
         stager = staging.stager_for(state) if staging is not None else None
         given = {"async_stager": stager} if stager is not None else {}  # torch before 2.9 has no such argument
         return dcp.async_save(state, storage_writer=writer, planner=planner, process_group=group,
@@ -151,6 +154,16 @@ class Staging:
 
 # dcp.async_save takes a stager of the caller's from torch 2.9 on; before, DCP's own copy it is.
 _STAGER_ARGUMENT = "async_stager" in inspect.signature(dcp.async_save).parameters
+
+
+def _staging_copies_cpu_tensors() -> bool:
+    """Whether DCP's own copy for an asynchronous save copies a tensor already on the CPU. torch 2.4's moves each
+    tensor to the CPU, which leaves that one as it is: training went on changing what was being written."""
+    probe = torch.zeros(1)
+    return BlockingAsyncStager().stage({"probe": probe})["probe"] is not probe
+
+
+_STAGING_COPIES_CPU_TENSORS = _staging_copies_cpu_tensors()
 
 
 def layout(state: dict) -> tuple:

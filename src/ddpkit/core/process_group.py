@@ -33,6 +33,7 @@ from ddpkit.core import env as env_mod
 from ddpkit.core import exits, logs, signals
 from ddpkit.core.errors import UsageError, disk_full, first_line
 from ddpkit.core.logs import logger, report_usage_error
+from ddpkit.core.version import torch_at_least
 
 BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
@@ -358,10 +359,56 @@ def teardown() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     if not adopted:
-        dist.destroy_process_group()
+        side_groups.clear()  # destroy_process_group() ends them with the rest
+        _destroy(None)
+    else:
+        _destroy(side_groups)
+
+
+def _destroy(groups: list | None) -> None:
+    """``dist.destroy_process_group`` for each of ``groups`` (``None``: every group, the default one included),
+    emptying the list; before torch 2.8, without the hang below.
+
+    Before torch 2.8 (pytorch#154976) a ProcessGroup is freed holding the GIL, and with it its gloo backend,
+    whose destructor takes the backend's lock and joins gloo's worker threads. A worker that has just run a
+    collective frees that work holding the lock, and with it the work's tensors; one whose Python object is
+    already gone (a flag made for one broadcast, torch's own in broadcast_object_list) must take the GIL to be
+    freed. Each then waits for the other: on torch 2.4, a hang in ``destroy_process_group`` about once in 200
+    groups destroyed right after such a broadcast, or later, when a cycle that holds a group (a script's
+    globals) is collected. So, there: each gloo backend is held here while its groups are destroyed; this
+    thread then lets go of the GIL for a moment, in which a worker that waits for it frees its work; and the
+    backends are freed last, through their own Python objects, which release the GIL first (a group that
+    something else still holds keeps its backend, with no work left to free).
+    """
+    if torch_at_least("2.8"):
+        if groups is None:
+            dist.destroy_process_group()
+        while groups:
+            dist.destroy_process_group(groups.pop())
         return
-    for group in side_groups:
-        dist.destroy_process_group(group)
+    world = getattr(dist.distributed_c10d, "_world", None)
+    targets = list(getattr(world, "pg_map", ())) if groups is None else groups
+    backends = [backend for backend in map(_gloo_backend, targets) if backend is not None]
+    targets = None  # no reference to a group left here: the backends go last
+    if groups is None:
+        dist.destroy_process_group()
+    while groups:
+        dist.destroy_process_group(groups.pop())
+    if backends:
+        time.sleep(GIL_HANDOVER_S)
+    del backends  # the last references, unless a group lives on: each backend's destructor runs without the GIL
+
+
+GIL_HANDOVER_S = 0.05  # a thread waiting for the GIL takes it as soon as it is let go; this allows for a busy CPU
+
+
+def _gloo_backend(group):
+    """``group``'s gloo backend for CPU tensors; None if it has none (an NCCL-only group)."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    return backend if isinstance(backend, getattr(dist, "ProcessGroupGloo", ())) else None
 
 
 # Waiting for rank 0 to finish writing a checkpoint may take long on a slow disk; that wait must not be
