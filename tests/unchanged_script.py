@@ -8,7 +8,7 @@
                                             # loss inside the model (nanoGPT's), random_split and a drawn seed
     python unchanged_script.py OUT coupled  # a CLIP-style loss over in-batch negatives (--loss-reduction coupled)
     python unchanged_script.py OUT both     # all of the above: on one process, where every reduction splits alike
-    python unchanged_script.py OUT outside  # a batch cut by hand, its loss computed outside the model
+    python unchanged_script.py OUT outside  # a batch cut by hand, its loss computed outside the model (also in mean)
     python unchanged_script.py OUT coupled-inside  # a loss computed inside the model, with coupled
 
 A third argument ``float64`` makes it compute in float64. It writes OUT/result.pt with torch.save (rank 0 alone under
@@ -297,7 +297,8 @@ def clip_style():
 
 
 def loss_outside():
-    model = nn.Linear(6, 3)
+    """Batches cut by hand, the loss computed outside the model, dropout: every process computes it whole."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.3), nn.Linear(8, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for start in range(0, 45, 9):
         optimizer.zero_grad()
@@ -311,7 +312,8 @@ models = {}
 if reduction == "outside":
     models["outside"] = loss_outside()
 if reduction in ("mean", "both"):
-    models.update(classifier=classifier_with_batch_norm(), gan=gan(), ones=batches_of_one(), evaluated=evaluations())
+    models.update(classifier=classifier_with_batch_norm(), gan=gan(), ones=batches_of_one(), evaluated=evaluations(),
+                  outside=loss_outside())
 if reduction in ("sum", "both"):
     result["seed_drawn"] = seed_drawn
     torch.manual_seed(seed_drawn)  # the script's own seeding applies as on one device

@@ -78,7 +78,8 @@ def require_torchft() -> None:
     try:
         importlib.import_module("torchft")
     except ImportError as error:
-        raise UsageError(f"replica groups need torchft ({error}); install it with pip install 'ddpkit[ft]'") from None
+        raise UsageError(f"replica groups need torchft ({error}); install it with pip install 'ddpkit[ft]' (torchft "
+                         "needs torch>=2.7)") from None
     manager_log = logging.getLogger("torchft.manager")
     if without_traceback not in manager_log.filters:
         manager_log.addFilter(without_traceback)

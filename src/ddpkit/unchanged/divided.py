@@ -40,6 +40,7 @@ class Call:
     whole_args: tuple
     evaluating: bool = False
     share: Share | None = None
+    learning: bool = False  # a model's first training call outside a split loader: whether it returns its loss
 
 
 class Evaluations:

@@ -6,13 +6,17 @@ gradients on, that has parameters to train, is a model: at that first call, on e
 replica in place (``strategies.in_place``): its parameters and buffers rank 0's, its gradients all-reduced during
 backward, weighted by this rank's share of the batch. A loss module (no parameters) is left alone.
 
-Where no DataLoader splits the batches (the script cuts them by hand: nanoGPT's ``get_batch``), they are split where
-they enter the model, as DataParallel scatters them: each positional tensor argument cut along its first dimension.
-The model must then return its loss (a tensor of one element): computed outside from the model's outputs, a loss
-would meet targets that were not split, and that is refused in one line. The loss it returns is valued as the whole
-batch's (its gradient stays the share's), so that the script prints one process's number. The first such call runs on
-the whole batch on every rank (a hook cannot reach that call's inputs), which gives the same gradient, once, at N
-times the work.
+Where no DataLoader splits the batches (the script cuts them by hand: nanoGPT's ``get_batch``; or a model trained on
+a whole graph or data set at once), the model's first call runs whole on every rank (a hook cannot reach that call's
+inputs), from the shared random streams: the same gradient as one device's, at N times the work. What it returns
+decides the rest:
+
+- its loss (a tensor of one element, as nanoGPT's model returns): the batches are split where they enter the model,
+  as DataParallel scatters them, each positional tensor argument cut along its first dimension; the loss it returns
+  is valued as the whole batch's (its gradient stays the share's), so that the script prints one process's number;
+- no loss (the script computes it outside, from targets that no one split): every call stays whole on every rank,
+  exact and no faster, said once. A batch cut at the model would meet its targets whole, and a graph's rows are no
+  batch to cut.
 """
 
 from __future__ import annotations
@@ -36,10 +40,10 @@ from ddpkit.unchanged.divided import KEYWORDS_SEEN, Call, Evaluations
 from ddpkit.unchanged.gathered import ScaleGradient, gathered, share_sizes
 from ddpkit.unchanged.randomness import Streams
 
-NOT_SPLIT = ("--unchanged: this script feeds its model batches that no DataLoader split (cut by hand, or from an "
-             "IterableDataset or a loader without a batch size) and computes its loss outside the model, where its "
-             "targets are not split: give it a DataLoader over a map-style data set, or return the loss from the "
-             "model's forward (as nanoGPT does), or run it without --unchanged")
+NOT_SPLIT = ("--unchanged: this model's batches come from no DataLoader; it returned its loss at its first call, so "
+             "they are split where they enter it, but it returns none now, and a loss computed outside it would meet "
+             "targets that were not split: return the loss from every call, or give the script a DataLoader over a "
+             "map-style data set, or run it without --unchanged")
 
 
 class Models:
@@ -57,6 +61,7 @@ class Models:
         self.depth = 0
         self.off = False
         self._calls: list[Call] = []  # the open root call
+        self.whole: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models computed whole on every rank
         self.evaluations = Evaluations(rank=rank, world_size=world_size)
 
     def install(self) -> None:
@@ -80,14 +85,16 @@ class Models:
             first = True
         self.witness(training=True)
         from_loader = self.batch.loader_passes > 0 and not self.batch.coupled
-        split = self.world_size > 1 and not from_loader and not first  # (one process: nothing to split)
+        # (One process: nothing to split. A model whose first call returned no loss: every call whole, below.)
+        split = self.world_size > 1 and not from_loader and not first and module not in self.whole
         share = None
         if split:
             args, share = self.split(args)
+            self.streams.enter_forward()  # each rank's rows draw their own dropout, as rows of one batch do
         elif not from_loader:
-            self.batch.set_whole()
-        self.streams.enter_forward()
-        self._calls.append(Call(module, args, share=share))
+            self.batch.set_whole()  # the same computation on every rank, from the shared streams: one device's
+        self._calls.append(Call(module, args, share=share,
+                                learning=first and not self.batch.loader_passes and not self.batch.coupled))
         if first and self.world_size > 1:
             from torch.distributed._composable.replicate import replicate
 
@@ -114,7 +121,10 @@ class Models:
             return self.evaluations.finish(call, kwargs, output)
         share = call.share
         split = share is not None
-        self.streams.leave_forward()
+        if split:
+            self.streams.leave_forward()
+        elif call.learning and self.world_size > 1 and not _returns_a_loss(output):
+            self.computed_whole(module)
         if split and self.batch.coupled:
             rows = len(share.indices)
             return gathered(output, sizes=share_sizes(share.samples, world_size=self.world_size), rank=self.rank,
@@ -126,6 +136,17 @@ class Models:
             return output if split else None
         return pytree.tree_map_only(torch.Tensor, lambda t: ScaleGradient.apply(t, scale) if t.requires_grad else t,
                                     output)
+
+    def computed_whole(self, module: nn.Module) -> None:
+        """``module``'s inputs come from no split DataLoader and its first call returned no loss (the script computes
+        it outside, from targets that were not split): every rank computes each of its calls whole, from the shared
+        streams, as one device would. Exact, and no faster: said once."""
+        self.whole.add(module)
+        if self.rank == 0:
+            logger.warning(f"--unchanged: {_class_name(module)} gets inputs that no DataLoader split (a batch cut by "
+                           "hand, a whole graph or data set) and its loss is computed outside it: every process "
+                           "computes each of its steps whole, as one device does (exact, and no faster). A DataLoader "
+                           "over a map-style data set would split its batches")
 
     def whole_batch_losses(self, output):
         """``output`` of a model that got this rank's share of a batch, its losses (tensors of one element that
@@ -163,7 +184,7 @@ class Models:
         if self.world_size > 1:  # one process has nothing to average: its models run as they are
             replicate_in_place(module, weight=self.batch.current_weight, whole=self.batch.is_whole)
         self.found.add(module)
-        logger.debug(f"--unchanged: {type(module).__name__} is a model; its gradients are averaged over the ranks")
+        logger.debug(f"--unchanged: {_class_name(module)} is a model; its gradients are averaged over the ranks")
         return True
 
     def split(self, args: tuple) -> tuple[tuple, Share]:
@@ -183,3 +204,15 @@ class Models:
 
 def _trainable(module: nn.Module) -> bool:
     return any(parameter.requires_grad for parameter in module.parameters())
+
+
+def _returns_a_loss(output) -> bool:
+    """Whether ``output`` holds a loss: a tensor of one element that requires grad (nanoGPT's model returns one)."""
+    return any(isinstance(leaf, torch.Tensor) and leaf.numel() == 1 and leaf.requires_grad
+               for leaf in pytree.tree_leaves(output))
+
+
+def _class_name(module: nn.Module) -> str:
+    """The script's name for ``module``'s class (not ``replicate``'s subclass of it, ``DDPNet``)."""
+    return next(kind.__name__ for kind in type(module).__mro__
+                if not kind.__module__.startswith("torch.distributed._composable"))
