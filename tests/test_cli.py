@@ -542,3 +542,17 @@ def test_a_busy_master_port_on_one_machine_is_one_line_and_status_2(tmp_path):
     assert (f"ddpkit: error: could not set up the rendezvous at 127.0.0.1:{port} (cannot listen on 127.0.0.1:{port}: "
             "Address already in use); check --master-addr, and that --master-port is free") in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("strategy, needs", [("fsdp", "2.7"), ("pipeline", "2.9")])
+def test_a_strategy_that_needs_a_newer_torch_is_refused_there_in_one_line(tmp_path, strategy, needs):
+    from ddpkit.core.version import torch_at_least
+
+    if torch_at_least(needs):
+        pytest.skip(f"this torch ({torch.__version__}) has what --strategy {strategy} needs: its own tests train it")
+    done = run_ddpkit("train", "--strategy", strategy, "--nproc-per-node", "2", "--epochs", "1", "--output-dir",
+                      str(tmp_path), timeout=60)
+    assert done.returncode == 2, done.stderr
+    said = re.findall(rf"ddpkit: error: --strategy {strategy}.* needs torch>={needs} \(this is torch ", done.stderr)
+    assert len(said) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert not leftover_processes()
