@@ -218,7 +218,10 @@ def test_a_job_script_in_a_torchtrainer_trains_as_under_ddpkit_run_and_reports_e
     result = run_command([sys.executable, str(tmp_path / "driver.py"), ray_cluster, LIBRARY_LOOP, str(tmp_path / "out"),
                           str(reports), str(tmp_path / "storage"), *LOOP_ARGS], timeout=180, warm=True, **RAY_ENV)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert same_weights(torch.load(tmp_path / "out" / "model.pt", weights_only=True), expected, 1e-6)
+    # Ray's workers run torch on another number of threads than torchrun's ranks, and under bf16 autocast on torch 2.15
+    # the convolution's weight gradient depends on it: 1.07e-5 between 1 and 2 threads under ddpkit run alone (the
+    # other tensors equal); the tolerance is ten times that.
+    assert same_weights(torch.load(tmp_path / "out" / "model.pt", weights_only=True), expected, 1e-4)
     # One report per evaluation, from each of the two workers, counting every validation sample once.
     (per_worker,) = [json.loads(line) for line in reports.read_text().splitlines()]
     assert len(per_worker) == 2 and per_worker[0] == per_worker[1], per_worker
