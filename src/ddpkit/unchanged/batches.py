@@ -75,8 +75,7 @@ class Pass:
     """One pass over a split loader, and what its batches showed so far."""
 
     sampler: SplitBatchSampler
-    training: bool = False  # a model trained on one of its batches: its batches are split from then on
-    evaluation: bool = False  # a batch whose every model call evaluated: whole batches to its end
+    training: bool = False  # a model trained on one of its batches: its batches are split from then on (else whole)
     share: Share | None = None  # the batch last handed out
     trained: bool = False  # what the calls on that batch did
     evaluated: bool = False
@@ -156,18 +155,17 @@ class Loaders:
             self._own_streams(this)
 
     def _settle(self, this: Pass) -> None:
-        """What the batch handed out last showed, before the next is handed out."""
-        if this.share is None or this.trained or not this.evaluated:
+        """What the batch handed out last showed, before the next is handed out: a split batch of a training pass
+        that the models only evaluated is said once (an evaluation pass reads whole batches to its end anyway)."""
+        if this.share is None or this.trained or not this.evaluated or not this.training or this.share.whole:
             return
-        if not this.training:
-            this.evaluation = True
-        elif not this.share.whole and not self._warned and self.world_size > 1:
+        if not self._warned and self.world_size > 1:
             self._warned = True
             if self.rank == 0:
-                logger.warning("--unchanged: a pass over a DataLoader that trained its model split its batches, then called "
-                           "the model on one without training it (gradients off, or eval mode): what the script "
-                               "counts or sums from such a batch is this process's share, not one device's. Evaluate "
-                               "in a loop of its own")
+                logger.warning("--unchanged: a pass over a DataLoader that trained its model split its batches, then "
+                               "called the model on one without training it (gradients off, or eval mode): what the "
+                               "script counts or sums from such a batch is this process's share, not one device's. "
+                               "Evaluate in a loop of its own")
 
     def _make_current(self, this: Pass) -> None:
         if this in self._passes:
