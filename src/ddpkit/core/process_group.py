@@ -380,16 +380,7 @@ def _destroy(groups: list | None) -> None:
     backends are freed last, through their own Python objects, which release the GIL first (a group that
     something else still holds keeps its backend, with no work left to free).
     """
-    if torch_at_least("2.8"):
-        if groups is None:
-            dist.destroy_process_group()
-        while groups:
-            dist.destroy_process_group(groups.pop())
-        return
-    world = getattr(dist.distributed_c10d, "_world", None)
-    targets = list(getattr(world, "pg_map", ())) if groups is None else groups
-    backends = [backend for backend in map(_gloo_backend, targets) if backend is not None]
-    targets = None  # no reference to a group left here: the backends go last
+    backends = [] if torch_at_least("2.8") else _gloo_backends(groups)
     if groups is None:
         dist.destroy_process_group()
     while groups:
@@ -400,6 +391,13 @@ def _destroy(groups: list | None) -> None:
 
 
 GIL_HANDOVER_S = 0.05  # a thread waiting for the GIL takes it as soon as it is let go; this allows for a busy CPU
+
+
+def _gloo_backends(groups: list | None) -> list:
+    """The gloo backends of ``groups`` (``None``: every group there is), held here: no reference to a group itself."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    targets = list(getattr(world, "pg_map", ())) if groups is None else groups
+    return [backend for backend in map(_gloo_backend, targets) if backend is not None]
 
 
 def _gloo_backend(group):

@@ -44,12 +44,28 @@ def share_of(batch: Sequence, rank: int, world_size: int) -> Share:
     samples = len(batch)
     if samples == 0:
         raise ValueError("a batch sampler yielded an empty batch: there is nothing to split")
-    base, longer = divmod(samples, world_size)
-    count = base + (rank < longer)
-    if count == 0:
+    counts = share_sizes(samples, world_size=world_size)
+    if counts[rank] == 0:
         return Share(indices=[batch[-1]], weight=0.0, samples=samples)
-    start = rank * base + min(rank, longer)
-    return Share(indices=list(batch[start:start + count]), weight=count / samples, samples=samples)
+    start = sum(counts[:rank])
+    return Share(indices=list(batch[start:start + counts[rank]]), weight=counts[rank] / samples, samples=samples)
+
+
+def share_sizes(samples: int, *, world_size: int) -> list[int]:
+    """How many of ``samples`` each rank's share holds (0: that rank reads a stand-in).
+
+        >>> share_sizes(5, world_size=2), share_sizes(1, world_size=2)
+        ([3, 2], [1, 0])
+    """
+    base, longer = divmod(samples, world_size)
+    return [base + (rank < longer) for rank in range(world_size)]
+
+
+def rows_of_share(args: tuple, share: Share) -> tuple:
+    """``args`` (a model's positional arguments) cut to ``share``'s rows: each tensor along its first dimension (a
+    share is a contiguous run); anything else as it is."""
+    rows = slice(share.indices[0], share.indices[-1] + 1)
+    return tuple(arg[rows] if isinstance(arg, torch.Tensor) and arg.dim() > 0 else arg for arg in args)
 
 
 class SharedStream:

@@ -26,8 +26,8 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as module_hooks
 
-from ddpkit.data.split_batches import Share, share_of
-from ddpkit.unchanged.gathered import batch_shaped, gathered, map_tensors, share_sizes
+from ddpkit.data.split_batches import Share, rows_of_share, share_of, share_sizes
+from ddpkit.unchanged.gathered import batch_shaped, gathered, map_tensors
 
 KEYWORDS_SEEN = "with_kwargs" in inspect.signature(module_hooks.register_module_forward_hook).parameters
 
@@ -60,24 +60,23 @@ class Evaluations:
         if samples is None or samples < self.world_size or _batch_norm_training(module):
             return None
         share = share_of(range(samples), self.rank, self.world_size)
-        rows = slice(share.indices[0], share.indices[-1] + 1)
-        return tuple(arg[rows] if isinstance(arg, torch.Tensor) and arg.dim() > 0 else arg for arg in args), share
+        return rows_of_share(args, share), share
 
     def finish(self, call: Call, kwargs: dict, output):
         """The output of an evaluating call: learned from (a whole call), gathered (a divided one), or computed
         again whole (a divided call whose outputs are not batch-shaped: the model is not divided again)."""
-        samples = rows_of(call.whole_args)
         keywords = any(isinstance(value, torch.Tensor) for value in kwargs.values())
         if call.share is None:
             if call.module not in self.divisible:
+                samples = rows_of(call.whole_args)
                 self.divisible[call.module] = samples is not None and not keywords and batch_shaped(output, samples)
             return None
         rows = len(call.share.indices)
         if keywords or not batch_shaped(output, rows):
             self.never.add(call.module)
             return call.module(*call.whole_args, **kwargs)
-        return gathered(output, sizes=share_sizes(samples, world_size=self.world_size), rank=self.rank, rows=rows,
-                        with_gradients=False)
+        return gathered(output, sizes=share_sizes(call.share.samples, world_size=self.world_size), rank=self.rank,
+                        rows=rows, with_gradients=False)
 
 
 def rows_of(args: tuple) -> int | None:

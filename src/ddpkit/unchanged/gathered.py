@@ -1,8 +1,6 @@
 """A model's outputs, computed by each rank on its share of a batch, gathered into the whole batch's on every rank
-(``ddpkit run --unchanged``): DataParallel's gather, across processes.
-
-    >>> share_sizes(5, world_size=2), share_sizes(1, world_size=2)    # as ``split_batches.share_of`` cuts
-    ([3, 2], [1, 0])
+(``ddpkit run --unchanged``): DataParallel's gather, across processes. The ranks' shares are
+``data.split_batches.share_of``'s (their sizes: ``share_sizes``).
 
 A tensor whose first dimension is the share's is batch-shaped: its shares are put back together in rank order (a
 tuple, a list, a dict or a dataclass of tensors, at any depth, likewise). With ``with_gradients``, the backward of a
@@ -21,12 +19,6 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.core.errors import UsageError
-
-
-def share_sizes(samples: int, *, world_size: int) -> list[int]:
-    """How many of ``samples`` each rank computes (``split_batches.share_of``: a rank with a stand-in counts 0)."""
-    base, longer = divmod(samples, world_size)
-    return [base + (rank < longer) for rank in range(world_size)]
 
 
 def map_tensors(value, function):

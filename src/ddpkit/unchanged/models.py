@@ -32,12 +32,12 @@ from torch.utils import _pytree as pytree
 
 from ddpkit.core.errors import UsageError
 from ddpkit.core.logs import logger
-from ddpkit.data.split_batches import Share, share_of
+from ddpkit.data.split_batches import Share, rows_of_share, share_of, share_sizes
 from ddpkit.strategies import distributed_already
 from ddpkit.strategies.in_place import replicate_in_place
 from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.divided import KEYWORDS_SEEN, Call, Evaluations
-from ddpkit.unchanged.gathered import ScaleGradient, gathered, share_sizes
+from ddpkit.unchanged.gathered import ScaleGradient, gathered
 from ddpkit.unchanged.randomness import Streams
 
 NOT_SPLIT = ("--unchanged: this model's batches come from no DataLoader; it returned its loss at its first call, so "
@@ -87,13 +87,13 @@ class Models:
         from_loader = self.batch.loader_passes > 0 and not self.batch.coupled
         # (One process: nothing to split. A model whose first call returned no loss: every call whole, below.)
         split = self.world_size > 1 and not from_loader and not first and module not in self.whole
-        share = None
+        share, whole_args = None, args
         if split:
             args, share = self.split(args)
             self.streams.enter_forward()  # each rank's rows draw their own dropout, as rows of one batch do
         elif not from_loader:
             self.batch.set_whole()  # the same computation on every rank, from the shared streams: one device's
-        self._calls.append(Call(module, args, share=share,
+        self._calls.append(Call(module, whole_args, share=share,
                                 learning=first and not self.batch.loader_passes and not self.batch.coupled))
         if first and self.world_size > 1:
             from torch.distributed._composable.replicate import replicate
@@ -154,8 +154,7 @@ class Models:
         gradient stays this rank's own. A model that returns no loss is refused (its loss would meet targets that
         were not split)."""
         leaves, spec = pytree.tree_flatten(output)
-        losses = [index for index, leaf in enumerate(leaves)
-                  if isinstance(leaf, torch.Tensor) and leaf.numel() == 1 and leaf.requires_grad]
+        losses = [index for index, leaf in enumerate(leaves) if _is_a_loss(leaf)]
         if not losses:
             raise UsageError(NOT_SPLIT, said_elsewhere=self.rank != 0)  # every rank meets it: rank 0 says it
         weight = 1.0 if self.batch.summed else self.batch.weight
@@ -198,18 +197,20 @@ class Models:
                              "DataLoader, or run it without --unchanged", said_elsewhere=self.rank != 0)
         share = share_of(range(sizes.pop()), self.rank, self.world_size)
         self.batch.set(float(share.weight > 0) if self.batch.coupled else share.weight)
-        rows = slice(share.indices[0], share.indices[-1] + 1)
-        return tuple(arg[rows] if isinstance(arg, torch.Tensor) and arg.dim() > 0 else arg for arg in args), share
+        return rows_of_share(args, share), share
 
 
 def _trainable(module: nn.Module) -> bool:
     return any(parameter.requires_grad for parameter in module.parameters())
 
 
+def _is_a_loss(leaf) -> bool:
+    """A loss among a model's outputs: a tensor of one element that requires grad (nanoGPT's model returns one)."""
+    return isinstance(leaf, torch.Tensor) and leaf.numel() == 1 and leaf.requires_grad
+
+
 def _returns_a_loss(output) -> bool:
-    """Whether ``output`` holds a loss: a tensor of one element that requires grad (nanoGPT's model returns one)."""
-    return any(isinstance(leaf, torch.Tensor) and leaf.numel() == 1 and leaf.requires_grad
-               for leaf in pytree.tree_leaves(output))
+    return any(_is_a_loss(leaf) for leaf in pytree.tree_leaves(output))
 
 
 def _class_name(module: nn.Module) -> str:
