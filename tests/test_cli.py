@@ -25,6 +25,8 @@ DEMO = str(Path(__file__).resolve().parents[1] / "examples" / "ddp_demo.py")  # 
         (["run", "--seed", "3", DEMO], "--seed is for --unchanged (the script's own flags go after SCRIPT)"),
         (["run", "--loss-reduction", "sum", DEMO], "--loss-reduction is for --unchanged"),
         (["run", "--unchanged", "--loss-reduction", "max", DEMO], "invalid choice: 'max'"),
+        (["run", "--shard", "always", DEMO], "--shard is for --unchanged"),
+        (["run", "--unchanged", "--shard", "half", DEMO], "invalid choice: 'half'"),
         (["run", "--unchanged", "--replica-groups", "2", DEMO], "--unchanged and --replica-groups do not go together"),
         (["train", "--nproc-per-node", "many"], "whole number or auto, got 'many'"),
         (["train", "--batch-size", "0"], "--batch-size must be at least 1, got 0"),
@@ -554,5 +556,17 @@ def test_a_strategy_that_needs_a_newer_torch_is_refused_there_in_one_line(tmp_pa
                       str(tmp_path), timeout=60)
     assert done.returncode == 2, done.stderr
     said = re.findall(rf"ddpkit: error: --strategy {strategy}.* needs torch>={needs} \(this is torch ", done.stderr)
+    assert len(said) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert not leftover_processes()
+
+
+def test_sharding_an_unchanged_script_on_the_cpu_needs_torch_2_7_and_is_refused_before_in_one_line(tmp_path):
+    from ddpkit.core.version import torch_at_least
+
+    if torch_at_least("2.7"):
+        pytest.skip(f"this torch ({torch.__version__}) shards on the CPU: tests/test_unchanged_sharded.py trains it")
+    done = run_ddpkit("run", "--unchanged", "--shard", "always", "--nproc-per-node", "2", DEMO, timeout=60)
+    assert done.returncode == 2, done.stderr
+    said = re.findall(r"ddpkit: error: --shard always on the CPU needs torch>=2.7 \(this is torch ", done.stderr)
     assert len(said) == 1 and "Traceback" not in done.stderr, done.stderr
     assert not leftover_processes()

@@ -218,18 +218,26 @@ print(json.dumps(found))
 """
 
 
-def test_whole_models_saved_pickled_and_deep_copied_are_the_scripts_plain_classes_with_one_process_weights(runs):
-    (one, _, one_result), (mean, _, two_result), (summed, _, summed_result) = \
-        runs["both", 1], runs["mean", 2], runs["sum", 2]
-    files = [str(folder / name) for folder in (one, mean) for name in ("whole.pt", "best.pt")]
-    files += [str(one / "lm.pt"), str(summed / "lm.pt")]
+def loaded_whole(files: list[str]) -> dict:
+    """Each of ``files`` (a whole model saved by tests/unchanged_script.py) loaded in a Python process that never
+    imports ddpkit, checked to be plain: no hook, no class of ddpkit's, DDP's or FSDP's."""
     done = subprocess.run([sys.executable, "-c", LOAD_WHOLE, SCRIPT, *files], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
     loaded = json.loads(done.stdout)
     assert loaded.pop("ddpkit imported") is False
     for path, model in loaded.items():
-        assert model["hooks"] == 0 and not any("ddpkit" in name or "DDP" in name for name in model["classes"]), path
+        assert model["hooks"] == 0 and not any(word in name for name in model["classes"]
+                                               for word in ("ddpkit", "DDP", "FSDP")), path
+    return loaded
+
+
+def test_whole_models_saved_pickled_and_deep_copied_are_the_scripts_plain_classes_with_one_process_weights(runs):
+    (one, _, one_result), (mean, _, two_result), (summed, _, summed_result) = \
+        runs["both", 1], runs["mean", 2], runs["sum", 2]
+    files = [str(folder / name) for folder in (one, mean) for name in ("whole.pt", "best.pt")]
+    files += [str(one / "lm.pt"), str(summed / "lm.pt")]
+    loaded = loaded_whole(files)
     assert loaded[files[0]]["classes"] == ['torch.nn.modules.activation.ReLU', 'torch.nn.modules.batchnorm.BatchNorm1d',
                                            'torch.nn.modules.container.Sequential', 'torch.nn.modules.linear.Linear']
     assert loaded[files[-1]]["classes"][0] == "__main__.TinyLanguageModel"

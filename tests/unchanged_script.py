@@ -243,7 +243,7 @@ def cut_by_hand():
         loss.backward()
         optimizer.step()
     copied = pickle.loads(pickle.dumps(model))
-    result["pickled"] = [type(copied).__name__, torch.equal(copied.head.weight, model.head.weight)]
+    result["pickled"] = [type(copied).__name__, torch.equal(copied.head.weight, model.state_dict()["head.weight"])]
     torch.save(model, os.path.join(out, "lm.pt"))
     return model
 

@@ -389,17 +389,24 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 def _unchanged_argument(ns: argparse.Namespace) -> list[str]:
     """What tells each worker to run the script under --unchanged (``ddpkit.unchanged.Setting``), as its first
-    argument; nothing without --unchanged, where --seed and --loss-reduction are refused."""
+    argument; nothing without --unchanged, where --seed, --loss-reduction and --shard are refused."""
     if not ns.unchanged:
-        for flag, value in (("--seed", ns.seed), ("--loss-reduction", ns.loss_reduction)):
+        for flag, value in (("--seed", ns.seed), ("--loss-reduction", ns.loss_reduction), ("--shard", ns.shard)):
             if value is not None:
                 raise UsageError(f"{flag} is for --unchanged (the script's own flags go after SCRIPT): add --unchanged, "
                                  f"or drop {flag}")
         return []
+    import torch
+
     from ddpkit.app.watched import source_of
     from ddpkit.unchanged import Setting, stands_aside
 
-    setting = Setting(seed=ns.seed, loss_reduction=ns.loss_reduction or "mean")
+    setting = Setting(seed=ns.seed, loss_reduction=ns.loss_reduction or "mean", shard=ns.shard or "auto")
+    if setting.shard == "always" and torch.cuda.device_count() == 0:
+        from ddpkit.core.version import require_torch
+        from ddpkit.strategies.fsdp import FSDP_ON_CPU
+
+        require_torch(FSDP_ON_CPU, "--shard always on the CPU")
     named = stands_aside(source_of(ns.script, ns.module) or "")
     if named is None:
         return [f"--unchanged={setting.encode()}"]

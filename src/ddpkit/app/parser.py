@@ -160,6 +160,13 @@ def add_run_command(commands) -> None:
                           "CLIP, SimCLR): every process loads the whole batch, each computes its share of the "
                           "model's forward, and the outputs are gathered, so any loss is exact "
                           "(default: mean, PyTorch's default)")
+    run.add_argument("--shard", choices=("auto", "always", "never"), default=None,
+                     help="with --unchanged: where each model's training state lives. `always`: sharded in place "
+                          "(FSDP2), each process holding about 1/N of its parameters, gradients and optimizer state; "
+                          "`never`: a whole replica on every process; `auto`: on a GPU, at the model's first training "
+                          "call, the least sharding whose estimated state fits the free memory (a replica, then "
+                          "gradients and optimizer state sharded, then everything), said in one line; a replica on "
+                          "the CPU (default: auto)")
     run.add_argument("--local-rank-arg", action="store_true",
                      help="also pass --local-rank=N, like the old `python -m torch.distributed.launch`")
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as in `python -m`")

@@ -41,11 +41,12 @@ def replicate_in_place(module: nn.Module, *, weight: Weight, whole: Callable[[],
         for buffer in module.buffers():
             dist.broadcast(buffer, src=0)  # the parameters DDP broadcasts itself, when it starts
     batch_norm_over_all_ranks(module, weight, whole)
-    plain, before = type(module), _hooks_and_keys(module)
+    plain, before = type(module), hooks_and_keys(module)
     # No device_ids: DDP then leaves the inputs where the script put them, as the module alone would.
     replicate(module)
     module.register_comm_hook(weight, weighted_all_reduce)
-    copied_plain(type(module), plain, _added(before, _hooks_and_keys(module)))  # replicate's class: this module's own
+    # replicate's class, this module's own: its copies are of the plain class.
+    copied_plain(type(module), plain, added_since(before, hooks_and_keys(module)))
 
 
 def weighted_all_reduce(weight: Weight, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -58,9 +59,11 @@ def weighted_all_reduce(weight: Weight, bucket: dist.GradBucket) -> torch.future
 _synced_classes: dict[type, type] = {}
 
 
-def batch_norm_over_all_ranks(module: nn.Module, weight: Weight, whole: Callable[[], bool]) -> None:
+def batch_norm_over_all_ranks(module: nn.Module, weight: Weight, whole: Callable[[], bool], *,
+                              scaled: bool = False) -> None:
     """Every BatchNorm layer of ``module`` normalises over all ranks' batches in training, in place (but while
-    ``whole()``: every rank holds the whole batch)."""
+    ``whole()``: every rank holds the whole batch); ``scaled``: the gradients reaching them are weighted already
+    (``sync_bn.synced_batch_norm``)."""
     for layer in module.modules():
         kind = type(layer)
         if not isinstance(layer, nn.modules.batchnorm._BatchNorm):
@@ -68,9 +71,9 @@ def batch_norm_over_all_ranks(module: nn.Module, weight: Weight, whole: Callable
         if not issubclass(kind, OverAllRanks):
             if kind not in _synced_classes:
                 _synced_classes[kind] = type(kind.__name__, (OverAllRanks, kind), {"__module__": kind.__module__})
-                copied_plain(_synced_classes[kind], kind, Added(keys=frozenset({"share", "whole"})))
+                copied_plain(_synced_classes[kind], kind, Added(keys=frozenset({"share", "whole", "scaled"})))
             layer.__class__ = _synced_classes[kind]
-        layer.share, layer.whole = weight, whole
+        layer.share, layer.whole, layer.scaled = weight, whole, scaled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,14 +90,8 @@ def copied_plain(cls: type, plain: type, added: Added) -> None:
     ``added``: for ``copy.deepcopy``, ``pickle`` and ``torch.save``, whose file then names ``plain`` alone."""
 
     def __reduce_ex__(module: nn.Module, protocol: int):
-        state = module.__getstate__()
-        for key in added.keys:
-            state.pop(key, None)
-        for name, ids in added.hooks:
-            if name in state:
-                state[name] = type(state[name])((hook, value) for hook, value in state[name].items() if hook not in ids)
         # object.__new__ pickles by name (copyreg's __newobj__ would insist on the instance's own class).
-        return object.__new__, (plain,), state
+        return object.__new__, (plain,), state_without(module, added)
 
     def __deepcopy__(module: nn.Module, memo: dict) -> nn.Module:
         new, arguments, state = __reduce_ex__(module, 4)
@@ -107,12 +104,23 @@ def copied_plain(cls: type, plain: type, added: Added) -> None:
     cls.__deepcopy__ = __deepcopy__
 
 
-def _hooks_and_keys(module: nn.Module) -> dict:
+def state_without(module: nn.Module, added: Added) -> dict:
+    """``module``'s state (a new dictionary), without what was ``added`` to it in place."""
+    state = dict(module.__getstate__())
+    for key in added.keys:
+        state.pop(key, None)
+    for name, ids in added.hooks:
+        if name in state:
+            state[name] = type(state[name])((hook, value) for hook, value in state[name].items() if hook not in ids)
+    return state
+
+
+def hooks_and_keys(module: nn.Module) -> dict:
     """The keys of ``module.__dict__``, each dictionary's own keys beside it (hooks and their flags)."""
     return {key: set(value) if isinstance(value, dict) else None for key, value in vars(module).items()}
 
 
-def _added(before: dict, after: dict) -> Added:
+def added_since(before: dict, after: dict) -> Added:
     keys = frozenset(key for key in after if key not in before)
     hooks = tuple((key, frozenset(after[key] - before[key])) for key in after
                   if key in before and before[key] is not None and after[key] is not None and after[key] - before[key])

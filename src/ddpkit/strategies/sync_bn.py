@@ -25,11 +25,13 @@ class OverAllRanks:
 
     share: Callable[[], float] | None = None
     whole: Callable[[], bool] | None = None
+    scaled: bool = False  # the gradient reaching it is scaled by N times its share already (a sharded model's)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.training and dist.is_initialized() and dist.get_world_size() > 1 and not (self.whole and self.whole()):
             self._check_input_dim(input)
-            return synced_batch_norm(self, input, weight=None if self.share is None else self.share())
+            return synced_batch_norm(self, input, weight=None if self.share is None else self.share(),
+                                     scaled=self.scaled)
         return super().forward(input)
 
 
@@ -56,15 +58,18 @@ def _statistics_group():
 
 
 def synced_batch_norm(bn: nn.modules.batchnorm._BatchNorm, input: torch.Tensor,
-                      weight: float | None = None) -> torch.Tensor:
+                      weight: float | None = None, scaled: bool = False) -> torch.Tensor:
     """``bn`` (any BatchNorm layer, in training) applied with the statistics of every rank's batch together; its
     running statistics updated with them, as one process's BatchNorm would over the whole batch.
 
     ``weight``: this rank's share of the loss when the ranks' shares differ (``ddpkit run --unchanged``; None: equal
     shares, as under DDP). The gradients that reach the statistics are then summed weighted, and a rank of weight 0
-    (a stand-in sample, ``ddpkit.data.split_batches``) adds nothing to the statistics.
+    (a stand-in sample, ``ddpkit.data.split_batches``) adds nothing to the statistics. ``scaled``: the gradient that
+    reaches the layer is this rank's share's times N times its weight already (a sharded model's outputs, whose
+    gradients FSDP averages: ``ddpkit.unchanged.models``), so the ranks' sums add up as they are.
     """
-    return _OverRanks.apply(input, bn.weight if bn.affine else None, bn.bias if bn.affine else None, bn, weight)
+    return _OverRanks.apply(input, bn.weight if bn.affine else None, bn.bias if bn.affine else None, bn,
+                            (weight, scaled))
 
 
 class _OverRanks(torch.autograd.Function):
@@ -73,7 +78,8 @@ class _OverRanks(torch.autograd.Function):
     as the weight's and bias's gradients) all-reduced once, then the input's gradient in two passes."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, bn, share):
+    def forward(ctx, input, weight, bias, bn, share_scaled):
+        share, ctx.scaled = share_scaled
         ctx.in_dtype, ctx.share, ctx.eps = input.dtype, share, bn.eps
         # Statistics in float32 at least, even under bf16/fp16 autocast: low precision cannot even count the samples.
         x = input.to(torch.promote_types(input.dtype, torch.float32))
@@ -111,9 +117,13 @@ class _OverRanks(torch.autograd.Function):
         # Each rank's gradient counts its share of the loss (DDP's all-reduce multiplies it back in): sum the ranks'
         # weighted, divide by this rank's weight. A stand-in (weight 0) takes part with zeros.
         share = 1.0 if ctx.share is None else ctx.share
-        sums = sums * share
-        dist.all_reduce(sums, group=_statistics_group())
-        sums = sums / share if share else torch.zeros_like(sums)
+        if ctx.scaled:  # every rank's gradient is in the same units already (N times its share's weight)
+            dist.all_reduce(sums, group=_statistics_group())
+            sums = sums if share else torch.zeros_like(sums)
+        else:
+            sums = sums * share
+            dist.all_reduce(sums, group=_statistics_group())
+            sums = sums / share if share else torch.zeros_like(sums)
         channels = x.size(1)
         shape = [1, channels] + [1] * (x.dim() - 2)
         scale = invstd if weight is None else weight.to(x.dtype) * invstd

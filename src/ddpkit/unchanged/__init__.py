@@ -9,7 +9,9 @@ What ddpkit puts into the script's processes, all of it here, before the script'
 - the same seeds on every rank, then streams of each rank's own once training begins (``randomness``);
 - the script's DataLoaders, each batch split across the ranks (``batches``, ``ddpkit.data.split_batches``);
 - its models, each a DDP replica in place when first called to train, gradients weighted by share
-  (``models``, ``ddpkit.strategies.in_place``), BatchNorm over the whole batch;
+  (``models``, ``ddpkit.strategies.in_place``), BatchNorm over the whole batch; or sharded in place where
+  ``--shard`` says so (``layouts``, ``ddpkit.strategies.sharded_in_place``), its optimizers re-pointed
+  (``optimizers``);
 - ``torch.save`` to a path, by rank 0 alone, atomically (``saving``);
 - the console, the files the script writes and its trackers' runs, once: rank 0's (``outputs``).
 
@@ -44,24 +46,30 @@ DISTRIBUTING_LIBRARIES = ("ddpkit", "accelerate", "lightning", "lightning_fabric
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """What ``ddpkit run --unchanged`` hands each rank: the seed (None: rank 0 draws one) and the loss's reduction."""
+    """What ``ddpkit run --unchanged`` hands each rank: the seed (None: rank 0 draws one), the loss's reduction, and
+    where the models' training state lives (``layouts.SHARDING``)."""
 
     seed: int | None = None
     loss_reduction: str = "mean"
+    shard: str = "auto"
 
     def __post_init__(self) -> None:
+        from ddpkit.unchanged.layouts import SHARDING
+
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise UsageError(f"`loss_reduction` must be one of {', '.join(LOSS_REDUCTIONS)}, got "
                              f"{self.loss_reduction!r}")
+        if self.shard not in SHARDING:
+            raise UsageError(f"`shard` must be one of {', '.join(SHARDING)}, got {self.shard!r}")
 
     def encode(self) -> str:
-        """As one command-line word: ``SEED:REDUCTION`` (SEED empty when none was given)."""
-        return f"{'' if self.seed is None else self.seed}:{self.loss_reduction}"
+        """As one command-line word: ``SEED:REDUCTION:SHARD`` (SEED empty when none was given)."""
+        return f"{'' if self.seed is None else self.seed}:{self.loss_reduction}:{self.shard}"
 
     @classmethod
     def decode(cls, word: str) -> Setting:
-        seed, _, reduction = word.partition(":")
-        return cls(seed=int(seed) if seed else None, loss_reduction=reduction or "mean")
+        seed, reduction, shard = (word.split(":") + ["", ""])[:3]
+        return cls(seed=int(seed) if seed else None, loss_reduction=reduction or "mean", shard=shard or "auto")
 
 
 def stands_aside(source: str) -> str | None:
@@ -111,6 +119,7 @@ def install(setting: Setting) -> None:
 def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int) -> None:
     from ddpkit.unchanged.batches import Batch, Loaders
     from ddpkit.unchanged.models import Models
+    from ddpkit.unchanged.optimizers import Optimizers
     from ddpkit.unchanged.randomness import Streams
     from ddpkit.unchanged.saving import SaveOnce
 
@@ -120,10 +129,22 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int) 
                   coupled=setting.loss_reduction == "coupled")
     loaders = Loaders(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams)
     loaders.install()
+    shard = setting.shard if runtime.world_size > 1 else "never"  # one process has nothing to shard
+    if shard == "auto" and runtime.device.type != "cuda":
+        shard = "never"  # on the CPU ``auto`` keeps the replica (``layouts``)
+    optimizers = Optimizers(rank=runtime.rank)
+    if shard != "never":
+        if shard == "always" and runtime.device.type == "cpu":
+            from ddpkit.core.version import require_torch
+            from ddpkit.strategies.fsdp import FSDP_ON_CPU
+
+            require_torch(FSDP_ON_CPU, "--shard always on the CPU")
+        optimizers.install()
     Models(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams,
-           witness=loaders.witness).install()
+           witness=loaders.witness, shard=shard, optimizers=optimizers).install()
     control = process_group.control_group(runtime)
-    SaveOnce(rank=runtime.rank, wait_for_rank_0=lambda: control is None or dist.barrier(group=control)).install()
+    SaveOnce(rank=runtime.rank, wait_for_rank_0=lambda: control is None or dist.barrier(group=control),
+             sharding=shard != "never").install()
 
 
 def one_gpu_each(local_rank: int, local_world_size: int) -> bool:

@@ -113,12 +113,13 @@ class _Gather(torch.autograd.Function):
 
 
 class ScaleGradient(torch.autograd.Function):
-    """The identity forward; its gradient times ``scale`` backward."""
+    """The identity forward; its gradient times ``scale`` backward. (Its output shares the tensor's storage and version
+    but is no view of it: FSDP warns of views among a sharded model's outputs, which in-place ops could cut off.)"""
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
-        return tensor.view_as(tensor)
+        return tensor.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:

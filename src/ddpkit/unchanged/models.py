@@ -35,6 +35,7 @@ from ddpkit.core.logs import logger
 from ddpkit.data.split_batches import Share, rows_of_share, share_of, share_sizes
 from ddpkit.strategies import distributed_already
 from ddpkit.strategies.in_place import replicate_in_place
+from ddpkit.unchanged import layouts
 from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.divided import KEYWORDS_SEEN, Call, Evaluations
 from ddpkit.unchanged.gathered import ScaleGradient, gathered
@@ -50,8 +51,11 @@ class Models:
     """The global hooks, the models they found, and what each root call of one does."""
 
     def __init__(self, *, rank: int, world_size: int, batch: Batch, streams: Streams,
-                 witness: Callable[..., None]):
+                 witness: Callable[..., None], shard: str = "never", optimizers=None):
         self.rank = rank
+        self.shard = shard  # ``layouts.SHARDING``: where each model's training state lives
+        self.optimizers = optimizers  # ``optimizers.Optimizers``, recorded where models may be sharded
+        self.sharded: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.witness = witness  # told of each call of a model: in training or not (``Loaders.witness``)
         self.world_size = world_size
         self.batch = batch
@@ -95,6 +99,15 @@ class Models:
             self.batch.set_whole()  # the same computation on every rank, from the shared streams: one device's
         self._calls.append(Call(module, whole_args, share=share,
                                 learning=first and not self.batch.loader_passes and not self.batch.coupled))
+        if module in self.sharded:
+            if first:
+                from ddpkit.strategies.fsdp import fsdp2
+
+                # fully_shard's pre-forward hook (it gathers the root's parameters) was added during this call: run it.
+                args, _ = fsdp2().fully_shard.state(module)._pre_forward(module, args, {})
+            # What leaves through its inputs (to a model that made them: a GAN's generator) is unweighted again.
+            factor = self.sharded_weight()
+            return _scaled_gradients(args, 1.0 / factor if factor else 0.0)
         if first and self.world_size > 1:
             from torch.distributed._composable.replicate import replicate
 
@@ -125,17 +138,24 @@ class Models:
             self.streams.leave_forward()
         elif call.learning and self.world_size > 1 and not _returns_a_loss(output):
             self.computed_whole(module)
-        if split and self.batch.coupled:
-            rows = len(share.indices)
-            return gathered(output, sizes=share_sizes(share.samples, world_size=self.world_size), rank=self.rank,
-                            rows=rows, with_gradients=True)
-        if split:
-            output = self.whole_batch_losses(output)
         scale = self.batch.output_scale()
+        if module in self.sharded:
+            scale *= self.sharded_weight()
+        if split and self.batch.coupled:
+            output = gathered(output, sizes=share_sizes(share.samples, world_size=self.world_size), rank=self.rank,
+                              rows=len(share.indices), with_gradients=True)
+        elif split:
+            output = self.whole_batch_losses(output)
         if scale == 1.0:
             return output if split else None
-        return pytree.tree_map_only(torch.Tensor, lambda t: ScaleGradient.apply(t, scale) if t.requires_grad else t,
-                                    output)
+        return _scaled_gradients(output, scale)
+
+    def sharded_weight(self) -> float:
+        """What the gradient of a sharded model's call is multiplied by, inside it: FSDP averages the ranks'
+        gradients (the sum over N), so each rank's counts its batch's weight times N. (A replica's weight is applied
+        as DDP reduces its gradients: ``in_place.weighted_all_reduce``; FSDP has no such hook on every torch.) The
+        gradient leaving the call through its inputs is divided by it again (``before``)."""
+        return self.world_size * self.batch.current_weight()
 
     def computed_whole(self, module: nn.Module) -> None:
         """``module``'s inputs come from no split DataLoader and its first call returned no loss (the script computes
@@ -171,20 +191,48 @@ class Models:
         if not _trainable(module):
             self.passed.add(module)
             return False
+        owned = {id(parameter) for model in self.found for parameter in model.parameters()}
+        if any(id(parameter) in owned for parameter in module.parameters()):
+            self.passed.add(module)  # a part of a model found already, called on its own: that model's replica
+            return False
         if any(distributed_already(part) for part in module.modules()):
             self.off = True
             logger.warning("--unchanged stood aside: the script wraps its model in DDP or FSDP itself, and runs as "
                            "under ddpkit run")
             return False
-        owned = {id(parameter) for model in self.found for parameter in model.parameters()}
-        if any(id(parameter) in owned for parameter in module.parameters()):
-            self.passed.add(module)  # a part of a model found already, called on its own: that model's replica
-            return False
-        if self.world_size > 1:  # one process has nothing to average: its models run as they are
+        layout = self.layout(module) if self.world_size > 1 else "replica"
+        if layout != "replica":
+            from ddpkit.strategies.sharded_in_place import shard_in_place
+
+            moved = shard_in_place(module, reshard_after_forward=layout == "full", weight=self.batch.current_weight,
+                                   whole=self.batch.is_whole)
+            self.optimizers.repoint(moved, _class_name(module))
+            self.sharded.add(module)
+        elif self.world_size > 1:  # one process has nothing to average: its models run as they are
             replicate_in_place(module, weight=self.batch.current_weight, whole=self.batch.is_whole)
         self.found.add(module)
         logger.debug(f"--unchanged: {_class_name(module)} is a model; its gradients are averaged over the ranks")
         return True
+
+    def layout(self, module: nn.Module) -> str:
+        """Where ``module``'s training state lives (``layouts``), said in one line where it is sharded or ``auto``
+        weighed it. Every rank decides alike: ``auto`` reads the least free memory of any rank."""
+        name = _class_name(module)
+        if self.shard == "never":
+            return "replica"
+        if self.shard == "always":
+            layout, why = "full", "--shard always"
+        else:
+            memory = layouts.device_memory(next(module.parameters()).device)
+            if memory is None:
+                return "replica"  # the CPU: ``auto`` keeps the replica
+            free, total = layouts.least_of_all_ranks(memory, next(module.parameters()).device)
+            estimate = layouts.estimate(module.parameters(), self.optimizers.holding(module.parameters()))
+            layout, why = layouts.choose(estimate, world_size=self.world_size, free=free, total=total)
+            why = f"--shard auto: {why}"
+        if self.rank == 0:
+            logger.info(f"--unchanged: {name} {layouts.SAID[layout].format(n=self.world_size)} ({why})")
+        return layout
 
     def split(self, args: tuple) -> tuple[tuple, Share]:
         """This rank's share of the batch in ``args``: each tensor argument cut along its first dimension. (With a
@@ -198,6 +246,13 @@ class Models:
         share = share_of(range(sizes.pop()), self.rank, self.world_size)
         self.batch.set(float(share.weight > 0) if self.batch.coupled else share.weight)
         return rows_of_share(args, share), share
+
+
+def _scaled_gradients(tree, scale: float):
+    """``tree``'s tensors that require grad, their gradient multiplied by ``scale`` in backward."""
+    if scale == 1.0:
+        return tree
+    return pytree.tree_map_only(torch.Tensor, lambda t: ScaleGradient.apply(t, scale) if t.requires_grad else t, tree)
 
 
 def _trainable(module: nn.Module) -> bool:
@@ -215,5 +270,4 @@ def _returns_a_loss(output) -> bool:
 
 def _class_name(module: nn.Module) -> str:
     """The script's name for ``module``'s class (not ``replicate``'s subclass of it, ``DDPNet``)."""
-    return next(kind.__name__ for kind in type(module).__mro__
-                if not kind.__module__.startswith("torch.distributed._composable"))
+    return next(kind.__name__ for kind in type(module).__mro__ if not kind.__module__.startswith("torch.distributed"))

@@ -1,0 +1,238 @@
+"""``ddpkit run --unchanged --shard``: a one-device script's model sharded in place (FSDP2), its training the same as on
+one device, its files one device's.
+
+The choice of layout (``unchanged.layouts``), the blocks (``repeated_blocks``) and the settings are tested in this
+process; the runs (tests/unchanged_sharded_script.py, sharded on 2 processes against 1) are slow tests, shared through
+a module fixture.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import run_ddpkit
+from ddpkit.core.errors import UsageError
+from ddpkit.strategies.sharded_in_place import repeated_blocks
+from ddpkit.unchanged import Setting, layouts
+
+SCRIPT = str(Path(__file__).with_name("unchanged_sharded_script.py"))
+GiB, MiB = 2**30, 2**20
+
+
+# -- in this process ---------------------------------------------------------------------------------------------------
+
+def test_auto_keeps_the_replica_while_the_state_fits_then_shards_gradients_and_state_then_everything():
+    adam = layouts.Estimate(parameter_bytes=4 * GiB, state_factor=2.0, how="Adam's 2 buffers")
+    # A replica adds the gradients (4) and the moments (8): 12 GiB; 80 GiB in all, a quarter kept for activations.
+    assert layouts.choose(adam, world_size=8, free=70 * GiB, total=80 * GiB)[0] == "replica"  # 12 <= 70 - 20
+    assert layouts.choose(adam, world_size=8, free=32 * GiB, total=80 * GiB)[0] == "replica"  # 12 <= 32 - 20
+    assert layouts.choose(adam, world_size=8, free=31 * GiB, total=80 * GiB)[0] == "zero2"  # 2 GiB of shards fit 11
+    seven_billion = layouts.Estimate(parameter_bytes=28 * GiB, state_factor=2.0, how="Adam's 2 buffers")
+    assert layouts.choose(seven_billion, world_size=8, free=40 * GiB, total=80 * GiB)[0] == "zero2"  # 14 <= 20
+    layout, figures = layouts.choose(seven_billion, world_size=8, free=30 * GiB, total=80 * GiB)
+    assert layout == "full"
+    assert figures == ("its training state adds 84.00 GiB as a replica (parameters 28.00 GiB, their gradients, "
+                       "Adam's 2 buffers), 14.00 GiB with gradients and optimizer state sharded 8 ways; 30.00 GiB "
+                       "free of 80.00 GiB, 25% of it kept for activations")
+
+
+def test_the_optimizer_state_is_estimated_from_its_kind_and_settings():
+    weight = nn.Parameter(torch.zeros(10))
+    factor = lambda optimizer: layouts.state_per_parameter(optimizer)[0]  # noqa: E731
+    assert factor(torch.optim.Adam([weight])) == 2.0
+    assert factor(torch.optim.AdamW([weight], amsgrad=True)) == 3.0
+    assert factor(torch.optim.SGD([weight], lr=0.1)) == 0.0
+    assert factor(torch.optim.SGD([weight], lr=0.1, momentum=0.9)) == 1.0
+    assert factor(torch.optim.RMSprop([weight], momentum=0.9, centered=True)) == 3.0
+
+    class Lion(torch.optim.SGD):
+        pass
+
+    assert layouts.state_per_parameter(Lion([weight], lr=0.1)) == (2.0, "Lion: assumed as Adam's")
+    assert layouts.estimate([weight], []) == layouts.Estimate(40, 2.0, "no optimizer yet: assumed Adam's two moments")
+    both = layouts.estimate([weight], [torch.optim.SGD([weight], lr=0.1, momentum=0.9), torch.optim.Adam([weight])])
+    assert (both.parameter_bytes, both.state_factor) == (40, 3.0)
+
+
+def test_the_blocks_sharded_first_are_the_outermost_repeated_modules():
+    import torchvision
+
+    resnet = torchvision.models.resnet18()
+    blocks = repeated_blocks(resnet)
+    assert [type(block).__name__ for block in blocks] == ["BasicBlock"] * 8
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32), num_layers=3, enable_nested_tensor=False)
+    assert [type(block).__name__ for block in repeated_blocks(encoder)] == ["TransformerEncoderLayer"] * 3
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert repeated_blocks(mlp) == [mlp[0], mlp[2], mlp[4]]  # no repeated part has parts: its repeated layers
+    assert repeated_blocks(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.LayerNorm(8))) == []  # the root alone
+
+
+def test_the_setting_carries_the_sharding_and_refuses_an_unknown_one():
+    assert Setting.decode(Setting(seed=3, loss_reduction="sum", shard="always").encode()) == Setting(3, "sum", "always")
+    assert Setting.decode("3:sum") == Setting(3, "sum", "auto")
+    with pytest.raises(UsageError, match="`shard` must be one of auto, always, never, got 'half'"):
+        Setting(shard="half")
+
+
+def test_auto_says_its_choice_and_its_figures_in_one_line(monkeypatch, caplog):
+    from ddpkit.core.logs import logger
+    from ddpkit.unchanged.batches import Batch
+    from ddpkit.unchanged.models import Models
+    from ddpkit.unchanged.optimizers import Optimizers
+    from ddpkit.unchanged.randomness import Streams
+
+    model = nn.Sequential(nn.Linear(1024, 1024, bias=False), nn.ReLU(), nn.Linear(1024, 1024, bias=False))  # 8 MiB
+    models = Models(rank=0, world_size=2, batch=Batch(world_size=2), streams=Streams(0, 0), witness=print,
+                    shard="auto", optimizers=Optimizers(rank=0))
+    monkeypatch.setattr(layouts, "least_of_all_ranks", lambda memory, device: memory)
+    logger.addHandler(caplog.handler)  # ddpkit's logger does not propagate to the root, where caplog listens
+    try:
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            # A replica adds 24 MiB (gradients 8, moments 16), sharded 2 ways 16 MiB; a quarter of 1 GiB kept.
+            for free, chosen in ((GiB // 4 + 24 * MiB, "replica"), (GiB // 4 + 20 * MiB, "zero2"),
+                                 (GiB // 4 + 10 * MiB, "full")):
+                monkeypatch.setattr(layouts, "device_memory", lambda device, free=free: (int(free), GiB))
+                assert models.layout(model) == chosen
+            monkeypatch.setattr(layouts, "device_memory", lambda device: None)  # the CPU: a replica, nothing said
+            assert models.layout(model) == "replica"
+    finally:
+        logger.removeHandler(caplog.handler)
+    said = [record.getMessage() for record in caplog.records]
+    assert len(said) == 3, said
+    assert said[0].startswith("--unchanged: Sequential stays a whole replica on each of the 2 processes (--shard auto: "
+                              "its training state adds 24.0 MiB as a replica (parameters 8.0 MiB, their gradients, no "
+                              "optimizer yet: assumed Adam's two moments), 16.0 MiB with gradients and optimizer state "
+                              "sharded 2 ways; 280.0 MiB free of 1.00 GiB, 25% of it kept for activations)")
+    assert "has its gradients and optimizer state sharded 2 ways, its parameters whole during a step" in said[1]
+    assert "is sharded 2 ways in place: its parameters, gradients and optimizer state (FSDP2)" in said[2]
+
+
+# -- runs: sharded on 2 processes against one device ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each kind of run of tests/unchanged_sharded_script.py on 1 process (one device: nothing to shard) and sharded on
+    2, the same seed; the MLP's in two parts, an epoch and then a resume from the script's own checkpoint."""
+    if not torch.distributed.is_available():
+        pytest.skip("no torch.distributed")
+    from ddpkit.core.version import torch_at_least
+
+    if not torch_at_least("2.7"):
+        pytest.skip(f"sharding on the CPU needs torch 2.7, this is {torch.__version__}: tests/test_cli.py checks the "
+                    "refusal")
+    done = {}
+    for name, parts in (("mlp", (["mlp", "32", "3", "1"], ["mlp", "32", "3", "2"])), ("resnet", (["resnet"],))):
+        for processes in (1, 2):
+            out = tmp_path_factory.mktemp(f"{name}{processes}")
+            outputs = []
+            for arguments in parts:
+                result = run_ddpkit("run", "--unchanged", "--seed", "5", "--shard", "always", "--nproc-per-node",
+                                    str(processes), SCRIPT, str(out), *arguments, timeout=180)
+                assert result.returncode == 0, result.stdout + result.stderr
+                outputs.append(result.stdout + result.stderr)
+            done[name, processes] = out, outputs
+    return done
+
+
+def _loaded(out: Path, name: str):
+    return torch.load(out / name, weights_only=True)
+
+
+def _worst(one: dict, other: dict) -> float:
+    assert list(one) == list(other)
+    return max(((one[key] - other[key]).abs().max() / one[key].abs().max().clamp_min(1e-12)).item()
+               for key in one if one[key].is_floating_point())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mlp", "resnet"])
+def test_a_sharded_model_trains_on_two_processes_to_one_devices_weights(runs, name):
+    (one, _), (two, said) = runs[name, 1], runs[name, 2]
+    alone, sharded = _loaded(one, "result.pt"), _loaded(two, "result.pt")
+    assert sharded["isinstance"] is True  # the script's class holds: isinstance(model, Net / ResNet)
+    assert all(type(value) is torch.Tensor for value in sharded["state"].values())  # plain, one device's keys
+    assert _worst(alone["state"], sharded["state"]) < 1e-9  # float64: FSDP2's all-gathers and reduce-scatters
+    assert sharded["evaluation"][0] == alone["evaluation"][0]
+    assert sharded["evaluation"][1] == pytest.approx(alone["evaluation"][1], rel=1e-9)
+    assert _worst(_loaded(one, "copy.pt"), _loaded(two, "copy.pt")) < 1e-9  # a deep copy: whole, the plain class
+    assert all(output.count("is sharded 2 ways in place") == 1 for output in said), said
+
+
+@pytest.mark.slow
+def test_the_scripts_own_resume_from_its_state_dicts_continues_as_one_device_and_its_files_load_without_ddpkit(runs):
+    (one, alone), (two, sharded) = runs["mlp", 1], runs["mlp", 2]
+    assert "resumed at epoch 1" in alone[1] and "resumed at epoch 1" in sharded[1]
+    check = f"""
+import sys, torch
+sys.argv = ["unchanged_sharded_script.py", "{two}", "none"]
+exec(open({SCRIPT!r}).read().split("def mlp")[0])  # the script's classes, in a process that never imports ddpkit
+checkpoint = torch.load("{two}/checkpoint.pt", weights_only=True)
+model = Net(32, 3)
+model.load_state_dict(checkpoint["model"])
+optimizer = torch.optim.Adam(model.parameters())
+optimizer.load_state_dict(checkpoint["optimizer"])
+assert type(optimizer.state[model.head.weight]["exp_avg"]) is torch.Tensor
+whole = torch.load("{two}/whole.pt", weights_only=False)["model"]
+assert type(whole) is Net and not whole._forward_pre_hooks and not whole.blocks[0].up._state_dict_pre_hooks
+result = torch.load("{two}/result.pt", weights_only=True)["state"]
+assert all(torch.equal(whole.state_dict()[key], result[key]) for key in result)
+print("modules:", sorted(name for name in sys.modules if name.startswith("ddpkit")))
+"""
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "modules: []" in done.stdout
+    saved_one, saved_two = _loaded(one, "checkpoint.pt"), _loaded(two, "checkpoint.pt")
+    assert saved_two["epoch"] == 1 and _worst(saved_one["model"], saved_two["model"]) < 1e-9
+    moments = lambda saved: {f"{index}.{key}": value for index, state in saved["optimizer"]["state"].items()  # noqa: E731
+                             for key, value in state.items()}
+    assert _worst(moments(saved_one), moments(saved_two)) < 1e-9
+
+
+@pytest.fixture(scope="module")
+def shared_script_runs(tmp_path_factory) -> dict:
+    """tests/unchanged_script.py (BatchNorm, uneven batches, accumulation, clipping, a GAN, stand-ins, evaluations,
+    summed losses, a batch cut by hand, a coupled loss, whole models saved and copied), on 1 process and sharded on 2
+    in each mode, in float64."""
+    from test_unchanged import unchanged
+
+    tmp = tmp_path_factory.mktemp("shared-script")
+    found = {}
+    for nproc, mode, flags in ((1, "both", []), (2, "mean", ["--shard", "always"]),
+                               (2, "sum", ["--shard", "always", "--loss-reduction", "sum"]),
+                               (2, "coupled", ["--shard", "always", "--loss-reduction", "coupled"])):
+        out, done = unchanged(tmp, nproc, mode, "--seed", "5", *flags, script_args=["float64"])
+        found[mode] = out, done, torch.load(out / "result.pt", weights_only=True)
+    return found
+
+
+@pytest.mark.slow
+def test_sharding_keeps_every_case_the_replica_keeps_exact_and_its_whole_models_plain(shared_script_runs):
+    from test_unchanged import loaded_whole, worst_relative_difference
+
+    one = shared_script_runs["both"][2]
+    for mode, names in (("mean", ("classifier", "ones", "evaluated")), ("sum", ("autoencoder", "by_hand", "counted")),
+                        ("coupled", ("clip",))):
+        out, done, two = shared_script_runs[mode]
+        assert done.stderr.count("is sharded 2 ways in place") >= 1, done.stderr
+        assert worst_relative_difference({name: one["weights"][name] for name in names},
+                                         {name: two["weights"][name] for name in names}) < 1e-12, mode
+    two = shared_script_runs["mean"][2]
+    for name, counted in one["evaluations"].items():
+        assert two["evaluations"][name][:2] == counted[:2] and two["evaluations"][name][2] == pytest.approx(counted[2],
+                                                                                                          rel=1e-12)
+    files = [str(shared_script_runs["mean"][0] / "whole.pt"), str(shared_script_runs["mean"][0] / "best.pt"),
+             str(shared_script_runs["sum"][0] / "lm.pt"), str(shared_script_runs["both"][0] / "lm.pt"),
+             str(shared_script_runs["both"][0] / "whole.pt")]
+    loaded = loaded_whole(files)
+    for a, b in ((0, 4), (2, 3)):  # the classifier saved whole, the language model: 2 processes sharded, and 1
+        assert worst_relative_difference({"m": loaded[files[a]]["weights"]}, {"m": loaded[files[b]]["weights"]}) < 1e-12
+    assert shared_script_runs["sum"][2]["pickled"] == ["TinyLanguageModel", True]  # pickle.dumps of the model
+    assert two["best_plain"] == ["Sequential", "BatchNorm1d", 0]  # a deep copy: plain, and it evaluates on its own
+    assert two["best_eval"] == pytest.approx(one["best_eval"], rel=1e-12)
