@@ -1,6 +1,6 @@
 """Public one-device scripts, as they are, under ``ddpkit run --unchanged`` on 1 and on 2 processes.
 
-    .venv/bin/python benchmarks/public_unchanged.py [--only NAME ...] [--json FILE] [--keep DIR]
+    .venv/bin/python benchmarks/public_unchanged.py [--only NAME ...] [--json FILE] [--keep DIR] [--flags '--shard always']
 
 Each script in ``benchmarks/public/<name>/original.py`` is written to behave like its pytorch/examples original on one
 device (its docstring names every addition); this runs each, in a folder of its own, as
@@ -135,12 +135,12 @@ def smaller_mnist(source: Path, folder: Path, train: int, test: int) -> None:
                 data[:4] + count.to_bytes(4, "big") + data[8:header] + data[header:header + count * row_bytes])
 
 
-def command(case: Case, nproc: int) -> list[str]:
-    return [sys.executable, "-m", "ddpkit", "run", "--unchanged", "--seed", "0", "--nproc-per-node", str(nproc),
+def command(case: Case, nproc: int, flags: list[str]) -> list[str]:
+    return [sys.executable, "-m", "ddpkit", "run", "--unchanged", "--seed", "0", *flags, "--nproc-per-node", str(nproc),
             str(PUBLIC / case.name / case.script), *case.args]
 
 
-def run_once(case: Case, nproc: int, scratch: Path) -> dict:
+def run_once(case: Case, nproc: int, scratch: Path, flags: list[str]) -> dict:
     here = scratch / f"{case.name}-{nproc}"
     if case.mnist:  # its own ../data: a smaller MNIST
         here = scratch / case.name / f"{case.name}-{nproc}"
@@ -153,7 +153,7 @@ def run_once(case: Case, nproc: int, scratch: Path) -> dict:
         subprocess.run([sys.executable, *case.prepare], cwd=here, check=True, capture_output=True)
     start = time.perf_counter()
     try:
-        done = subprocess.run(command(case, nproc), cwd=here, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(command(case, nproc, flags), cwd=here, capture_output=True, text=True, timeout=600)
         rc, out, err = done.returncode, done.stdout, done.stderr
     except subprocess.TimeoutExpired as timeout:
         rc, out, err = "timeout", str(timeout.stdout or ""), str(timeout.stderr or "")
@@ -197,9 +197,9 @@ def refusal(run: dict) -> str | None:
     return lines[-1].strip() if lines else None
 
 
-def judge(case: Case, runs: dict[int, dict]) -> dict:
+def judge(case: Case, runs: dict[int, dict], flags: list[str]) -> dict:
     result = {"name": case.name, "exact_expected": case.exact, "runs": runs,
-              "command": " ".join(["ddpkit run --unchanged --seed 0 --nproc-per-node N",
+              "command": " ".join(["ddpkit run --unchanged --seed 0", *flags, "--nproc-per-node N",
                                    f"benchmarks/public/{case.name}/{case.script}", *case.args])}
     refused = {n: refusal(run) for n, run in runs.items()}
     if any(refused.values()):
@@ -249,7 +249,10 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, metavar="NAME", help="these scripts only")
     parser.add_argument("--json", default=None, metavar="FILE")
     parser.add_argument("--keep", default=None, metavar="DIR", help="run in DIR (kept) instead of a temporary one")
+    parser.add_argument("--flags", default="", metavar="FLAGS",
+                        help="more of ddpkit run's flags for both runs, as one word: '--shard always'")
     args = parser.parse_args()
+    flags = args.flags.split()
     cases = [case for case in CASES if args.only is None or case.name in args.only]
     with tempfile.TemporaryDirectory() as temporary:
         scratch = Path(args.keep or temporary)
@@ -257,8 +260,8 @@ def main() -> None:
         make_data(scratch / "data")
         results = []
         for case in cases:
-            runs = {nproc: run_once(case, nproc, scratch) for nproc in (1, 2)}
-            results.append(judge(case, runs))
+            runs = {nproc: run_once(case, nproc, scratch, flags) for nproc in (1, 2)}
+            results.append(judge(case, runs, flags))
             print(f"{case.name}: {results[-1]['verdict']}", file=sys.stderr, flush=True)
     print("| script | verdict | numbers (1 process / 2 processes) | wall, 1 + 2 processes | command |")
     print("|---|---|---|---|---|")

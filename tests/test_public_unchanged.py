@@ -35,6 +35,6 @@ def driver(tmp_path_factory):
 def test_a_public_script_trains_on_two_processes_to_one_process_weights(driver, name):
     module, scratch = driver
     [case] = [case for case in module.CASES if case.name == name]
-    result = module.judge(case, {nproc: module.run_once(case, nproc, scratch) for nproc in (1, 2)})
+    result = module.judge(case, {nproc: module.run_once(case, nproc, scratch, []) for nproc in (1, 2)}, [])
     assert result["verdict"] == "exact", (result["verdict"], result["runs"][2]["stderr_tail"])
     assert "every process computes each of its steps whole" in result["runs"][2]["stderr_tail"]

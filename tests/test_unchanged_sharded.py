@@ -9,6 +9,7 @@ a module fixture.
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,6 +113,58 @@ def test_auto_says_its_choice_and_its_figures_in_one_line(monkeypatch, caplog):
                               "sharded 2 ways; 280.0 MiB free of 1.00 GiB, 25% of it kept for activations)")
     assert "has its gradients and optimizer state sharded 2 ways, its parameters whole during a step" in said[1]
     assert "is sharded 2 ways in place: its parameters, gradients and optimizer state (FSDP2)" in said[2]
+
+
+def test_only_optimizers_that_step_each_element_on_its_own_are_sharded():
+    from ddpkit.unchanged.optimizers import steps_each_element
+
+    weight = nn.Parameter(torch.zeros(4))
+
+    class Scaled(torch.optim.SGD):  # a step of its own: not known to step each element alone
+        def step(self, closure=None):
+            return super().step(closure)
+
+    class Renamed(torch.optim.AdamW):  # torch's own step
+        pass
+
+    assert steps_each_element(torch.optim.Adam([weight])) and steps_each_element(Renamed([weight]))
+    assert steps_each_element(torch.optim.SGD([weight], lr=0.1, momentum=0.9))
+    assert not steps_each_element(torch.optim.LBFGS([weight])) and not steps_each_element(Scaled([weight], lr=0.1))
+
+
+def test_an_optimizer_whose_step_is_not_elementwise_keeps_auto_on_the_replica_and_is_refused_by_always(monkeypatch,
+                                                                                                         caplog):
+    from ddpkit.core.logs import logger
+    from ddpkit.unchanged.batches import Batch
+    from ddpkit.unchanged.models import Models
+    from ddpkit.unchanged.optimizers import Optimizers
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizers = Optimizers(rank=0)
+    lbfgs = torch.optim.LBFGS(model.parameters())  # the script holds its optimizer: Optimizers' hold is weak
+    optimizers.built.add(lbfgs)  # (as the wrap of Optimizer.__init__ records it)
+    monkeypatch.setattr(layouts, "device_memory", lambda device: (0, GiB))  # nothing free: auto would shard
+    monkeypatch.setattr(layouts, "least_of_all_ranks", lambda memory, device: memory)
+
+    def models(shard: str) -> Models:
+        from ddpkit.unchanged.randomness import Streams
+
+        return Models(rank=0, world_size=2, batch=Batch(world_size=2), streams=Streams(0, 0), witness=print,
+                      shard=shard, optimizers=optimizers)
+
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            assert models("auto").layout(model) == "replica"
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert [record.getMessage() for record in caplog.records] == [
+        "--unchanged: Sequential stays a whole replica (--shard auto: LBFGS steps it, and over a shard its step would "
+        "not be one device's)"]
+    with pytest.raises(UsageError, match=r"^--unchanged --shard: LBFGS steps Sequential's parameters, and it is not one "
+                                         r"of torch.optim's optimizers that update each element on its own .* Run with "
+                                         r"--shard never"):
+        models("always").layout(model)
 
 
 # -- runs: sharded on 2 processes against one device ---------------------------------------------------------------
@@ -236,3 +289,66 @@ def test_sharding_keeps_every_case_the_replica_keeps_exact_and_its_whole_models_
     assert shared_script_runs["sum"][2]["pickled"] == ["TinyLanguageModel", True]  # pickle.dumps of the model
     assert two["best_plain"] == ["Sequential", "BatchNorm1d", 0]  # a deep copy: plain, and it evaluates on its own
     assert two["best_eval"] == pytest.approx(one["best_eval"], rel=1e-12)
+
+
+@pytest.mark.slow
+def test_a_script_that_reads_a_sharded_parameter_as_a_whole_tensor_is_told_why_in_one_line(tmp_path):
+    # pytorch/examples' regression prints its learned function from fc.weight.view(-1): a shard, between steps.
+    script = Path(__file__).parents[1] / "benchmarks" / "public" / "regression" / "original.py"
+    done = run_ddpkit("run", "--unchanged", "--seed", "0", "--shard", "always", "--nproc-per-node", "2", str(script),
+                      timeout=120, cwd=tmp_path)
+    assert done.returncode != 0
+    said = done.stderr.count("--unchanged --shard: the script used a sharded parameter directly (`model.fc.weight`")
+    assert said >= 1 and done.stdout.count("Loss:") >= 1, done.stderr  # (trained, then met the shard)
+
+
+ZERO2 = """
+import copy, sys
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from ddpkit.strategies.sharded_in_place import shard_in_place
+from ddpkit.unchanged.optimizers import Optimizers
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.set_default_dtype(torch.float64)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+alone = copy.deepcopy(model)  # one device's, trained on the whole batch in this process
+optimizers = Optimizers(rank=rank)
+optimizers.install()
+optimizer, alone_optimizer = torch.optim.Adam(model.parameters(), lr=0.01), torch.optim.Adam(alone.parameters(), lr=0.01)
+layout = sys.argv[1]
+moved = shard_in_place(model, reshard_after_forward=layout == "full", weight=lambda: 0.5)
+optimizers.repoint(moved, "Sequential")
+x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+for step in range(3):
+    output = model(x[4 * rank:4 * rank + 4])  # this rank's half; FSDP averages the halves' gradients
+    whole_after_forward = not isinstance(model[2].weight, DTensor)
+    F.cross_entropy(output, y[4 * rank:4 * rank + 4]).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    F.cross_entropy(alone(x), y).backward()
+    alone_optimizer.step()
+    alone_optimizer.zero_grad()
+state, expected = model.state_dict(), alone.state_dict()
+worst = max((state[key] - expected[key]).abs().max().item() for key in expected)
+print(f"rank {rank}: {layout} whole after forward {whole_after_forward}, sharded between steps "
+      f"{isinstance(model[2].weight, DTensor)}, worst {worst:.1e}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, whole_during_step", [("zero2", True), ("full", False)])
+def test_zero2s_layout_keeps_the_parameters_whole_from_forward_to_backward_and_trains_as_one_device(
+        tmp_path, layout, whole_during_step):
+    script = tmp_path / "zero2.py"
+    script.write_text(ZERO2)
+    done = run_ddpkit("run", "--nproc-per-node", "2", str(script), layout, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = re.findall(rf"rank \d: {layout} whole after forward (\w+), sharded between steps (\w+), worst (\S+)",
+                       done.stdout)
+    assert len(found) == 2, done.stdout
+    for whole, sharded, worst in found:
+        assert (whole, sharded) == (str(whole_during_step), "True") and float(worst) < 1e-12

@@ -118,14 +118,19 @@ def tell_of_copies() -> None:
         return
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+    stepped = []
+
     def first_step(optimizer, args, kwargs) -> None:
-        handle.remove()
+        # (Kept, not removed: removing it while torch goes through the hooks breaks the step when a hook follows it.)
+        if stepped:
+            return
+        stepped.append(True)
         if not up():
             logger.warning(f"this script steps its optimizer with no process group: each of the {world_size} processes "
                            "trains its own copy of the model on the same data. `ddpkit run --unchanged` splits its "
                            "batches across them and averages their gradients, with no change to the script")
 
-    handle = register_optimizer_step_pre_hook(first_step)
+    register_optimizer_step_pre_hook(first_step)
 
 
 def apply_timeout() -> None:
@@ -195,7 +200,14 @@ def start_heartbeat(store) -> heartbeat.Heartbeat | None:
 
 def explain(error: RuntimeError) -> None:
     """A collective's timeout in one line naming the ranks that never reached it, with their stacks (those on this
-    machine); nothing for other errors, or where ddpkit's own setup explains it."""
+    machine); a sharded parameter that an unchanged script used as a whole one, in one line; nothing for other errors,
+    or where ddpkit's own setup explains it."""
+    if _unchanged and "ddpkit.strategies.sharded_in_place" in sys.modules:
+        from ddpkit.strategies.sharded_in_place import read_directly
+
+        if (said := read_directly(error)) is not None:
+            logger.error("%s", said)
+            return
     if (process_group.set_up_by_ddpkit() and not _unchanged) or not up():
         return
     runtime = process_group.Runtime(env=process_group.read_environment(), backend=dist.get_backend(),

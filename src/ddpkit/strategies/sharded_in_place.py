@@ -103,6 +103,20 @@ def shard_in_place(module: nn.Module, *, reshard_after_forward: bool, weight: We
     return {old: moved[name] for name, old in names.items() if moved.get(name) is not old and name in moved}
 
 
+READ_DIRECTLY = ("--unchanged --shard: the script used a sharded parameter directly (`model.fc.weight`, an EMA "
+                 "copy updated from model.parameters()): between steps each process holds its shard of it, a DTensor. "
+                 "Read model.state_dict() (whole), or run with --shard never")
+
+
+def read_directly(error: BaseException) -> str | None:
+    """The one line that explains ``error``, where a model was sharded in this process and the error is a DTensor's
+    (the script met a shard where it wanted a whole tensor); else None."""
+    said = str(error)
+    if _before_sharding and ("DTensor" in said or "sharded dimension" in said or "redistribute" in said):
+        return READ_DIRECTLY
+    return None
+
+
 def _averaged(gradient: torch.Tensor) -> torch.Tensor:
     """A whole parameter's gradient, averaged over the ranks as FSDP averages the sharded ones'."""
     gradient = gradient.clone()

@@ -39,6 +39,7 @@ from ddpkit.unchanged import layouts
 from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.divided import KEYWORDS_SEEN, Call, Evaluations
 from ddpkit.unchanged.gathered import ScaleGradient, gathered
+from ddpkit.unchanged.optimizers import not_elementwise, steps_each_element
 from ddpkit.unchanged.randomness import Streams
 
 NOT_SPLIT = ("--unchanged: this model's batches come from no DataLoader; it returned its loss at its first call, so "
@@ -220,6 +221,15 @@ class Models:
         name = _class_name(module)
         if self.shard == "never":
             return "replica"
+        stepped_by = self.optimizers.holding(module.parameters())
+        odd = next((optimizer for optimizer in stepped_by if not steps_each_element(optimizer)), None)
+        if odd is not None:
+            if self.shard == "always":
+                raise UsageError(not_elementwise(odd, name), said_elsewhere=self.rank != 0)
+            if self.rank == 0:
+                logger.info(f"--unchanged: {name} stays a whole replica (--shard auto: {type(odd).__name__} steps it, "
+                            "and over a shard its step would not be one device's)")
+            return "replica"
         if self.shard == "always":
             layout, why = "full", "--shard always"
         else:
@@ -227,7 +237,7 @@ class Models:
             if memory is None:
                 return "replica"  # the CPU: ``auto`` keeps the replica
             free, total = layouts.least_of_all_ranks(memory, next(module.parameters()).device)
-            estimate = layouts.estimate(module.parameters(), self.optimizers.holding(module.parameters()))
+            estimate = layouts.estimate(module.parameters(), stepped_by)
             layout, why = layouts.choose(estimate, world_size=self.world_size, free=free, total=total)
             why = f"--shard auto: {why}"
         if self.rank == 0:

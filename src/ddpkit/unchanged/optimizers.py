@@ -15,6 +15,7 @@ rank's shard of it.
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 
 import torch
@@ -23,12 +24,32 @@ from ddpkit.core.errors import UsageError
 from ddpkit.strategies.sharded_in_place import is_sharded, sharded_like, whole
 
 
+# torch.optim's optimizers whose step updates each element from that element's own gradient and state: a shard's
+# step is then the whole step's. (LBFGS takes dot products over all parameters; Muon or Shampoo work on whole
+# matrices: each shard's step would differ from one device's.)
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD")
+
+
+def steps_each_element(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s step is one of ``ELEMENTWISE``'s own (not a subclass's own step)."""
+    step = inspect.unwrap(type(optimizer).step)  # (Optimizer wraps each class's step for its profiler and hooks)
+    return (getattr(step, "__module__", "") or "").startswith("torch.optim") and \
+        step.__qualname__.split(".")[0] in ELEMENTWISE
+
+
+def not_elementwise(optimizer: torch.optim.Optimizer, model_name: str) -> str:
+    return (f"--unchanged --shard: {type(optimizer).__name__} steps {model_name}'s parameters, and it is not one of "
+            f"torch.optim's optimizers that update each element on its own ({', '.join(ELEMENTWISE)}): over a shard "
+            "its step would not be one device's. Run with --shard never (each process a whole replica)")
+
+
 class Optimizers:
     """Every optimizer the script builds (weakly held)."""
 
     def __init__(self, *, rank: int):
         self.rank = rank
         self.built: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self.checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
     def install(self) -> None:
         original = torch.optim.Optimizer.__init__
@@ -43,6 +64,19 @@ class Optimizers:
                 optimizer.register_load_state_dict_pre_hook(_sharded_state)
 
         torch.optim.Optimizer.__init__ = __init__
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(self.check_step)
+
+    def check_step(self, optimizer: torch.optim.Optimizer, *_) -> None:
+        """Before each step: an optimizer that holds sharded parameters must step each element on its own (one built
+        after the model was sharded is met here first)."""
+        if optimizer in self.checked:
+            return
+        self.checked.add(optimizer)
+        if not steps_each_element(optimizer) and any(
+                is_sharded(parameter) for group in optimizer.param_groups for parameter in group["params"]):
+            raise UsageError(not_elementwise(optimizer, "a sharded model"), said_elsewhere=self.rank != 0)
 
     def holding(self, parameters) -> list[torch.optim.Optimizer]:
         """The optimizers that hold any of ``parameters``."""
