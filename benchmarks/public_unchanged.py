@@ -14,7 +14,9 @@ format, random images, the sine waves of the script's own generator), and prints
   over the norm of the 1-process weights, over all tensors) is reported, and must be float rounding;
 - **trains like one device**: it draws per sample (dropout, a random pair per item); its final metrics on 1 and on 2
   processes are reported (and the weights' difference, which is not expected to be small);
-- **refused**: ddpkit's one-line refusal (exit status 2) is reported.
+- **refused**: ddpkit's one-line refusal (exit status 2) is reported;
+- **stops, said why**: it stopped on 2 processes with a traceback, after ddpkit's one line saying why (a limit of
+  ``--shard``'s: a sharded parameter used as a whole tensor).
 
 Anything else (a crash, exact weights that differ) is marked DEFECT. Runs go one at a time; each run's wall time is
 in the JSON, and the scripts whose two runs take under 15 s are listed as candidates for slow tests.
@@ -164,8 +166,10 @@ def run_once(case: Case, nproc: int, scratch: Path, flags: list[str]) -> dict:
         metrics[name] = found[-1] if found else None
     saved = sorted(here.glob(case.weights))
     errors = [line.strip()[:300] for line in err.splitlines() if re.search(r"^\S*\s*\w*(Error|Exception): ", line)]
+    said = [line.strip() for line in err.splitlines() if "ddpkit: error: --unchanged" in line]
     return {"rc": rc, "wall_s": round(wall, 1), "metrics": metrics, "weights": str(saved[0]) if saved else None,
-            "first_error": errors[0] if errors else None, "stdout_tail": out[-3000:], "stderr_tail": err[-4000:]}
+            "first_error": errors[0] if errors else None, "stdout_tail": out[-3000:], "stderr_tail": err[-4000:],
+            "said": said[-1] if said else None}
 
 
 def load_weights(path: str, folder: Path) -> dict:
@@ -207,6 +211,10 @@ def judge(case: Case, runs: dict[int, dict], flags: list[str]) -> dict:
         result["refusal"] = refused[2] or refused[1]
         return result
     failed = [n for n, run in runs.items() if run["rc"] != 0]
+    explained = runs[2]["said"] if failed == [2] else None  # ddpkit's line saying why, before a traceback
+    if explained:  # a limit met and said by ddpkit in one line (a sharded parameter read as a whole one)
+        result["verdict"], result["refusal"] = "stops, said why", explained
+        return result
     if failed:
         result["verdict"] = f"DEFECT: crash on {', '.join(map(str, failed))} process(es)"
         return result

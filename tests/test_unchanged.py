@@ -365,17 +365,23 @@ def test_the_imagenet_original_with_batch_norm_trains_on_two_processes_as_on_one
 
 
 @pytest.mark.slow
-def test_the_nanogpt_original_cutting_its_batches_by_hand_trains_and_prints_as_on_one_process(data, tmp_path):
+@pytest.mark.parametrize("sharding", [[], ["--shard", "always"]], ids=["replica", "sharded"])
+def test_the_nanogpt_original_cutting_its_batches_by_hand_trains_and_prints_as_on_one_process(data, tmp_path, sharding):
+    # Sharded too: AdamW's two parameter groups built before the first call, tied weights, a checkpoint with the
+    # optimizer's state dict.
     args = ["--dataset", str(data / "chargpt"), "--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size",
             "32", "--batch_size", "8", "--gradient_accumulation_steps", "4", "--eval_interval", "5", "--eval_iters",
             "2", "--log_interval", "5", "--warmup_iters", "2", "--lr_decay_iters", "30", "--learning_rate", "3e-3",
             "--min_lr", "3e-4", "--compile", "False", "--dtype", "float32", "--device", "cpu", "--out_dir", "gpt",
             "--max_iters", "10"]
-    (one, one_out), (two, two_out) = [original(tmp_path, "nanogpt/original.py", nproc, *args) for nproc in (1, 2)]
+    (one, one_out), (two, two_out) = [original(tmp_path, "nanogpt/original.py", nproc, *args, flags=sharding)
+                                      for nproc in (1, 2)]
     weights = [torch.load(folder / "gpt" / "ckpt.pt", weights_only=False)["model"] for folder in (one, two)]
     assert relative_difference(*weights) < 1e-5
     printed = r"(step \d+: train loss \S+, val loss \S+|iter \d+: loss \S+)"
     assert re.findall(printed, one_out) == re.findall(printed, two_out) and len(re.findall(printed, two_out)) == 6
+    optimizer = torch.load(two / "gpt" / "ckpt.pt", weights_only=False)["optimizer"]
+    assert all(type(value) is torch.Tensor for state in optimizer["state"].values() for value in state.values())
 
 
 @pytest.mark.slow

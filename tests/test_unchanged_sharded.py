@@ -158,9 +158,11 @@ def test_an_optimizer_whose_step_is_not_elementwise_keeps_auto_on_the_replica_an
             assert models("auto").layout(model) == "replica"
     finally:
         logger.removeHandler(caplog.handler)
-    assert [record.getMessage() for record in caplog.records] == [
-        "--unchanged: Sequential stays a whole replica (--shard auto: LBFGS steps it, and over a shard its step would "
-        "not be one device's)"]
+    [said] = [record.getMessage() for record in caplog.records]
+    assert said.startswith("--unchanged: Sequential stays a whole replica on each of the 2 processes (--shard auto: "
+                           "its training state adds ")
+    assert said.endswith("; but LBFGS steps it, and over a shard its step would not be one device's: it may run out "
+                         "of memory)")
     with pytest.raises(UsageError, match=r"^--unchanged --shard: LBFGS steps Sequential's parameters, and it is not one "
                                          r"of torch.optim's optimizers that update each element on its own .* Run with "
                                          r"--shard never"):
@@ -331,6 +333,10 @@ for step in range(3):
     F.cross_entropy(alone(x), y).backward()
     alone_optimizer.step()
     alone_optimizer.zero_grad()
+try:  # an optimizer built over the sharded parameters that does not step each element alone: at its first step
+    torch.optim.LBFGS(model.parameters()).step(lambda: 0.0)
+except Exception as error:
+    print(f"rank {rank}: {type(error).__name__}: {error}")
 state, expected = model.state_dict(), alone.state_dict()
 worst = max((state[key] - expected[key]).abs().max().item() for key in expected)
 print(f"rank {rank}: {layout} whole after forward {whole_after_forward}, sharded between steps "
@@ -352,3 +358,17 @@ def test_zero2s_layout_keeps_the_parameters_whole_from_forward_to_backward_and_t
     assert len(found) == 2, done.stdout
     for whole, sharded, worst in found:
         assert (whole, sharded) == (str(whole_during_step), "True") and float(worst) < 1e-12
+    assert done.stdout.count("UsageError: --unchanged --shard: LBFGS steps a sharded model's parameters") == 2
+
+
+def test_an_optimizers_state_not_shaped_as_its_parameter_cannot_be_sharded_and_is_refused_in_one_line():
+    from ddpkit.unchanged.optimizers import Optimizers
+
+    weight = nn.Parameter(torch.zeros(4, 6))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    optimizer.state[weight] = {"row_variance": torch.zeros(4)}  # a factored second moment, as Adafactor keeps
+    optimizers = Optimizers(rank=0)
+    optimizers.built.add(optimizer)
+    with pytest.raises(UsageError, match=r"^--unchanged --shard: SGD holds state 'row_variance' for a parameter of "
+                                         r"Net shaped \(4,\), not as the parameter \(4, 6\), so it cannot be sharded"):
+        optimizers.repoint({weight: nn.Parameter(torch.zeros(4, 6))}, "Net")

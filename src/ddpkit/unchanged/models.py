@@ -223,14 +223,9 @@ class Models:
             return "replica"
         stepped_by = self.optimizers.holding(module.parameters())
         odd = next((optimizer for optimizer in stepped_by if not steps_each_element(optimizer)), None)
-        if odd is not None:
-            if self.shard == "always":
-                raise UsageError(not_elementwise(odd, name), said_elsewhere=self.rank != 0)
-            if self.rank == 0:
-                logger.info(f"--unchanged: {name} stays a whole replica (--shard auto: {type(odd).__name__} steps it, "
-                            "and over a shard its step would not be one device's)")
-            return "replica"
         if self.shard == "always":
+            if odd is not None:
+                raise UsageError(not_elementwise(odd, name), said_elsewhere=self.rank != 0)
             layout, why = "full", "--shard always"
         else:
             memory = layouts.device_memory(next(module.parameters()).device)
@@ -240,6 +235,9 @@ class Models:
             estimate = layouts.estimate(module.parameters(), stepped_by)
             layout, why = layouts.choose(estimate, world_size=self.world_size, free=free, total=total)
             why = f"--shard auto: {why}"
+            if layout != "replica" and odd is not None:
+                layout, why = "replica", (f"{why}; but {type(odd).__name__} steps it, and over a shard its step would "
+                                          "not be one device's: it may run out of memory")
         if self.rank == 0:
             logger.info(f"--unchanged: {name} {layouts.SAID[layout].format(n=self.world_size)} ({why})")
         return layout
