@@ -396,17 +396,15 @@ def _unchanged_argument(ns: argparse.Namespace) -> list[str]:
                 raise UsageError(f"{flag} is for --unchanged (the script's own flags go after SCRIPT): add --unchanged, "
                                  f"or drop {flag}")
         return []
-    import torch
-
     from ddpkit.app.watched import source_of
     from ddpkit.unchanged import Setting, stands_aside
 
     setting = Setting(seed=ns.seed, loss_reduction=ns.loss_reduction or "mean", shard=ns.shard or "auto")
-    if setting.shard == "always" and torch.cuda.device_count() == 0:
+    if setting.shard == "always":
         from ddpkit.core.version import require_torch
-        from ddpkit.strategies.fsdp import FSDP_ON_CPU
+        from ddpkit.unchanged.layouts import SHARD_IN_PLACE
 
-        require_torch(FSDP_ON_CPU, "--shard always on the CPU")
+        require_torch(SHARD_IN_PLACE, "--unchanged --shard always")
     named = stands_aside(source_of(ns.script, ns.module) or "")
     if named is None:
         return [f"--unchanged={setting.encode()}"]

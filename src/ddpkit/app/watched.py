@@ -85,7 +85,7 @@ def main(argv: list[str]) -> None:
     except SystemExit as stop:
         exits.say_exit_message(stop)
         exits.leave(exits.status_of(stop))
-    except RuntimeError as error:
+    except Exception as error:  # (what a shard met as a whole tensor raises differs by torch: three kinds seen)
         explain(error)
         raise
     exits.leave(0)
@@ -198,7 +198,7 @@ def start_heartbeat(store) -> heartbeat.Heartbeat | None:
     return beat
 
 
-def explain(error: RuntimeError) -> None:
+def explain(error: Exception) -> None:
     """A collective's timeout in one line naming the ranks that never reached it, with their stacks (those on this
     machine); a sharded parameter that an unchanged script used as a whole one, in one line; nothing for other errors,
     or where ddpkit's own setup explains it."""

@@ -112,7 +112,8 @@ def read_directly(error: BaseException) -> str | None:
     """The one line that explains ``error``, where a model was sharded in this process and the error is a DTensor's
     (the script met a shard where it wanted a whole tensor); else None."""
     said = str(error)
-    if _before_sharding and ("DTensor" in said or "sharded dimension" in said or "redistribute" in said):
+    if _before_sharding and any(sign in said for sign in ("DTensor", "sharded dimension", "redistribute",
+                                                           "sharding strategy")):
         return READ_DIRECTLY
     return None
 
