@@ -560,7 +560,7 @@ def test_a_strategy_that_needs_a_newer_torch_is_refused_there_in_one_line(tmp_pa
     assert not leftover_processes()
 
 
-def test_sharding_an_unchanged_script_needs_torch_2_11_and_is_refused_before_in_one_line(tmp_path):
+def test_sharding_an_unchanged_script_needs_torch_2_10_and_is_refused_before_in_one_line(tmp_path):
     from ddpkit.core.version import torch_at_least
     from ddpkit.unchanged.layouts import SHARD_IN_PLACE
 
@@ -568,6 +568,6 @@ def test_sharding_an_unchanged_script_needs_torch_2_11_and_is_refused_before_in_
         pytest.skip(f"this torch ({torch.__version__}) shards: tests/test_unchanged_sharded.py trains it")
     done = run_ddpkit("run", "--unchanged", "--shard", "always", "--nproc-per-node", "2", DEMO, timeout=60)
     assert done.returncode == 2, done.stderr
-    said = re.findall(r"ddpkit: error: --unchanged --shard always needs torch>=2.11 \(this is torch ", done.stderr)
+    said = re.findall(r"ddpkit: error: --unchanged --shard always needs torch>=2.10 \(this is torch ", done.stderr)
     assert len(said) == 1 and "Traceback" not in done.stderr, done.stderr
     assert not leftover_processes()

@@ -20,9 +20,9 @@ import torch
 SHARDING = ("auto", "always", "never")
 # The oldest torch that shards an unchanged script as one device trains it: before, clip_grad_norm_ over FSDP2's
 # sharded gradients adds its epsilon to each rank's part of the norm (2.7 to 2.9; nanoGPT's original ends 1e-2 from
-# one process on 2.7, 8.6e-5 without clipping), measured exact on 2.11 and 2.15. Below it ``auto`` keeps replicas and
-# ``always`` is refused.
-SHARD_IN_PLACE = "2.11"
+# one process on 2.7, 8.6e-5 without clipping), measured exact on 2.10, 2.11 and 2.15. Below it ``auto`` keeps
+# replicas and ``always`` is refused.
+SHARD_IN_PLACE = "2.10"
 LAYOUTS = ("replica", "zero2", "full")
 SAID = {"replica": "stays a whole replica on each of the {n} processes",
         "zero2": "has its gradients and optimizer state sharded {n} ways, its parameters whole during a step "
