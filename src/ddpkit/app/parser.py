@@ -166,7 +166,7 @@ def add_run_command(commands) -> None:
                           "`never`: a whole replica on every process; `auto`: on a GPU, at the model's first training "
                           "call, the least sharding whose estimated state fits the free memory (a replica, then "
                           "gradients and optimizer state sharded, then everything), said in one line; a replica on "
-                          "the CPU (default: auto)")
+                          "the CPU. Sharding needs torch 2.10 (docs/unchanged.md) (default: auto)")
     run.add_argument("--local-rank-arg", action="store_true",
                      help="also pass --local-rank=N, like the old `python -m torch.distributed.launch`")
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, as in `python -m`")
