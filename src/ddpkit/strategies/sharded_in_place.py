@@ -36,7 +36,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit.core.errors import UsageError
-from ddpkit.strategies.fsdp import fsdp2
+from ddpkit.strategies.base import is_shard
+from ddpkit.strategies.fsdp import fsdp2, is_fsdp2
 from ddpkit.strategies.in_place import (Added, Weight, added_since, batch_norm_over_all_ranks, hooks_and_keys,
                                         state_without)
 
@@ -96,7 +97,7 @@ def shard_in_place(module: nn.Module, *, reshard_after_forward: bool, weight: We
         if type(part) is not plain[part]:
             _copies_plain(type(part), plain[part])
     for part in module.modules():
-        if any(is_sharded(parameter) for parameter in part._parameters.values()):
+        if any(is_shard(parameter) for parameter in part._parameters.values()):
             part._register_state_dict_hook(_whole_state)
             part._register_load_state_dict_pre_hook(_sharded_state, with_module=True)
     moved = dict(module.named_parameters())
@@ -141,17 +142,11 @@ def _mesh(device_type: str):
     return _meshes[device_type]
 
 
-def is_sharded(tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``, whole and plain where it is a shard (gathered: every rank calls it), else itself. A GPU's comes back
     on the CPU, one tensor at a time (as FSDP's own full state dicts with ``cpu_offload``): a model sharded because it
     does not fit one device would not fit there whole either."""
-    if not is_sharded(tensor):
+    if not is_shard(tensor):
         return tensor
     gathered = tensor.full_tensor()
     return gathered.cpu() if gathered.device.type != "cpu" else gathered
@@ -169,9 +164,9 @@ def sharded_like(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
 
 def _whole_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:  # noqa: ARG001
     """A state dict hook: this module's sharded parameters, whole (every rank calls ``state_dict()``)."""
-    for name, parameter in module._parameters.items():
+    for name in module._parameters:
         key = prefix + name
-        if key in state_dict and is_sharded(state_dict[key]):
+        if key in state_dict and is_shard(state_dict[key]):
             state_dict[key] = whole(state_dict[key])
 
 
@@ -180,7 +175,7 @@ def _sharded_state(module: nn.Module, state_dict: dict, prefix: str, *_) -> None
     for name, parameter in module._parameters.items():
         key = prefix + name
         value = state_dict.get(key)
-        if (is_sharded(parameter) and isinstance(value, torch.Tensor) and not is_sharded(value)
+        if (is_shard(parameter) and isinstance(value, torch.Tensor) and not is_shard(value)
                 and value.shape == parameter.shape):
             state_dict[key] = sharded_like(value, parameter)
 
@@ -211,7 +206,7 @@ def plain_copy(module: nn.Module, memo: dict | None = None) -> nn.Module:
     with _unsharded(module):
         _state.copying = True
         try:
-            copied = copy.deepcopy(module, memo) if not _is_fsdp(module) else _one_plain(module, None, memo)
+            copied = copy.deepcopy(module, memo) if not is_fsdp2(module) else _one_plain(module, None, memo)
         finally:
             _state.copying = False
     for original, part in zip(module.modules(), copied.modules()):
@@ -254,10 +249,6 @@ def _strip(module: nn.Module, added: Added) -> None:
                 hooks.pop(hook, None)
 
 
-def _is_fsdp(module: nn.Module) -> bool:
-    return isinstance(module, fsdp2().FSDPModule)
-
-
 def _is_fsdp_class(kind: type) -> bool:
     return issubclass(kind, fsdp2().FSDPModule)
 
@@ -265,7 +256,7 @@ def _is_fsdp_class(kind: type) -> bool:
 @contextlib.contextmanager
 def _unsharded(module: nn.Module) -> Iterator[None]:
     """Every sharded block of ``module`` gathered whole (its parameters plain tensors) inside the block."""
-    blocks = [part for part in module.modules() if _is_fsdp(part)]
+    blocks = [part for part in module.modules() if is_fsdp2(part)]
     for block in blocks:
         block.unshard()
     try:
@@ -289,7 +280,7 @@ def plain_for_saving(obj):
     """``obj`` with every module in it that holds a sharded block (itself, or in a dict, list or tuple) replaced by its
     plain copy: every rank calls it, before one rank saves."""
     if isinstance(obj, nn.Module):
-        return plain_copy(obj) if any(_is_fsdp(part) for part in obj.modules()) else obj
+        return plain_copy(obj) if any(is_fsdp2(part) for part in obj.modules()) else obj
     if isinstance(obj, dict):
         copied = copy.copy(obj)  # its own kind: an OrderedDict, a defaultdict
         copied.update((key, plain_for_saving(value)) for key, value in obj.items())

@@ -68,8 +68,8 @@ def synced_batch_norm(bn: nn.modules.batchnorm._BatchNorm, input: torch.Tensor,
     reaches the layer is this rank's share's times N times its weight already (a sharded model's outputs, whose
     gradients FSDP averages: ``ddpkit.unchanged.models``), so the ranks' sums add up as they are.
     """
-    return _OverRanks.apply(input, bn.weight if bn.affine else None, bn.bias if bn.affine else None, bn,
-                            (weight, scaled))
+    return _OverRanks.apply(input, bn.weight if bn.affine else None, bn.bias if bn.affine else None, bn, weight,
+                            scaled)
 
 
 class _OverRanks(torch.autograd.Function):
@@ -78,9 +78,8 @@ class _OverRanks(torch.autograd.Function):
     as the weight's and bias's gradients) all-reduced once, then the input's gradient in two passes."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, bn, share_scaled):
-        share, ctx.scaled = share_scaled
-        ctx.in_dtype, ctx.share, ctx.eps = input.dtype, share, bn.eps
+    def forward(ctx, input, weight, bias, bn, share, scaled):
+        ctx.in_dtype, ctx.share, ctx.scaled, ctx.eps = input.dtype, share, scaled, bn.eps
         # Statistics in float32 at least, even under bf16/fp16 autocast: low precision cannot even count the samples.
         x = input.to(torch.promote_types(input.dtype, torch.float32))
         channels, dims = x.size(1), [0, *range(2, x.dim())]
@@ -135,7 +134,7 @@ class _OverRanks(torch.autograd.Function):
         grad_input = torch.addcmul(-offset.view(shape), grad, scale.view(shape))
         grad_input.addcmul_(x, slope.view(shape), value=-1)
         return (grad_input.to(ctx.in_dtype), sum_g_xhat if ctx.needs_input_grad[1] else None,
-                sum_g if ctx.needs_input_grad[2] else None, None, None)
+                sum_g if ctx.needs_input_grad[2] else None, None, None, None)
 
 
 def _to_cpu_sync(module: nn.Module) -> nn.Module:

@@ -129,14 +129,13 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int) 
                   coupled=setting.loss_reduction == "coupled")
     loaders = Loaders(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams)
     loaders.install()
-    from ddpkit.core.version import require_torch, torch_at_least
+    from ddpkit.core.version import torch_at_least
     from ddpkit.unchanged.layouts import SHARD_IN_PLACE
 
     shard = setting.shard if runtime.world_size > 1 else "never"  # one process has nothing to shard
     if shard == "auto" and (runtime.device.type != "cuda" or not torch_at_least(SHARD_IN_PLACE)):
         shard = "never"  # on the CPU, or a torch that cannot shard exactly, ``auto`` keeps the replica (``layouts``)
-    if shard == "always":
-        require_torch(SHARD_IN_PLACE, "--unchanged --shard always")  # (the launcher said it first: ``cli``)
+    # (``always`` on an older torch: refused by the launcher, before any process started: ``app.cli``.)
     optimizers = Optimizers(rank=runtime.rank)
     if shard != "never":
         optimizers.install()

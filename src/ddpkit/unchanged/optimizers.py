@@ -21,7 +21,8 @@ import weakref
 import torch
 
 from ddpkit.core.errors import UsageError
-from ddpkit.strategies.sharded_in_place import is_sharded, sharded_like, whole
+from ddpkit.strategies.base import is_shard
+from ddpkit.strategies.sharded_in_place import sharded_like, whole
 
 
 # torch.optim's optimizers whose step updates each element from that element's own gradient and state: a shard's
@@ -75,7 +76,7 @@ class Optimizers:
             return
         self.checked.add(optimizer)
         if not steps_each_element(optimizer) and any(
-                is_sharded(parameter) for group in optimizer.param_groups for parameter in group["params"]):
+                is_shard(parameter) for group in optimizer.param_groups for parameter in group["params"]):
             raise UsageError(not_elementwise(optimizer, "a sharded model"), said_elsewhere=self.rank != 0)
 
     def holding(self, parameters) -> list[torch.optim.Optimizer]:
@@ -112,7 +113,7 @@ def _shaped_as(value, parameter: torch.Tensor) -> bool:
 def _whole_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     """An optimizer's state dict with its sharded state gathered whole (new inner dicts: the optimizer's own
     state stays as it is)."""
-    if not any(is_sharded(value) for state in state_dict["state"].values() for value in state.values()):
+    if not any(is_shard(value) for state in state_dict["state"].values() for value in state.values()):
         return state_dict
     return {**state_dict, "state": {index: {key: whole(value) for key, value in state.items()}
                                     for index, state in state_dict["state"].items()}}
@@ -123,13 +124,13 @@ def _sharded_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     parameters = {index: parameter
                   for saved, group in zip(state_dict["param_groups"], optimizer.param_groups)
                   for index, parameter in zip(saved["params"], group["params"])}
-    if not any(is_sharded(parameter) for parameter in parameters.values()):
+    if not any(is_shard(parameter) for parameter in parameters.values()):
         return state_dict
     state = {}
     for index, values in state_dict["state"].items():
         parameter = parameters.get(index)
-        sharded = parameter is not None and is_sharded(parameter)
+        sharded = parameter is not None and is_shard(parameter)
         state[index] = {key: sharded_like(value, parameter)
-                        if sharded and _shaped_as(value, parameter) and not is_sharded(value) else value
+                        if sharded and _shaped_as(value, parameter) and not is_shard(value) else value
                         for key, value in values.items()}
     return {**state_dict, "state": state}

@@ -9,6 +9,7 @@ models are sharded (``--shard``), every rank first takes part in gathering the m
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
@@ -33,13 +34,12 @@ class SaveOnce:
         if not isinstance(f, (str, os.PathLike)):
             self.original(obj, f, *args, **kwargs)
             return
+        alone = contextlib.nullcontext()
         if self.sharding:
             from ddpkit.strategies.sharded_in_place import plain_for_saving, saved_alone
 
-            obj = plain_for_saving(obj)
-            if self.rank == 0:
-                with saved_alone():
-                    atomic_write(f, lambda handle: self.original(obj, handle, *args, **kwargs))
-        elif self.rank == 0:
-            atomic_write(f, lambda handle: self.original(obj, handle, *args, **kwargs))
+            obj, alone = plain_for_saving(obj), saved_alone()
+        if self.rank == 0:
+            with alone:
+                atomic_write(f, lambda handle: self.original(obj, handle, *args, **kwargs))
         self.wait_for_rank_0()
