@@ -295,10 +295,11 @@ def default_run(tmp_path_factory):
     GPUs) for 2 epochs, at --debug, which changes what is said, not what is trained: (result, folder).
 
     test_train_multiprocess reads its output and files; test_resume compares its model with the same run
-    checkpointed and resumed.
+    checkpointed and resumed. Cold (``fresh``), as a user starts the main job: the launcher and each rank import
+    torch after ddpkit, which a warm rank (tests/warm_ranks.py) has done before it.
     """
     folder = tmp_path_factory.mktemp("default")
-    result = run_ddpkit("train", "--epochs", "2", "--debug", "--output-dir", str(folder))
+    result = run_ddpkit("train", "--epochs", "2", "--debug", "--output-dir", str(folder), fresh=True)
     assert result.returncode == 0, result.stdout + result.stderr
     return result, folder
 

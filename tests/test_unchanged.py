@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,11 @@ def test_the_setting_travels_as_one_word_and_a_bad_reduction_is_refused():
     ("from lightning.fabric import Fabric\n", "imports lightning.fabric"),
     ("import deepspeed\n", "imports deepspeed"),
     ("import horovod.torch as hvd\n", "imports horovod.torch"),
+    ("from transformers import Trainer, TrainingArguments\n", "trains through transformers.Trainer"),
+    ("from transformers.trainer_seq2seq import Seq2SeqTrainer as S\n", "trains through transformers.Seq2SeqTrainer"),
+    ("import transformers as tf\ntrainer = tf.Trainer(model=m)\n", "trains through transformers.Trainer"),
+    ("from transformers import GPT2LMHeadModel\nclass Trainer: pass\n", None),  # a Trainer of the script's own
+    ("from trl import SFTTrainer\n", "imports trl"),
     ("from .accelerate_helpers import x\n", None),  # a module of the script's own
     ("x = (\n", None),  # does not parse: Python says so when it runs
 ])
@@ -200,28 +206,43 @@ def test_what_the_script_writes_and_prints_is_written_and_printed_once_as_on_one
 
 # A Python process that never imported ddpkit loads the whole models the script saved, as one device's files: the
 # script's classes defined in its __main__ (as pickle finds them), nothing else.
+# Where torch lists a file's globals (2.6), each file loads with ``weights_only=True`` too, allowed the globals that the
+# first REFERENCES files (one process's) name, as a script's own list would allow its classes and torch's layers.
 LOAD_WHOLE = """
-import ast, json, sys
+import ast, importlib, json, sys, zipfile
 import torch, torch.nn as nn, torch.nn.functional as F
-script, files = sys.argv[1], sys.argv[2:]
+script, references, files = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 tree = ast.parse(open(script).read())
-exec(compile(ast.Module([node for node in tree.body if isinstance(node, ast.ClassDef)], []), script, "exec"))
+exec(compile(ast.Module([node for node in tree.body if isinstance(node, ast.ClassDef)
+                         or (isinstance(node, ast.FunctionDef) and node.name == "globals_named")
+                         or (isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "STRINGS")], []), script, "exec"))
 found = {}
+unsafe = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)  # (torch 2.6)
+allowed = sorted({name for path in files[:references] for name in unsafe(path)}) if unsafe else []
+allowed = [globals()[name.rpartition(".")[2]] if name.startswith("__main__.") else
+           getattr(importlib.import_module(name.rpartition(".")[0]), name.rpartition(".")[2]) for name in allowed]
 for path in files:
+    with zipfile.ZipFile(path) as archive:
+        named = globals_named(archive.read(next(name for name in archive.namelist() if name.endswith("/data.pkl"))))
+    if unsafe:
+        with torch.serialization.safe_globals(allowed):
+            torch.load(path, weights_only=True)
     model = torch.load(path, weights_only=False)
     model = model["model"] if isinstance(model, dict) else model
     found[path] = {"classes": sorted({type(part).__module__ + "." + type(part).__qualname__ for part in model.modules()}),
                    "hooks": sum(len(part._forward_pre_hooks) + len(part._forward_hooks) for part in model.modules()),
-                   "weights": {key: value.tolist() for key, value in model.state_dict().items()}}
+                   "weights": {key: value.tolist() for key, value in model.state_dict().items()}, "globals": named}
 found["ddpkit imported"] = "ddpkit" in sys.modules
 print(json.dumps(found))
 """
 
 
-def loaded_whole(files: list[str]) -> dict:
+def loaded_whole(files: list[str], references: int = 0) -> dict:
     """Each of ``files`` (a whole model saved by tests/unchanged_script.py) loaded in a Python process that never
-    imports ddpkit, checked to be plain: no hook, no class of ddpkit's, DDP's or FSDP's."""
-    done = subprocess.run([sys.executable, "-c", LOAD_WHOLE, SCRIPT, *files], capture_output=True, text=True,
+    imports ddpkit, checked to be plain: no hook, no class of ddpkit's, DDP's or FSDP's; with ``weights_only``, allowed
+    what the first ``references`` files name."""
+    done = subprocess.run([sys.executable, "-c", LOAD_WHOLE, SCRIPT, str(references), *files], capture_output=True,
+                          text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
     loaded = json.loads(done.stdout)
@@ -232,17 +253,131 @@ def loaded_whole(files: list[str]) -> dict:
     return loaded
 
 
-def test_whole_models_saved_pickled_and_deep_copied_are_the_scripts_plain_classes_with_one_process_weights(runs):
+STACK = str(Path(__file__).with_name("unchanged_stack_script.py"))
+
+
+def test_a_compiled_model_a_figure_and_a_model_read_back_from_its_folder_run_cold_on_two_processes_as_on_one(tmp_path):
+    """What ddpkit puts into the script leaves the libraries' own work alone (docs/unchanged.md, "What ddpkit never
+    touches"): inductor's generated code and caches, torch's generated modules (a cold start: torch imported after
+    ddpkit, as a user's ranks do), matplotlib, and a folder that transformers writes on rank 0 alone and reads back."""
+    found = {}
+    for nproc in (1, 2):
+        out = tmp_path / str(nproc)
+        out.mkdir()
+        done = run_ddpkit("run", "--unchanged", "--seed", "3", "--nproc-per-node", str(nproc), STACK, str(out),
+                          timeout=240, cwd=tmp_path, fresh=nproc == 2)
+        assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+        assert "global hooks" not in done.stderr  # torch's warning about ddpkit's own hooks is not the script's
+        found[nproc] = json.loads((out / "result.json").read_text())
+    assert worst_relative_difference({"m": found[1]["weights"]}, {"m": found[2]["weights"]}) < 1e-9
+    assert found[2]["figure"] > 0 and (tmp_path / "2" / "losses.png").stat().st_size == found[2]["figure"]
+    if "read back" in found[1]:  # (transformers installed)
+        assert found[2]["read back"] == found[1]["read back"] == ["config.json", "generation_config.json",
+                                                                   "model.safetensors"]
+        assert found[2]["the same"] is True
+
+
+COUNTED = str(Path(__file__).with_name("unchanged_counted_script.py"))
+
+
+def counted_run(tmp: Path, nproc: int, *flags: str) -> dict:
+    """tests/unchanged_counted_script.py under ``--unchanged FLAGS`` on ``nproc`` processes: its result."""
+    out = tmp / f"counted{nproc}{''.join(flags)}"
+    out.mkdir()
+    done = run_ddpkit("run", "--unchanged", "--seed", "4", *flags, "--nproc-per-node", str(nproc), COUNTED, str(out),
+                      timeout=180, cwd=tmp)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    return torch.load(out / "result.pt", weights_only=True)
+
+
+def relative_norm(a: dict, b: dict) -> float:
+    """The norm of the difference of two state dicts over the norm of ``a``."""
+    difference = sum(float(((a[key] - b[key]) ** 2).sum()) for key in a) ** 0.5
+    return difference / sum(float((a[key] ** 2).sum()) for key in a) ** 0.5
+
+
+def assert_counted_means_as_on_one_process(one: dict, two: dict) -> None:
+    """Every part of the counted script: weights to 1e-9 of one process's, and the printed losses the same (to float32's
+    rounding for transformers' models, whose loss is computed in float32)."""
+    for name in one["weights"]:
+        assert relative_norm(one["weights"][name], two["weights"][name]) < 1e-9, name
+        tolerance = 1e-6 if name in ("lm", "items") else 1e-12
+        assert two["printed"][name] == pytest.approx(one["printed"][name], rel=tolerance), name
+
+
+@pytest.fixture(scope="module")
+def counted_one(tmp_path_factory) -> dict:
+    return counted_run(tmp_path_factory.mktemp("counted"), 1)
+
+
+def test_means_over_tokens_not_ignored_class_weights_and_counted_items_train_and_print_as_on_one_process(
+        counted_one, tmp_path):
+    """A transformers causal LM on padded batches (its own loss, and given num_items_in_batch), the same batches'
+    ``F.cross_entropy(..., ignore_index=-100)`` in the script, a class-weighted CrossEntropyLoss: each share holds its
+    own count, and 2 processes end at 1 process's weights, printing its losses (before: 1.9e-2 apart)."""
+    two = counted_run(tmp_path, 2)
+    assert_counted_means_as_on_one_process(counted_one, two)
+    if "lm" not in counted_one["weights"]:  # (the floor's environment)
+        pytest.skip("transformers is not installed here: the script's own losses passed, its models' did not run")
+
+
+ASIDE = Path(__file__).with_name("unchanged_aside_script.py")
+
+
+def test_standing_aside_at_run_time_takes_out_every_hook_and_the_script_runs_on_as_under_ddpkit_run(tmp_path):
+    """A script whose helper module wraps its model in DDP (its own file reads as one device's): at the model's first
+    call --unchanged stands aside, and from there on the loaders, ``open``, ``torch.save``, the losses and the global
+    hooks are PyTorch's and Python's own: each rank writes its own files and saves, as under ``ddpkit run``."""
+    (tmp_path / "helper.py").write_text("from torch.nn.parallel import DistributedDataParallel\n\n\n"
+                                        "def wrap(model):\n    return DistributedDataParallel(model)\n")
+    shutil.copy(ASIDE, tmp_path / ASIDE.name)
+    out = tmp_path / "out"
+    out.mkdir()
+    done = run_ddpkit("run", "--unchanged", "--nproc-per-node", "2", str(tmp_path / ASIDE.name), str(out), timeout=120,
+                      cwd=tmp_path)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    assert done.stderr.count("--unchanged stood aside: the script wraps its model in DDP") == 1, done.stderr
+    for rank in (0, 1):
+        found = json.loads((out / f"rank{rank}.json").read_text())
+        assert found == {"batch sizes": [4] * 8, "torch.save": "torch.serialization", "open": True,
+                         "iterate": "torch.utils.data.dataloader", "batch sampler": "torch.utils.data.sampler",
+                         "cross_entropy": "torch.nn.functional", "global hooks": 0}, rank
+        assert (out / f"model{rank}.pt").exists()
+
+
+TRAINER = str(Path(__file__).with_name("unchanged_trainer_script.py"))
+
+
+@pytest.mark.slow
+def test_a_script_training_through_transformers_trainer_stands_aside_before_its_first_line_and_finishes(tmp_path):
+    """The Trainer distributes itself (Accelerate inside): --unchanged stands aside before the script starts, saying
+    what batch a step takes, and the run ends with the Trainer's own saving (before: half distributed, then dead in
+    ddpkit's once-only torch.save)."""
+    pytest.importorskip("transformers")
+    done = run_ddpkit("run", "--unchanged", "--nproc-per-node", "2", TRAINER, str(tmp_path), timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    assert "stood aside: " in done.stderr and "trains through transformers.Trainer" in done.stderr
+    assert "per_device_train_batch_size samples on every process" in done.stderr
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["steps"] == 3  # 48 samples, 8 on each of 2 processes a step
+    assert "model.safetensors" in result["saved"]
+
+
+def test_whole_models_saved_pickled_and_deep_copied_are_one_process_files_its_classes_weights_and_globals(runs):
     (one, _, one_result), (mean, _, two_result), (summed, _, summed_result) = \
         runs["both", 1], runs["mean", 2], runs["sum", 2]
-    files = [str(folder / name) for folder in (one, mean) for name in ("whole.pt", "best.pt")]
-    files += [str(one / "lm.pt"), str(summed / "lm.pt")]
-    loaded = loaded_whole(files)
+    files = [str(one / name) for name in ("whole.pt", "best.pt", "lm.pt")]
+    files += [str(mean / "whole.pt"), str(mean / "best.pt"), str(summed / "lm.pt")]
+    loaded = loaded_whole(files, references=3)
     assert loaded[files[0]]["classes"] == ['torch.nn.modules.activation.ReLU', 'torch.nn.modules.batchnorm.BatchNorm1d',
                                            'torch.nn.modules.container.Sequential', 'torch.nn.modules.linear.Linear']
     assert loaded[files[-1]]["classes"][0] == "__main__.TinyLanguageModel"
-    for a, b in ((0, 2), (1, 3), (4, 5)):  # 1 process against 2: the whole model, its copy, the language model
+    for a, b in ((0, 3), (1, 4), (2, 5)):  # 1 process against 2: the whole model, its copy, the language model
         assert worst_relative_difference({"m": loaded[files[a]]["weights"]}, {"m": loaded[files[b]]["weights"]}) < 1e-12
+        # The same globals as one process's file: a script's own weights_only load with its safe_globals reads it.
+        assert loaded[files[a]]["globals"] == loaded[files[b]]["globals"], (files[a], files[b])
+    assert summed_result["pickled globals"] == one_result["pickled globals"]
+    assert "builtins.getattr" not in summed_result["pickled globals"]
     # The copy, taken after the first epoch, evaluated on its own as a plain model: as on one process.
     assert two_result["best_plain"] == one_result["best_plain"] == ["Sequential", "BatchNorm1d", 0]
     assert two_result["best_eval"] == pytest.approx(one_result["best_eval"], rel=1e-12)

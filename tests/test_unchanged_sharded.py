@@ -288,15 +288,16 @@ def test_sharding_keeps_every_case_the_replica_keeps_exact_and_its_whole_models_
     for name, counted in one["evaluations"].items():
         assert two["evaluations"][name][:2] == counted[:2] and two["evaluations"][name][2] == pytest.approx(counted[2],
                                                                                                           rel=1e-12)
-    files = [str(shared_script_runs["mean"][0] / "whole.pt"), str(shared_script_runs["mean"][0] / "best.pt"),
-             str(shared_script_runs["sum"][0] / "lm.pt"), str(shared_script_runs["both"][0] / "lm.pt"),
-             str(shared_script_runs["both"][0] / "whole.pt")]
-    loaded = loaded_whole(files)
-    # The classifier saved whole (clipped), the language model: 2 processes sharded, and 1.
-    for a, b, tolerance in ((0, 4, 1e-12), (2, 3, 1e-12)):
-        assert worst_relative_difference({"m": loaded[files[a]]["weights"]},
-                                         {"m": loaded[files[b]]["weights"]}) < tolerance
+    files = [str(shared_script_runs["both"][0] / "whole.pt"), str(shared_script_runs["both"][0] / "lm.pt"),
+             str(shared_script_runs["mean"][0] / "whole.pt"), str(shared_script_runs["sum"][0] / "lm.pt"),
+             str(shared_script_runs["mean"][0] / "best.pt")]
+    loaded = loaded_whole(files, references=2)  # (each loaded with weights_only, allowed what 1 process's name)
+    # The classifier saved whole (clipped), the language model: 2 processes sharded, and 1, their globals the same.
+    for a, b in ((0, 2), (1, 3)):
+        assert worst_relative_difference({"m": loaded[files[a]]["weights"]}, {"m": loaded[files[b]]["weights"]}) < 1e-12
+        assert loaded[files[a]]["globals"] == loaded[files[b]]["globals"]
     assert shared_script_runs["sum"][2]["pickled"] == ["TinyLanguageModel", True]  # pickle.dumps of the model
+    assert shared_script_runs["sum"][2]["pickled globals"] == one["pickled globals"]
     assert two["best_plain"] == ["Sequential", "BatchNorm1d", 0]  # a deep copy: plain, and it evaluates on its own
     assert two["best_eval"] == pytest.approx(one["best_eval"], rel=1e-12)
 
@@ -380,3 +381,12 @@ def test_an_optimizers_state_not_shaped_as_its_parameter_cannot_be_sharded_and_i
     with pytest.raises(UsageError, match=r"^--unchanged --shard: SGD holds state 'row_variance' for a parameter of "
                                          r"Net shaped \(4,\), not as the parameter \(4, 6\), so it cannot be sharded"):
         optimizers.repoint({weight: nn.Parameter(torch.zeros(4, 6))}, "Net")
+
+
+@pytest.mark.slow
+def test_means_over_counted_items_train_and_print_sharded_as_on_one_process(tmp_path, sharding_torch):
+    """tests/unchanged_counted_script.py (a transformers LM on padded batches, with and without num_items_in_batch; a
+    loss with ignore_index in the script; class weights) with --shard always on 2 processes against 1."""
+    from test_unchanged import assert_counted_means_as_on_one_process, counted_run
+
+    assert_counted_means_as_on_one_process(counted_run(tmp_path, 1), counted_run(tmp_path, 2, "--shard", "always"))

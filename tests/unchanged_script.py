@@ -33,6 +33,32 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset, random_split
 
+STRINGS = ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE")
+
+
+def globals_named(pickled: bytes) -> list[str]:
+    """Every global a pickle names (what ``torch.load(weights_only=True)`` must be allowed), read without loading it."""
+    import pickletools
+
+    found, memo, strings, last = set(), {}, [], None
+    for op, arg, _ in pickletools.genops(pickled):
+        if op.name in STRINGS:
+            last = arg
+            strings.append(arg)
+        elif op.name == "MEMOIZE":
+            memo[len(memo)] = last
+        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            memo[arg] = last
+        elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+            last = memo.get(arg)
+            strings.append(last)
+        elif op.name in ("GLOBAL", "STACK_GLOBAL"):
+            found.add(arg.replace(" ", ".") if op.name == "GLOBAL" else f"{strings[-2]}.{strings[-1]}")
+            last = None
+        else:
+            last = None
+    return sorted(found)
+
 out, reduction = sys.argv[1], sys.argv[2]
 if sys.argv[3:] == ["float64"]:  # where float32's rounding, which training grows, would hide a difference of method
     torch.set_default_dtype(torch.float64)
@@ -242,8 +268,10 @@ def cut_by_hand():
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    copied = pickle.loads(pickle.dumps(model))
+    pickled = pickle.dumps(model)
+    copied = pickle.loads(pickled)
     result["pickled"] = [type(copied).__name__, torch.equal(copied.head.weight, model.state_dict()["head.weight"])]
+    result["pickled globals"] = globals_named(pickled)
     torch.save(model, os.path.join(out, "lm.pt"))
     return model
 

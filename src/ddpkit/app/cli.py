@@ -409,7 +409,10 @@ def _unchanged_argument(ns: argparse.Namespace) -> list[str]:
     if named is None:
         return [f"--unchanged={setting.encode()}"]
     if _says_it_once():
-        logger.warning(f"--unchanged stood aside: {ns.script} distributes itself (it {named}), and runs as under ddpkit run")
+        from ddpkit.unchanged import TRAINER_BATCH
+
+        logger.warning(f"--unchanged stood aside: {ns.script} distributes itself (it {named}), and runs as under ddpkit run"
+                       + (f"; {TRAINER_BATCH}" if named.startswith("trains through") else ""))
     ns.unchanged = False
     return []
 

@@ -13,14 +13,18 @@ keeps what earlier passes left in ``.grad`` (the same on every rank) as it is.
 BatchNorm layers in training normalise over every rank's batch together (``sync_bn.OverAllRanks``), their
 class also swapped for a subclass in place, so the module's structure and keys stay as they were.
 
-A copy of such a module is a plain one: ``copy.deepcopy``, ``pickle`` and ``torch.save(model)`` give the module's own
-class (and BatchNorm's), holding its weights, without what ``replicate`` and ddpkit put on it (their classes, hooks
-and state), as one device would have it: an EMA or best-model copy trains and evaluates on its own, and a saved file
-loads where ddpkit was never imported.
+The module and its layers keep their own classes (``replicate`` gives the module a subclass of its class, which only
+adds methods that ddpkit has called by then: the class is put back). A copy of such a module is a plain one:
+``copy.deepcopy``, ``pickle`` and ``torch.save(model)`` give the module's own class (and BatchNorm's), holding its
+weights, without what ``replicate`` and ddpkit put on it (hooks and state: ``keep_plain``), as one device would have
+it: an EMA or best-model copy trains and evaluates on its own, a saved file loads where ddpkit was never imported, and
+its pickle names the globals that one device's names (``torch.load`` with ``weights_only`` and the script's own
+``safe_globals`` reads it).
 """
 
-import copy
 import dataclasses
+import types
+import weakref
 from collections.abc import Callable  # (no postponed annotations: DDP reads the hook's)
 
 import torch
@@ -28,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable.replicate import replicate
 
-from ddpkit.strategies.sync_bn import OverAllRanks
+from ddpkit.strategies.sync_bn import forward_over_all_ranks
 
 Weight = Callable[[], float]
 
@@ -45,8 +49,10 @@ def replicate_in_place(module: nn.Module, *, weight: Weight, whole: Callable[[],
     # No device_ids: DDP then leaves the inputs where the script put them, as the module alone would.
     replicate(module)
     module.register_comm_hook(weight, weighted_all_reduce)
-    # replicate's class, this module's own: its copies are of the plain class.
-    copied_plain(type(module), plain, added_since(before, hooks_and_keys(module)))
+    # replicate's class (DDP<Name>) only adds methods, the last of which ran just now; its hooks, which do DDP's work,
+    # are the instance's. The module's own class again: what pickles it then names that class, as one device's does.
+    module.__class__ = plain
+    keep_plain(module, added_since(before, hooks_and_keys(module)))
 
 
 def weighted_all_reduce(weight: Weight, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -56,24 +62,19 @@ def weighted_all_reduce(weight: Weight, bucket: dist.GradBucket) -> torch.future
     return dist.all_reduce(buffer, async_op=True).get_future().then(lambda done: done.value()[0])
 
 
-_synced_classes: dict[type, type] = {}
-
-
 def batch_norm_over_all_ranks(module: nn.Module, weight: Weight, whole: Callable[[], bool], *,
                               scaled: bool = False) -> None:
     """Every BatchNorm layer of ``module`` normalises over all ranks' batches in training, in place (but while
     ``whole()``: every rank holds the whole batch); ``scaled``: the gradients reaching them are weighted already
-    (``sync_bn.synced_batch_norm``)."""
+    (``sync_bn.synced_batch_norm``). Each layer keeps its class: its ``forward`` is the instance's own, as a library's
+    hooks set it (a pickle of the layer names its class alone)."""
     for layer in module.modules():
-        kind = type(layer)
         if not isinstance(layer, nn.modules.batchnorm._BatchNorm):
             continue
-        if not issubclass(kind, OverAllRanks):
-            if kind not in _synced_classes:
-                _synced_classes[kind] = type(kind.__name__, (OverAllRanks, kind), {"__module__": kind.__module__})
-                copied_plain(_synced_classes[kind], kind, Added(keys=frozenset({"share", "whole", "scaled"})))
-            layer.__class__ = _synced_classes[kind]
-        layer.share, layer.whole, layer.scaled = weight, whole, scaled
+        for key, value in (("share", weight), ("whole", whole), ("scaled", scaled),
+                           ("forward", types.MethodType(forward_over_all_ranks, layer))):
+            object.__setattr__(layer, key, value)
+        keep_plain(layer, Added(keys=frozenset({"share", "whole", "scaled", "forward"})))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,33 +86,32 @@ class Added:
     hooks: tuple = ()
 
 
-def copied_plain(cls: type, plain: type, added: Added) -> None:
-    """Make every copy of an instance of ``cls`` (a class put on a module in place) an instance of ``plain``, without
-    ``added``: for ``copy.deepcopy``, ``pickle`` and ``torch.save``, whose file then names ``plain`` alone."""
+_added: weakref.WeakKeyDictionary[nn.Module, Added] = weakref.WeakKeyDictionary()
 
-    def __reduce_ex__(module: nn.Module, protocol: int):
-        # object.__new__ pickles by name (copyreg's __newobj__ would insist on the instance's own class).
-        return object.__new__, (plain,), state_without(module, added)
 
-    def __deepcopy__(module: nn.Module, memo: dict) -> nn.Module:
-        new, arguments, state = __reduce_ex__(module, 4)
-        copied = new(*arguments)
-        memo[id(module)] = copied
-        copied.__setstate__(copy.deepcopy(state, memo))
-        return copied
+def keep_plain(module: nn.Module, added: Added) -> None:
+    """Copies of ``module`` (``copy.deepcopy``, ``pickle``, ``torch.save``) without ``added``, what was put on it in
+    place: its state for them (``__getstate__``, the instance's own, which both read) leaves it out."""
+    before = _added.get(module, Added())
+    _added[module] = Added(keys=before.keys | added.keys | {"__getstate__"}, hooks=before.hooks + added.hooks)
+    if "__getstate__" not in vars(module):
+        object.__setattr__(module, "__getstate__", types.MethodType(_plain_state, module))
 
-    cls.__reduce_ex__ = __reduce_ex__
-    cls.__deepcopy__ = __deepcopy__
+
+def _plain_state(module: nn.Module) -> dict:
+    return state_without(module, Added())
 
 
 def state_without(module: nn.Module, added: Added) -> dict:
-    """``module``'s state (a new dictionary), without what was ``added`` to it in place."""
-    state = dict(module.__getstate__())
-    for key in added.keys:
-        state.pop(key, None)
-    for name, ids in added.hooks:
-        if name in state:
-            state[name] = type(state[name])((hook, value) for hook, value in state[name].items() if hook not in ids)
+    """``module``'s state (a new dictionary), without what was ``added`` to it in place, nor what ``keep_plain``
+    recorded."""
+    state = dict(type(module).__getstate__(module))  # (the class's: the instance's own is this function's caller)
+    for each in (_added.get(module, Added()), added):
+        for key in each.keys:
+            state.pop(key, None)
+        for name, ids in each.hooks:
+            if name in state:
+                state[name] = type(state[name])((hook, value) for hook, value in state[name].items() if hook not in ids)
     return state
 
 

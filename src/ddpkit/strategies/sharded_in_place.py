@@ -95,7 +95,7 @@ def shard_in_place(module: nn.Module, *, reshard_after_forward: bool, weight: We
     for part, found in before.items():
         _before_sharding[part] = found
         if type(part) is not plain[part]:
-            _copies_plain(type(part), plain[part])
+            _copies_plain(part, plain[part])
     for part in module.modules():
         if any(is_shard(parameter) for parameter in part._parameters.values()):
             part._register_state_dict_hook(_whole_state)
@@ -182,21 +182,55 @@ def _sharded_state(module: nn.Module, state_dict: dict, prefix: str, *_) -> None
 
 # Copies: the script's classes, whole weights, nothing of FSDP's.
 
-def _copies_plain(cls: type, plain: type) -> None:
-    def __reduce_ex__(module: nn.Module, protocol: int):
+_plain_classes: dict[type, type] = {}
+
+
+def _copies_plain(module: nn.Module, plain: type) -> None:
+    """Copies of ``module`` (FSDP2's class for the script's ``plain`` one) are plain: a class of ddpkit's below
+    FSDP2's, which only adds how it copies and pickles (``_PicklesPlain``)."""
+    sharded = type(module)
+    if sharded not in _plain_classes:
+        _plain_classes[sharded] = type(sharded.__name__, (_PicklesPlain, sharded),
+                                       {"__module__": sharded.__module__, "_plain": plain, "_sharded": sharded})
+    module.__class__ = _plain_classes[sharded]
+
+
+class _PicklesPlain:
+    """Copied and pickled as the script's own class, with whole weights and nothing of FSDP's: a pickle names the
+    globals that one device's names. For that, ``__class__`` reads as the plain class once, right after
+    ``__reduce_ex__`` (where pickle checks it against the class it is told to build); else it is the real one."""
+
+    _plain: type
+    _sharded: type
+
+    def __new__(cls, *args, **kwargs):  # (FSDP2's own: indexing a container builds the plain class)
+        return cls._sharded.__new__(cls._sharded, *args, **kwargs)
+
+    @property
+    def __class__(self):
+        if getattr(_state, "pickling", None) is self:
+            _state.pickling = None
+            return self._plain
+        return type(self)
+
+    @__class__.setter
+    def __class__(self, kind: type) -> None:
+        object.__dict__["__class__"].__set__(self, kind)
+
+    def __reduce_ex__(self, protocol: int):
         if getattr(_state, "alone", False) and not getattr(_state, "copying", False):
             raise UsageError("--unchanged --shard: torch.save of an object that holds a sharded model inside something "
                              "other than a module, dict, list or tuple: save model.state_dict(), or the model itself")
-        copied = plain_copy(module)
-        return object.__new__, (type(copied),), copied.__getstate__()  # (pickled by name, as in_place.copied_plain)
+        copied = plain_copy(self)
+        reduced = copied.__reduce_ex__(protocol)  # copyreg's: the plain class, built by name
+        if protocol >= 2:
+            _state.pickling = self
+        return reduced
 
-    def __deepcopy__(module: nn.Module, memo: dict) -> nn.Module:
+    def __deepcopy__(self, memo: dict) -> nn.Module:
         if getattr(_state, "copying", False):
-            return _one_plain(module, plain, memo)
-        return plain_copy(module, memo)
-
-    cls.__reduce_ex__ = __reduce_ex__
-    cls.__deepcopy__ = __deepcopy__
+            return _one_plain(self, self._plain, memo)
+        return plain_copy(self, memo)
 
 
 def plain_copy(module: nn.Module, memo: dict | None = None) -> nn.Module:
@@ -216,7 +250,8 @@ def plain_copy(module: nn.Module, memo: dict | None = None) -> nn.Module:
 
 def _one_plain(module: nn.Module, plain: type | None, memo: dict) -> nn.Module:
     """A copy of a module that ``fully_shard`` made a block, of its class before, without what sharding added."""
-    plain = plain or next(kind for kind in type(module).__mro__ if not _is_fsdp_class(kind))
+    plain = plain or next(kind for kind in type(module).__mro__
+                          if not _is_fsdp_class(kind) and kind is not _PicklesPlain)
     copied = object.__new__(plain)
     memo[id(module)] = copied
     copied.__setstate__(copy.deepcopy(state_without(module, _added_by_sharding(module)), memo))

@@ -28,11 +28,21 @@ class OverAllRanks:
     scaled: bool = False  # the gradient reaching it is scaled by N times its share already (a sharded model's)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.training and dist.is_initialized() and dist.get_world_size() > 1 and not (self.whole and self.whole()):
-            self._check_input_dim(input)
-            return synced_batch_norm(self, input, weight=None if self.share is None else self.share(),
-                                     scaled=self.scaled)
-        return super().forward(input)
+        return forward_over_all_ranks(self, input)
+
+
+def forward_over_all_ranks(bn: nn.modules.batchnorm._BatchNorm, input: torch.Tensor) -> torch.Tensor:
+    """``bn``'s forward (a BatchNorm layer with ``OverAllRanks``' attributes, as a mixin or its own): over every rank's
+    batch in training on several ranks, else its class's own."""
+    whole = getattr(bn, "whole", None)
+    if bn.training and dist.is_initialized() and dist.get_world_size() > 1 and not (whole and whole()):
+        bn._check_input_dim(input)
+        share = getattr(bn, "share", None)
+        return synced_batch_norm(bn, input, weight=None if share is None else share(),
+                                 scaled=getattr(bn, "scaled", False))
+    if isinstance(bn, OverAllRanks):
+        return super(OverAllRanks, bn).forward(input)
+    return type(bn).forward(bn, input)
 
 
 class CPUSyncBatchNorm(OverAllRanks, nn.modules.batchnorm._BatchNorm):

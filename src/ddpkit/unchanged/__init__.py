@@ -9,7 +9,8 @@ What ddpkit puts into the script's processes, all of it here, before the script'
 - the same seeds on every rank, then streams of each rank's own once training begins (``randomness``);
 - the script's DataLoaders, each batch split across the ranks (``batches``, ``ddpkit.data.split_batches``);
 - its models, each a DDP replica in place when first called to train, gradients weighted by share
-  (``models``, ``ddpkit.strategies.in_place``), BatchNorm over the whole batch; or sharded in place where
+  (``models``, ``ddpkit.strategies.in_place``), BatchNorm over the whole batch; a loss that is a mean over counted
+  items (tokens not ignored, class weights) weighted by its count (``counted``); or sharded in place where
   ``--shard`` says so (``layouts``, ``ddpkit.strategies.sharded_in_place``), its optimizers re-pointed
   (``optimizers``);
 - ``torch.save`` to a path, by rank 0 alone, atomically (``saving``);
@@ -41,7 +42,13 @@ LOSS_REDUCTIONS = ("mean", "sum", "coupled")
 DISTRIBUTING_NAMES = ("init_process_group", "DistributedDataParallel", "fully_shard", "FullyShardedDataParallel")
 # Libraries that distribute a script themselves (their own launch, process group and wrappers), and ddpkit's library.
 DISTRIBUTING_LIBRARIES = ("ddpkit", "accelerate", "lightning", "lightning_fabric", "pytorch_lightning", "deepspeed",
-                          "horovod")
+                          "horovod", "trl")
+# Trainers that distribute themselves (Accelerate inside transformers' Trainer, and TRL's trainers built on it): a
+# script that trains through one runs as under `ddpkit run`, each process a batch of its own (``TRAINER_BATCH``).
+DISTRIBUTING_TRAINERS = {"transformers": ("Trainer", "Seq2SeqTrainer")}
+TRAINER_BATCH = ("each of its steps then takes per_device_train_batch_size samples on every process, the number of "
+                 "processes times one device's batch: divide per_device_train_batch_size by it (or "
+                 "gradient_accumulation_steps) to keep one device's")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +81,15 @@ class Setting:
 
 def stands_aside(source: str) -> str | None:
     """What makes ``source`` (a script's text) one that distributes itself, or None: a library it imports
-    (``DISTRIBUTING_LIBRARIES``) or a name its code uses (``DISTRIBUTING_NAMES``), wherever in the code, a branch
-    included. Comments and strings count for nothing. A script that does not parse is left to Python to refuse."""
+    (``DISTRIBUTING_LIBRARIES``), a name its code uses (``DISTRIBUTING_NAMES``), or a trainer of a library that
+    distributes itself (``DISTRIBUTING_TRAINERS``), wherever in the code, a branch included. Comments and strings count
+    for nothing. A script that does not parse is left to Python to refuse."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return None
+    aliases = {alias.asname or alias.name: alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+               for alias in node.names if alias.name in DISTRIBUTING_TRAINERS}  # `import transformers as tf`
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             modules = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
@@ -87,9 +97,16 @@ def stands_aside(source: str) -> str | None:
                 if not getattr(node, "level", 0) and module.partition(".")[0] in DISTRIBUTING_LIBRARIES:
                     return f"imports {module}"
             imported = [alias.name for alias in node.names] if isinstance(node, ast.ImportFrom) else []
+            library = (node.module or "").partition(".")[0] if isinstance(node, ast.ImportFrom) else ""
+            trainer = next((name for name in imported if name in DISTRIBUTING_TRAINERS.get(library, ())), None)
+            if trainer is not None and not node.level:
+                return f"trains through {library}.{trainer}"
             named = next((name for name in imported if name in DISTRIBUTING_NAMES), None)
         else:
             named = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr in DISTRIBUTING_TRAINERS[aliases[node.value.id]]):
+                return f"trains through {aliases[node.value.id]}.{node.attr}"
         if named in DISTRIBUTING_NAMES:
             return f"uses {named}"
     return None
@@ -105,9 +122,9 @@ def install(setting: Setting) -> None:
     runtime = process_group.setup(own_gpu=own_gpu, environment=environment)
     from ddpkit.unchanged import outputs
 
-    outputs.install(runtime)
+    private = outputs.install(runtime)
     seed = shared_seed(setting.seed, runtime)
-    _install_hooks(runtime, setting, seed)
+    _install_hooks(runtime, setting, seed, undo=[] if private is None else [private.uninstall])
     if runtime.is_main:
         many = runtime.world_size > 1
         logger.info(f"--unchanged: {runtime.world_size} process{'es' if many else ''} train as one device would"
@@ -116,7 +133,9 @@ def install(setting: Setting) -> None:
                     + ("" if setting.seed is not None else f" (drawn: repeat the run with --seed {seed})"))
 
 
-def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int) -> None:
+def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int, *, undo: list) -> None:
+    """Every hook of --unchanged's; each one's ``uninstall`` goes into ``undo``, which standing aside at run time calls
+    (a script found to distribute itself runs as under ``ddpkit run``, nothing of ours left in its way)."""
     from ddpkit.unchanged.batches import Batch, Loaders
     from ddpkit.unchanged.models import Models
     from ddpkit.unchanged.optimizers import Optimizers
@@ -129,6 +148,13 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int) 
                   coupled=setting.loss_reduction == "coupled")
     loaders = Loaders(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams)
     loaders.install()
+    undo.append(loaders.uninstall)
+    if runtime.world_size > 1:
+        from ddpkit.unchanged.counted import CountedMeans
+
+        counted = CountedMeans(batch=batch)
+        counted.install()
+        undo.append(counted.uninstall)
     from ddpkit.core.version import torch_at_least
     from ddpkit.unchanged.layouts import SHARD_IN_PLACE
 
@@ -139,11 +165,25 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int) 
     optimizers = Optimizers(rank=runtime.rank)
     if shard != "never":
         optimizers.install()
-    Models(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams,
-           witness=loaders.witness, shard=shard, optimizers=optimizers).install()
+        undo.append(optimizers.uninstall)
     control = process_group.control_group(runtime)
-    SaveOnce(rank=runtime.rank, wait_for_rank_0=lambda: control is None or dist.barrier(group=control),
-             sharding=shard != "never").install()
+
+    def wait_for_rank_0() -> None:
+        if control is not None:
+            dist.barrier(group=control)
+
+    def stand_aside() -> None:
+        for step in undo:
+            step()
+
+    models = Models(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams,
+                    witness=loaders.witness, shard=shard, optimizers=optimizers, wait_for_rank_0=wait_for_rank_0,
+                    stand_aside=stand_aside)
+    models.install()
+    undo.append(models.uninstall)
+    saving = SaveOnce(rank=runtime.rank, wait_for_rank_0=wait_for_rank_0, sharding=shard != "never")
+    saving.install()
+    undo.append(saving.uninstall)
 
 
 def one_gpu_each(local_rank: int, local_world_size: int) -> bool:

@@ -94,6 +94,7 @@ class Loaders:
         self._original_iter: Callable | None = None
         self._passes: list[Pass] = []  # the passes going on, the one that handed out a batch last at the end
         self._trained_before: weakref.WeakSet[SplitBatchSampler] = weakref.WeakSet()  # their last pass trained
+        self._taken: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # loaders whose batch sampler is wrapped
         self._warned = False
 
     def install(self) -> None:
@@ -104,6 +105,16 @@ class Loaders:
             return loaders.iterate(loader)
 
         DataLoader.__iter__ = __iter__
+
+    def uninstall(self) -> None:
+        """Every loader as the script built it again: its own batch sampler (a pass going on reads whole batches to
+        its end), ``DataLoader.__iter__`` PyTorch's."""
+        if self._original_iter is not None:
+            DataLoader.__iter__ = self._original_iter
+        for loader in list(self._taken):
+            split = loader.batch_sampler
+            split.whole = True
+            loader.__dict__["batch_sampler"] = split.batches
 
     def iterate(self, loader: DataLoader):
         sampler = self.split_sampler(loader)
@@ -195,4 +206,5 @@ class Loaders:
         split = SplitBatchSampler(current, rank=self.rank, world_size=self.world_size, stream=stream)
         # DataLoader refuses a new batch_sampler once built (its __setattr__); its _index_sampler reads this one.
         loader.__dict__["batch_sampler"] = split
+        self._taken.add(loader)
         return split

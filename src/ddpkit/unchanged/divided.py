@@ -41,6 +41,7 @@ class Call:
     evaluating: bool = False
     share: Share | None = None
     learning: bool = False  # a model's first training call outside a split loader: whether it returns its loss
+    items_counted: bool = False  # given the batch's count of items (``num_items_in_batch``): its loss a part of a sum
 
 
 class Evaluations:

@@ -21,6 +21,8 @@ decides the rest:
 
 from __future__ import annotations
 
+import functools
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -34,7 +36,7 @@ from ddpkit.core.errors import UsageError
 from ddpkit.core.logs import logger
 from ddpkit.data.split_batches import Share, rows_of_share, share_of, share_sizes
 from ddpkit.strategies import distributed_already
-from ddpkit.strategies.in_place import replicate_in_place
+from ddpkit.strategies.in_place import Added, added_since, hooks_and_keys, keep_plain, replicate_in_place
 from ddpkit.unchanged import layouts
 from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.divided import KEYWORDS_SEEN, Call, Evaluations
@@ -52,8 +54,11 @@ class Models:
     """The global hooks, the models they found, and what each root call of one does."""
 
     def __init__(self, *, rank: int, world_size: int, batch: Batch, streams: Streams,
-                 witness: Callable[..., None], shard: str = "never", optimizers=None):
+                 witness: Callable[..., None], shard: str = "never", optimizers=None,
+                 wait_for_rank_0: Callable[[], None] = lambda: None, stand_aside: Callable[[], None] = lambda: None):
         self.rank = rank
+        self.stand_aside = stand_aside  # takes out every hook of --unchanged's, these included
+        self.wait_for_rank_0 = wait_for_rank_0  # a barrier: after a library's save, which rank 0 alone writes
         self.shard = shard  # ``layouts.SHARDING``: where each model's training state lives
         self.optimizers = optimizers  # ``optimizers.Optimizers``, recorded where models may be sharded
         self.sharded: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -70,12 +75,22 @@ class Models:
         self.evaluations = Evaluations(rank=rank, world_size=world_size)
 
     def install(self) -> None:
-        module_hooks.register_module_forward_pre_hook(self.before)
+        # torch warns a script that compiles a module that global hooks fire once more around the compiled module:
+        # they are these, and they act at the outer call alone (``depth``).
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        self._handles = [module_hooks.register_module_forward_pre_hook(self.before)]
         if KEYWORDS_SEEN:
-            module_hooks.register_module_forward_hook(self.after, always_call=True, with_kwargs=True)
+            self._handles.append(module_hooks.register_module_forward_hook(self.after, always_call=True,
+                                                                           with_kwargs=True))
         else:
-            module_hooks.register_module_forward_hook(lambda module, args, output: self.after(module, args, {}, output),
-                                                      always_call=True)
+            self._handles.append(module_hooks.register_module_forward_hook(
+                lambda module, args, output: self.after(module, args, {}, output), always_call=True))
+
+    def uninstall(self) -> None:
+        self.off = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def before(self, module: nn.Module, args: tuple):
         self.depth += 1
@@ -142,7 +157,10 @@ class Models:
         scale = self.batch.output_scale()
         if module in self.sharded:
             scale *= self.sharded_weight()
-        if split and self.batch.coupled:
+        if call.items_counted and _returns_a_loss(output):
+            weight = self.batch.current_weight()  # (a sum's part: its gradient counts whole, DDP weighs it by share)
+            output, split = self.whole_batch_losses(output, summed=True, scale=1.0 / weight if weight else 0.0), True
+        elif split and self.batch.coupled:
             output = gathered(output, sizes=share_sizes(share.samples, world_size=self.world_size), rank=self.rank,
                               rows=len(share.indices), with_gradients=True)
         elif split:
@@ -169,22 +187,39 @@ class Models:
                            "computes each of its steps whole, as one device does (exact, and no faster). A DataLoader "
                            "over a map-style data set would split its batches")
 
-    def whole_batch_losses(self, output):
+    def whole_batch_losses(self, output, *, summed: bool | None = None, scale: float = 1.0):
         """``output`` of a model that got this rank's share of a batch, its losses (tensors of one element that
         require grad) valued as the whole batch's: what the script prints is then one process's number. Their
-        gradient stays this rank's own. A model that returns no loss is refused (its loss would meet targets that
-        were not split)."""
+        gradient stays this rank's own (times ``scale``). ``summed``: each rank's loss is a part of a sum (else
+        the batch's reduction says). A model that returns no loss is refused (its loss would meet targets that were
+        not split)."""
         leaves, spec = pytree.tree_flatten(output)
         losses = [index for index, leaf in enumerate(leaves) if _is_a_loss(leaf)]
         if not losses:
             raise UsageError(NOT_SPLIT, said_elsewhere=self.rank != 0)  # every rank meets it: rank 0 says it
-        weight = 1.0 if self.batch.summed else self.batch.weight
-        values = torch.stack([leaves[index].detach().reshape(()).float() * weight for index in losses])
+        weight = 1.0 if (self.batch.summed if summed is None else summed) else self.batch.weight
+        values = torch.stack([leaves[index].detach().reshape(()).to(torch.float64) * weight for index in losses])
         dist.all_reduce(values)
         for index, value in zip(losses, values):
-            leaf = leaves[index]
+            leaf = leaves[index] if scale == 1.0 else ScaleGradient.apply(leaves[index], scale)
             leaves[index] = leaf + (value.to(leaf.dtype).reshape(leaf.shape) - leaf).detach()
         return pytree.tree_unflatten(leaves, spec)
+
+    def items_of_the_batch(self, module: nn.Module, args: tuple, kwargs: dict):
+        """A model's pre-hook: a split batch's count of items given to its call (``num_items_in_batch``, as
+        transformers' models take it), counted by the script from its share, becomes the whole batch's (summed over
+        the ranks), so that the loss it returns is its share's part of one device's sum (``after``)."""
+        items = kwargs.get("num_items_in_batch")
+        call = self._calls[-1] if self._calls else None
+        if (items is None or call is None or call.module is not module or call.evaluating or self.batch.whole
+                or self.batch.coupled or self.batch.summed):
+            return None
+        device = items.device if isinstance(items, torch.Tensor) else next(module.parameters()).device
+        total = torch.as_tensor(items, dtype=torch.float64, device=device) * float(self.batch.current_weight() > 0)
+        dist.all_reduce(total)
+        call.items_counted = True
+        items = total.to(items.dtype) if isinstance(items, torch.Tensor) else type(items)(total.item())
+        return args, {**kwargs, "num_items_in_batch": items}
 
     def adopt(self, module: nn.Module) -> bool:
         """Make ``module`` a replica, if it is a model; False for one that is not (nothing to train, or the script's
@@ -197,9 +232,10 @@ class Models:
             self.passed.add(module)  # a part of a model found already, called on its own: that model's replica
             return False
         if any(distributed_already(part) for part in module.modules()):
-            self.off = True
-            logger.warning("--unchanged stood aside: the script wraps its model in DDP or FSDP itself, and runs as "
-                           "under ddpkit run")
+            if self.rank == 0:
+                logger.warning("--unchanged stood aside: the script wraps its model in DDP or FSDP itself, and runs as "
+                               "under ddpkit run (its loaders, files, saves and losses its own from here on)")
+            self.stand_aside()
             return False
         layout = self.layout(module) if self.world_size > 1 else "replica"
         if layout != "replica":
@@ -211,6 +247,11 @@ class Models:
             self.sharded.add(module)
         elif self.world_size > 1:  # one process has nothing to average: its models run as they are
             replicate_in_place(module, weight=self.batch.current_weight, whole=self.batch.is_whole)
+        if self.world_size > 1:
+            saved_then_read(module, self.wait_for_rank_0)
+            before = hooks_and_keys(module)
+            module.register_forward_pre_hook(self.items_of_the_batch, with_kwargs=True)
+            keep_plain(module, added_since(before, hooks_and_keys(module)))
         self.found.add(module)
         logger.debug(f"--unchanged: {_class_name(module)} is a model; its gradients are averaged over the ranks")
         return True
@@ -256,6 +297,26 @@ class Models:
         return rows_of_share(args, share), share
 
 
+def saved_then_read(module: nn.Module, wait_for_rank_0: Callable[[], None]) -> None:
+    """A model with a ``save_pretrained`` method (transformers, diffusers, PEFT, the Hub's mixin): the libraries
+    write on rank 0 alone where a process group is up, and the script may read the folder back next
+    (``from_pretrained``), as one device does: every rank waits there until rank 0 has written. (An attribute of the
+    script's model object, left out of its copies: ``in_place.keep_plain``.)"""
+    method = getattr(module, "save_pretrained", None)
+    if not callable(method) or "save_pretrained" in vars(module):
+        return
+
+    @functools.wraps(method)
+    def save_pretrained(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        finally:
+            wait_for_rank_0()
+
+    object.__setattr__(module, "save_pretrained", save_pretrained)
+    keep_plain(module, Added(keys=frozenset({"save_pretrained"})))
+
+
 def _scaled_gradients(tree, scale: float):
     """``tree``'s tensors that require grad, their gradient multiplied by ``scale`` in backward."""
     if scale == 1.0:
@@ -278,4 +339,5 @@ def _returns_a_loss(output) -> bool:
 
 def _class_name(module: nn.Module) -> str:
     """The script's name for ``module``'s class (not ``replicate``'s subclass of it, ``DDPNet``)."""
-    return next(kind.__name__ for kind in type(module).__mro__ if not kind.__module__.startswith("torch.distributed"))
+    return next(kind.__name__ for kind in type(module).__mro__
+                if not kind.__module__.startswith(("torch.distributed", "ddpkit.")))

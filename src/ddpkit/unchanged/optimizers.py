@@ -51,6 +51,7 @@ class Optimizers:
         self.rank = rank
         self.built: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self.checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._undo: list = []
 
     def install(self) -> None:
         original = torch.optim.Optimizer.__init__
@@ -67,7 +68,13 @@ class Optimizers:
         torch.optim.Optimizer.__init__ = __init__
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        register_optimizer_step_pre_hook(self.check_step)
+        handle = register_optimizer_step_pre_hook(self.check_step)
+        self._undo = [handle.remove, lambda: setattr(torch.optim.Optimizer, "__init__", original)]
+
+    def uninstall(self) -> None:
+        for undo in self._undo:
+            undo()
+        self._undo = []
 
     def check_step(self, optimizer: torch.optim.Optimizer, *_) -> None:
         """Before each step: an optimizer that holds sharded parameters must step each element on its own (one built

@@ -30,6 +30,10 @@ class SaveOnce:
     def install(self) -> None:
         torch.save = self
 
+    def uninstall(self) -> None:
+        if torch.save is self:
+            torch.save = self.original
+
     def __call__(self, obj, f, *args, **kwargs) -> None:
         if not isinstance(f, (str, os.PathLike)):
             self.original(obj, f, *args, **kwargs)
