@@ -8,11 +8,13 @@ the runs are shared by the tests through module fixtures.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -110,6 +112,43 @@ def test_the_setting_travels_as_one_word_and_a_bad_reduction_is_refused():
 ])
 def test_a_script_that_distributes_itself_is_told_by_what_its_code_uses_not_by_its_comments(source, named):
     assert stands_aside(source) == named
+
+
+def test_what_a_rank_writes_stays_private_only_when_it_is_the_scripts_output(monkeypatch, tmp_path):
+    from ddpkit.unchanged.outputs import left_as_it_is
+
+    output = str(tmp_path / "run" / "log.csv")  # pytest's folder is under the temporary one: still an output
+    assert not left_as_it_is(output, writer="__main__") and not left_as_it_is(output, writer="PIL")
+    assert left_as_it_is(output, writer="torch")  # torch's own files: inductor's, the modules it generates
+    made = tempfile.mkdtemp()
+    assert left_as_it_is(os.path.join(made, "module.py"), writer="mylib")  # a name tempfile made: the process's own
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hub"))
+    assert left_as_it_is(str(tmp_path / "hub" / "models" / "config.json"), writer="huggingface_hub")
+    assert left_as_it_is(os.path.join(sys.prefix, "lib", "x.py"), writer="mylib")
+    os.rmdir(made)
+
+
+def test_a_counted_mean_leaves_torchscript_compiling_torchs_own_loss():
+    import torch.nn.functional as F
+
+    from ddpkit.unchanged.counted import CountedMeans, counted
+
+    assert counted(torch.tensor([0, 2, -100, 1]), None, -100).item() == 3
+    assert counted(torch.tensor([0, 2, -100, 2]), torch.tensor([0.5, 1.0, 2.0]), -100).item() == 4.5
+    original = F.cross_entropy
+    means = CountedMeans(batch=Batch(world_size=2))
+    means.install()
+    try:
+        assert F.cross_entropy is not original
+
+        def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(x, y, ignore_index=-100)
+
+        x, y = torch.randn(4, 3), torch.tensor([0, 1, 2, -100])
+        assert torch.jit.script(loss)(x, y).item() == pytest.approx(loss(x, y).item())  # (a batch whole: torch's)
+    finally:
+        means.uninstall()
+    assert F.cross_entropy is original
 
 
 # -- real runs on 1 and 2 processes ------------------------------------------------------------------------------------
@@ -307,6 +346,8 @@ def assert_counted_means_as_on_one_process(one: dict, two: dict) -> None:
 
 @pytest.fixture(scope="module")
 def counted_one(tmp_path_factory) -> dict:
+    # (Not on the floor's run, which has no transformers: a loss's count does not depend on torch's release.)
+    pytest.importorskip("transformers", reason="the counted script's models are transformers'")
     return counted_run(tmp_path_factory.mktemp("counted"), 1)
 
 
@@ -315,10 +356,7 @@ def test_means_over_tokens_not_ignored_class_weights_and_counted_items_train_and
     """A transformers causal LM on padded batches (its own loss, and given num_items_in_batch), the same batches'
     ``F.cross_entropy(..., ignore_index=-100)`` in the script, a class-weighted CrossEntropyLoss: each share holds its
     own count, and 2 processes end at 1 process's weights, printing its losses (before: 1.9e-2 apart)."""
-    two = counted_run(tmp_path, 2)
-    assert_counted_means_as_on_one_process(counted_one, two)
-    if "lm" not in counted_one["weights"]:  # (the floor's environment)
-        pytest.skip("transformers is not installed here: the script's own losses passed, its models' did not run")
+    assert_counted_means_as_on_one_process(counted_one, counted_run(tmp_path, 2))
 
 
 ASIDE = Path(__file__).with_name("unchanged_aside_script.py")

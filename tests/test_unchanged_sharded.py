@@ -86,14 +86,12 @@ def test_the_setting_carries_the_sharding_and_refuses_an_unknown_one():
 
 def test_auto_says_its_choice_and_its_figures_in_one_line(monkeypatch, caplog):
     from ddpkit.core.logs import logger
+    from ddpkit.unchanged.adoption import Adoption
     from ddpkit.unchanged.batches import Batch
-    from ddpkit.unchanged.models import Models
     from ddpkit.unchanged.optimizers import Optimizers
-    from ddpkit.unchanged.randomness import Streams
 
     model = nn.Sequential(nn.Linear(1024, 1024, bias=False), nn.ReLU(), nn.Linear(1024, 1024, bias=False))  # 8 MiB
-    models = Models(rank=0, world_size=2, batch=Batch(world_size=2), streams=Streams(0, 0), witness=print,
-                    shard="auto", optimizers=Optimizers(rank=0))
+    models = Adoption(rank=0, world_size=2, batch=Batch(world_size=2), shard="auto", optimizers=Optimizers(rank=0))
     monkeypatch.setattr(layouts, "least_of_all_ranks", lambda memory, device: memory)
     logger.addHandler(caplog.handler)  # ddpkit's logger does not propagate to the root, where caplog listens
     try:
@@ -137,8 +135,8 @@ def test_only_optimizers_that_step_each_element_on_its_own_are_sharded():
 def test_an_optimizer_whose_step_is_not_elementwise_keeps_auto_on_the_replica_and_is_refused_by_always(monkeypatch,
                                                                                                          caplog):
     from ddpkit.core.logs import logger
+    from ddpkit.unchanged.adoption import Adoption
     from ddpkit.unchanged.batches import Batch
-    from ddpkit.unchanged.models import Models
     from ddpkit.unchanged.optimizers import Optimizers
 
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -148,11 +146,8 @@ def test_an_optimizer_whose_step_is_not_elementwise_keeps_auto_on_the_replica_an
     monkeypatch.setattr(layouts, "device_memory", lambda device: (0, GiB))  # nothing free: auto would shard
     monkeypatch.setattr(layouts, "least_of_all_ranks", lambda memory, device: memory)
 
-    def models(shard: str) -> Models:
-        from ddpkit.unchanged.randomness import Streams
-
-        return Models(rank=0, world_size=2, batch=Batch(world_size=2), streams=Streams(0, 0), witness=print,
-                      shard=shard, optimizers=optimizers)
+    def models(shard: str) -> Adoption:
+        return Adoption(rank=0, world_size=2, batch=Batch(world_size=2), shard=shard, optimizers=optimizers)
 
     logger.addHandler(caplog.handler)
     try:
@@ -304,8 +299,11 @@ def test_sharding_keeps_every_case_the_replica_keeps_exact_and_its_whole_models_
 
 @pytest.mark.slow
 def test_a_script_that_reads_a_sharded_parameter_as_a_whole_tensor_is_told_why_in_one_line(tmp_path, sharding_torch):
-    # pytorch/examples' regression prints its learned function from fc.weight.view(-1): a shard, between steps.
-    script = Path(__file__).parents[1] / "benchmarks" / "public" / "regression" / "original.py"
+    # pytorch/examples' regression (the corpus beside the project, as its authors wrote it) prints its learned function
+    # from fc.weight.view(-1): a shard, between steps.
+    script = Path(__file__).parents[2] / "shared" / "corpus" / "pytorch-examples" / "regression" / "main.py"
+    if not script.exists():
+        pytest.skip(f"no corpus at {script.parents[1]}: the shared folder beside the repository")
     done = run_ddpkit("run", "--unchanged", "--seed", "0", "--shard", "always", "--nproc-per-node", "2", str(script),
                       timeout=120, cwd=tmp_path)
     assert done.returncode != 0
@@ -389,4 +387,5 @@ def test_means_over_counted_items_train_and_print_sharded_as_on_one_process(tmp_
     loss with ignore_index in the script; class weights) with --shard always on 2 processes against 1."""
     from test_unchanged import assert_counted_means_as_on_one_process, counted_run
 
+    pytest.importorskip("transformers", reason="the counted script's models are transformers'")
     assert_counted_means_as_on_one_process(counted_run(tmp_path, 1), counted_run(tmp_path, 2, "--shard", "always"))

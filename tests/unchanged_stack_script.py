@@ -5,7 +5,8 @@ back with ``from_pretrained`` from the same folder. It knows nothing of processe
 
     python tests/unchanged_stack_script.py OUT
 
-writes OUT/result.json: the compiled model's weights (float64), the figure's size, and what was read back.
+writes OUT/result.json: the compiled model's weights (float64), the figure's size, and what was read back; and
+OUT/result.pt: the weights as tensors.
 """
 
 import json
@@ -41,7 +42,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 plt.plot(losses)
 plt.savefig(os.path.join(out, "losses.png"))
-result["figure"] = os.path.getsize(os.path.join(out, "losses.png"))
+with open(os.path.join(out, "losses.png"), "rb") as figure:  # read back: what this process wrote
+    result["figure"] = len(figure.read())
 
 try:
     import transformers
@@ -64,3 +66,4 @@ if transformers is not None:
 
 with open(os.path.join(out, "result.json"), "w") as file:
     json.dump(result, file)
+torch.save({"weights": {"compiled": model.state_dict()}}, os.path.join(out, "result.pt"))

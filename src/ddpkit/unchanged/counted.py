@@ -19,8 +19,9 @@ weight out again: DDP multiplies it back in). A stand-in sample (a rank without 
 Where it does not apply, the call is PyTorch's own, untouched: one process, a batch every rank holds whole (an
 evaluation, a batch cut at the model before it splits), ``--loss-reduction sum`` or ``coupled`` (the loss is then over
 the whole batch), gradients off, ``reduction`` other than ``"mean"`` (or the legacy ``size_average``/``reduce``),
-probabilities as targets (a mean over rows). What cannot be seen is a mean written by hand: ``(l * m).sum() /
-m.sum()`` (docs/unchanged.md says what to write instead).
+probabilities as targets (a mean over rows), and a loss inside TorchScript (``torch.jit.script`` compiles PyTorch's
+own function). What cannot be seen is a mean written by hand: ``(l * m).sum() / m.sum()`` (docs/unchanged.md says
+what to write instead).
 """
 
 from __future__ import annotations
@@ -58,13 +59,16 @@ class CountedMeans:
     def _observed(self, original):
         @functools.wraps(original)
         def loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
-                 **kwargs):
+                 *more, **kwargs):  # (more: cross_entropy's label_smoothing, given by position)
             if (reduction != "mean" or size_average is not None or reduce is not None or not self.applies(input)
                     or target.is_floating_point()):  # (probabilities: a mean over rows, which the share's weight keeps)
-                return original(input, target, weight, size_average, ignore_index, reduce, reduction, **kwargs)
-            summed = original(input, target, weight, None, ignore_index, None, "sum", **kwargs)
+                return original(input, target, weight, size_average, ignore_index, reduce, reduction, *more, **kwargs)
+            summed = original(input, target, weight, None, ignore_index, None, "sum", *more, **kwargs)
             return self.mean_of_the_batch(summed, counted(target, weight, ignore_index))
 
+        # TorchScript compiles PyTorch's own function where a script calls this one (its mark for a wrapper).
+        setattr(loss, "__original_fn", original)
+        setattr(loss, "__script_if_tracing_wrapper", True)
         return loss
 
     def applies(self, input: torch.Tensor) -> bool:

@@ -1,0 +1,138 @@
+"""Which modules are the script's models, and what each becomes at its first training call (``ddpkit run --unchanged``):
+a DDP replica in place (``strategies.in_place``), or sharded in place where ``--shard`` says (``layouts``,
+``strategies.sharded_in_place``), its optimizers re-pointed (``optimizers``). A module with nothing to train, a part
+of a model found already, and the script's own DDP or FSDP (then --unchanged stands aside) are not models.
+
+Each model object also gets what one device's script may need of it on N processes: its ``save_pretrained`` ends
+when rank 0 has written (``saved_then_read``), and a ``num_items_in_batch`` given to its call is the whole batch's
+(a pre-hook of its own, ``at_the_model.AtTheModel.items_of_the_batch``). Both are the object's, left out of its
+copies (``in_place.keep_plain``).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+
+import torch.nn as nn
+
+from ddpkit.core.errors import UsageError
+from ddpkit.core.logs import logger
+from ddpkit.strategies import distributed_already
+from ddpkit.strategies.in_place import Added, added_since, hooks_and_keys, keep_plain, replicate_in_place
+from ddpkit.unchanged import layouts
+from ddpkit.unchanged.batches import Batch
+from ddpkit.unchanged.optimizers import not_elementwise, steps_each_element
+
+
+class Adoption:
+    """The models found, and how each was made distributed."""
+
+    def __init__(self, *, rank: int, world_size: int, batch: Batch, shard: str = "never", optimizers=None,
+                 wait_for_rank_0: Callable[[], None] = lambda: None, stand_aside: Callable[[], None] = lambda: None,
+                 items_hook: Callable | None = None):
+        self.rank = rank
+        self.world_size = world_size
+        self.batch = batch
+        self.shard = shard  # ``layouts.SHARDING``: where each model's training state lives
+        self.optimizers = optimizers  # ``optimizers.Optimizers``, recorded where models may be sharded
+        self.wait_for_rank_0 = wait_for_rank_0  # a barrier: after a library's save, which rank 0 alone writes
+        self.stand_aside = stand_aside  # takes out every hook of --unchanged's
+        self.items_hook = items_hook  # each model's pre-hook for a count of items given to its call
+        self.found: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.passed: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # called at the top, not models (no parameters)
+        self.sharded: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+    def adopt(self, module: nn.Module) -> bool:
+        """Make ``module`` a replica, if it is a model; False for one that is not (nothing to train, or the script's
+        own DDP or FSDP, which stands aside)."""
+        if not is_trainable(module):
+            self.passed.add(module)
+            return False
+        owned = {id(parameter) for model in self.found for parameter in model.parameters()}
+        if any(id(parameter) in owned for parameter in module.parameters()):
+            self.passed.add(module)  # a part of a model found already, called on its own: that model's replica
+            return False
+        if any(distributed_already(part) for part in module.modules()):
+            if self.rank == 0:
+                logger.warning("--unchanged stood aside: the script wraps its model in DDP or FSDP itself, and runs as "
+                               "under ddpkit run (its loaders, files, saves and losses its own from here on)")
+            self.stand_aside()
+            return False
+        layout = self.layout(module) if self.world_size > 1 else "replica"
+        if layout != "replica":
+            from ddpkit.strategies.sharded_in_place import shard_in_place
+
+            moved = shard_in_place(module, reshard_after_forward=layout == "full", weight=self.batch.current_weight,
+                                   whole=self.batch.is_whole)
+            self.optimizers.repoint(moved, class_name(module))
+            self.sharded.add(module)
+        elif self.world_size > 1:  # one process has nothing to average: its models run as they are
+            replicate_in_place(module, weight=self.batch.current_weight, whole=self.batch.is_whole)
+        if self.world_size > 1:
+            saved_then_read(module, self.wait_for_rank_0)
+            if self.items_hook is not None:
+                before = hooks_and_keys(module)
+                module.register_forward_pre_hook(self.items_hook, with_kwargs=True)
+                keep_plain(module, added_since(before, hooks_and_keys(module)))
+        self.found.add(module)
+        logger.debug(f"--unchanged: {class_name(module)} is a model; its gradients are averaged over the ranks")
+        return True
+
+    def layout(self, module: nn.Module) -> str:
+        """Where ``module``'s training state lives (``layouts``), said in one line where it is sharded or ``auto``
+        weighed it. Every rank decides alike: ``auto`` reads the least free memory of any rank."""
+        name = class_name(module)
+        if self.shard == "never":
+            return "replica"
+        stepped_by = self.optimizers.holding(module.parameters())
+        odd = next((optimizer for optimizer in stepped_by if not steps_each_element(optimizer)), None)
+        if self.shard == "always":
+            if odd is not None:
+                raise UsageError(not_elementwise(odd, name), said_elsewhere=self.rank != 0)
+            layout, why = "full", "--shard always"
+        else:
+            memory = layouts.device_memory(next(module.parameters()).device)
+            if memory is None:
+                return "replica"  # the CPU: ``auto`` keeps the replica
+            free, total = layouts.least_of_all_ranks(memory, next(module.parameters()).device)
+            estimate = layouts.estimate(module.parameters(), stepped_by)
+            layout, why = layouts.choose(estimate, world_size=self.world_size, free=free, total=total)
+            why = f"--shard auto: {why}"
+            if layout != "replica" and odd is not None:
+                layout, why = "replica", (f"{why}; but {type(odd).__name__} steps it, and over a shard its step would "
+                                          "not be one device's: it may run out of memory")
+        if self.rank == 0:
+            logger.info(f"--unchanged: {name} {layouts.SAID[layout].format(n=self.world_size)} ({why})")
+        return layout
+
+
+def saved_then_read(module: nn.Module, wait_for_rank_0: Callable[[], None]) -> None:
+    """A model with a ``save_pretrained`` method (transformers, diffusers, PEFT, the Hub's mixin): the libraries
+    write on rank 0 alone where a process group is up, and the script may read the folder back next
+    (``from_pretrained``), as one device does: every rank waits there until rank 0 has written. (An attribute of the
+    script's model object, left out of its copies: ``in_place.keep_plain``.)"""
+    method = getattr(module, "save_pretrained", None)
+    if not callable(method) or "save_pretrained" in vars(module):
+        return
+
+    @functools.wraps(method)
+    def save_pretrained(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        finally:
+            wait_for_rank_0()
+
+    object.__setattr__(module, "save_pretrained", save_pretrained)
+    keep_plain(module, Added(keys=frozenset({"save_pretrained"})))
+
+
+def is_trainable(module: nn.Module) -> bool:
+    return any(parameter.requires_grad for parameter in module.parameters())
+
+
+def class_name(module: nn.Module) -> str:
+    """The script's name for ``module``'s class (not a class of torch.distributed's or ddpkit's put on it)."""
+    return next(kind.__name__ for kind in type(module).__mro__
+                if not kind.__module__.startswith(("torch.distributed", "ddpkit.")))

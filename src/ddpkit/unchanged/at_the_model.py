@@ -1,0 +1,114 @@
+"""Batches cut where they enter a model, and the losses models return (``ddpkit run --unchanged``).
+
+Where no DataLoader splits the batches (the script cuts them by hand: nanoGPT's ``get_batch``), a model that returned
+its loss at its first call gets this rank's share of each batch from then on, as DataParallel scatters one: each
+positional tensor argument cut along its first dimension (``split``), the loss it returns valued as the whole batch's
+(``whole_batch_losses``: its gradient stays the share's). One that returned no loss is computed whole on every rank
+(``computed_whole``). A count of items given to a model's call (``num_items_in_batch``) is made the whole batch's, and
+the loss the model returns a part of the batch's sum (``items_of_the_batch``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from ddpkit.core.errors import UsageError
+from ddpkit.core.logs import logger
+from ddpkit.data.split_batches import Share, rows_of_share, share_of
+from ddpkit.unchanged.adoption import class_name
+from ddpkit.unchanged.batches import Batch
+from ddpkit.unchanged.divided import Call
+from ddpkit.unchanged.gathered import ScaleGradient
+
+NOT_SPLIT = ("--unchanged: this model's batches come from no DataLoader; it returned its loss at its first call, so "
+             "they are split where they enter it, but it returns none now, and a loss computed outside it would meet "
+             "targets that were not split: return the loss from every call, or give the script a DataLoader over a "
+             "map-style data set, or run it without --unchanged")
+
+
+class AtTheModel:
+    """What a model's call does with its batch and its losses where the batch is cut at the model (see the module);
+    ``current_call()`` is the root call going on."""
+
+    def __init__(self, *, rank: int, world_size: int, batch: Batch, current_call: Callable[[], Call | None]):
+        self.rank = rank
+        self.world_size = world_size
+        self.batch = batch
+        self.current_call = current_call
+        self.whole: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models computed whole on every rank
+
+    def split(self, args: tuple) -> tuple[tuple, Share]:
+        """This rank's share of the batch in ``args``: each tensor argument cut along its first dimension. (With a
+        loss that couples the batch, each rank's gradient then weighs 1, or 0 for a stand-in: ``gathered``.)"""
+        sizes = {arg.shape[0] for arg in args if isinstance(arg, torch.Tensor) and arg.dim() > 0}
+        if len(sizes) != 1:
+            raise UsageError(NOT_SPLIT if not sizes else
+                             f"--unchanged: the model's tensor arguments do not share a batch size (first dimensions "
+                             f"{sorted(sizes)}), so they cannot be split across the processes: give the script a "
+                             "DataLoader, or run it without --unchanged", said_elsewhere=self.rank != 0)
+        share = share_of(range(sizes.pop()), self.rank, self.world_size)
+        self.batch.set(float(share.weight > 0) if self.batch.coupled else share.weight)
+        return rows_of_share(args, share), share
+
+    def computed_whole(self, module: nn.Module) -> None:
+        """``module``'s inputs come from no split DataLoader and its first call returned no loss (the script computes
+        it outside, from targets that were not split): every rank computes each of its calls whole, from the shared
+        streams, as one device would. Exact, and no faster: said once."""
+        self.whole.add(module)
+        if self.rank == 0:
+            logger.warning(f"--unchanged: {class_name(module)} gets inputs that no DataLoader split (a batch cut by "
+                           "hand, a whole graph or data set) and its loss is computed outside it: every process "
+                           "computes each of its steps whole, as one device does (exact, and no faster). A DataLoader "
+                           "over a map-style data set would split its batches")
+
+    def whole_batch_losses(self, output, *, summed: bool | None = None, scale: float = 1.0):
+        """``output`` of a model that got this rank's share of a batch, its losses (tensors of one element that
+        require grad) valued as the whole batch's: what the script prints is then one process's number. Their
+        gradient stays this rank's own (times ``scale``). ``summed``: each rank's loss is a part of a sum (else
+        the batch's reduction says). A model that returns no loss is refused (its loss would meet targets that were
+        not split)."""
+        leaves, spec = pytree.tree_flatten(output)
+        losses = [index for index, leaf in enumerate(leaves) if is_a_loss(leaf)]
+        if not losses:
+            raise UsageError(NOT_SPLIT, said_elsewhere=self.rank != 0)  # every rank meets it: rank 0 says it
+        weight = 1.0 if (self.batch.summed if summed is None else summed) else self.batch.weight
+        values = torch.stack([leaves[index].detach().reshape(()).to(torch.float64) * weight for index in losses])
+        dist.all_reduce(values)
+        for index, value in zip(losses, values):
+            leaf = leaves[index] if scale == 1.0 else ScaleGradient.apply(leaves[index], scale)
+            leaves[index] = leaf + (value.to(leaf.dtype).reshape(leaf.shape) - leaf).detach()
+        return pytree.tree_unflatten(leaves, spec)
+
+    def items_of_the_batch(self, module: nn.Module, args: tuple, kwargs: dict):
+        """A model's pre-hook: a split batch's count of items given to its call (``num_items_in_batch``, as
+        transformers' models take it), counted by the script from its share, becomes the whole batch's (summed over
+        the ranks), so that the loss it returns is its share's part of one device's sum (``after``)."""
+        items = kwargs.get("num_items_in_batch")
+        call = self.current_call()
+        if (items is None or call is None or call.module is not module or call.evaluating or self.batch.whole
+                or self.batch.coupled or self.batch.summed):
+            return None
+        device = items.device if isinstance(items, torch.Tensor) else next(module.parameters()).device
+        total = torch.as_tensor(items, dtype=torch.float64, device=device) * float(self.batch.current_weight() > 0)
+        dist.all_reduce(total)
+        call.items_counted = True
+        items = total.to(items.dtype) if isinstance(items, torch.Tensor) else type(items)(total.item())
+        return args, {**kwargs, "num_items_in_batch": items}
+
+    def is_whole(self, module: nn.Module) -> bool:
+        return module in self.whole
+
+
+def is_a_loss(leaf) -> bool:
+    """A loss among a model's outputs: a tensor of one element that requires grad (nanoGPT's model returns one)."""
+    return isinstance(leaf, torch.Tensor) and leaf.numel() == 1 and leaf.requires_grad
+
+
+def returns_a_loss(output) -> bool:
+    return any(is_a_loss(leaf) for leaf in pytree.tree_leaves(output))
