@@ -3,10 +3,11 @@ under ``ddpkit run --unchanged``, cold (no warm rank): ``torch.compile`` (induct
 CPU), a matplotlib figure saved, and, where transformers is installed, a model saved with ``save_pretrained`` and read
 back with ``from_pretrained`` from the same folder. It knows nothing of processes.
 
-    python tests/unchanged_stack_script.py OUT
+    python tests/unchanged_stack_script.py OUT [--eager]
 
 writes OUT/result.json: the compiled model's weights (float64), the figure's size, and what was read back; and
-OUT/result.pt: the weights as tensors.
+OUT/result.pt: the weights as tensors. ``--eager``: the model not compiled (one device's reference, without ddpkit:
+its batches are in order, so that any process count reads the same).
 """
 
 import json
@@ -23,11 +24,11 @@ torch.manual_seed(0)
 torch.set_default_dtype(torch.float64)
 x, y = torch.randn(60, 8), torch.randn(60, 1)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-compiled = torch.compile(model)
+compiled = model if "--eager" in sys.argv else torch.compile(model)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 losses = []
 for epoch in range(2):
-    for xb, yb in DataLoader(TensorDataset(x, y), batch_size=12, shuffle=True):
+    for xb, yb in DataLoader(TensorDataset(x, y), batch_size=12):
         loss = F.mse_loss(compiled(xb), yb)
         optimizer.zero_grad()
         loss.backward()
