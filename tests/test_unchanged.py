@@ -355,6 +355,7 @@ def counted_one(tmp_path_factory) -> dict:
     return counted_run(tmp_path_factory.mktemp("counted"), 1)
 
 
+@pytest.mark.slow  # (35 s of a worker: the default suite has no room; CI runs it with the slow ones)
 def test_means_over_tokens_not_ignored_class_weights_and_counted_items_train_and_print_as_on_one_process(
         counted_one, tmp_path):
     """A transformers causal LM on padded batches (its own loss, and given num_items_in_batch), the same batches'
