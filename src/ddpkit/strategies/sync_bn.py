@@ -34,12 +34,9 @@ class OverAllRanks:
 def forward_over_all_ranks(bn: nn.modules.batchnorm._BatchNorm, input: torch.Tensor) -> torch.Tensor:
     """``bn``'s forward (a BatchNorm layer with ``OverAllRanks``' attributes, as a mixin or its own): over every rank's
     batch in training on several ranks, else its class's own."""
-    whole = getattr(bn, "whole", None)
-    if bn.training and dist.is_initialized() and dist.get_world_size() > 1 and not (whole and whole()):
+    if bn.training and dist.is_initialized() and dist.get_world_size() > 1 and not (bn.whole and bn.whole()):
         bn._check_input_dim(input)
-        share = getattr(bn, "share", None)
-        return synced_batch_norm(bn, input, weight=None if share is None else share(),
-                                 scaled=getattr(bn, "scaled", False))
+        return synced_batch_norm(bn, input, weight=None if bn.share is None else bn.share(), scaled=bn.scaled)
     if isinstance(bn, OverAllRanks):
         return super(OverAllRanks, bn).forward(input)
     return type(bn).forward(bn, input)

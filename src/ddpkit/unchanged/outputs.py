@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import functools
 import io
 import os
 import re
@@ -137,12 +138,18 @@ def left_as_it_is(path: str, *, writer: str) -> bool:
 
 
 def _shared_folders() -> list[str]:
-    """Caches, libraries' homes and the Python installation, as they are now (the script may set a variable)."""
+    """Caches, libraries' homes and the Python installation; the variables as they are now (the script may set one)."""
+    folders = [value for name, value in os.environ.items()
+               if CACHE_VARIABLE.match(name) and name != "HOME" and os.path.isabs(value)]
+    return [*_fixed_folders(), *(os.path.abspath(folder) for folder in folders if folder != os.sep)]
+
+
+@functools.cache
+def _fixed_folders() -> tuple[str, ...]:
+    """The cache folders by their usual names, and the Python installation: the same for the whole run."""
     folders = [os.path.expanduser(folder) for folder in CACHE_FOLDERS]
-    folders += [value for name, value in os.environ.items()
-                if CACHE_VARIABLE.match(name) and name != "HOME" and os.path.isabs(value)]
     folders += [sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages(), site.getusersitepackages()]
-    return [os.path.abspath(folder) for folder in folders if folder and folder != os.sep]
+    return tuple(os.path.abspath(folder) for folder in folders if folder and folder != os.sep)
 
 
 def _writer(frame) -> str:
