@@ -364,6 +364,53 @@ def test_means_over_tokens_not_ignored_class_weights_and_counted_items_train_and
     assert_counted_means_as_on_one_process(counted_one, counted_run(tmp_path, 2))
 
 
+RULES = str(Path(__file__).with_name("unchanged_rules_script.py"))
+
+
+def rules_run(tmp: Path, nproc: int, *parts: str, flags=(), expect: int = 0):
+    """tests/unchanged_rules_script.py PARTS under ``--unchanged FLAGS`` on ``nproc`` processes: its result (None
+    where it failed as expected), and the run."""
+    out = tmp / f"rules{nproc}{''.join(flags)}{''.join(parts)}"
+    out.mkdir()
+    done = run_ddpkit("run", "--unchanged", "--seed", "3", *flags, "--nproc-per-node", str(nproc), RULES, str(out),
+                      *parts, timeout=120, cwd=tmp)
+    assert done.returncode == expect, f"{done.stdout}\n{done.stderr}"
+    return (torch.load(out / "result.pt", weights_only=True) if expect == 0 else None), done
+
+
+def assert_rules_as_on_one_process(one: dict, two: dict) -> None:
+    """Every part's weights to 1e-9 of one process's, and every printed loss the same to 1e-12."""
+    assert two["weights"].keys() == one["weights"].keys()
+    for name in one["weights"]:
+        assert relative_norm(one["weights"][name], two["weights"][name]) < 1e-9, name
+        assert two["printed"][name] == pytest.approx(one["printed"][name], rel=1e-12, abs=1e-12), name
+
+
+@pytest.fixture(scope="module")
+def rules_one(tmp_path_factory) -> dict:
+    return rules_run(tmp_path_factory.mktemp("rules"), 1)[0]
+
+
+def test_unused_parameters_reentrant_checkpointing_layers_frozen_and_unfrozen_train_and_print_as_on_one_process(
+        rules_one, tmp_path):
+    """DDP's rules met for the script (before: heads alternating and a layer frozen mid-run died at their second step;
+    reentrant checkpointing, a backbone unfrozen after an epoch and the printed MSE were wrong, silently)."""
+    two, done = rules_run(tmp_path, 2)
+    assert_rules_as_on_one_process(rules_one, two)
+    # A parameter that is used at the first step and not at a later one is refused in one line, never averaged wrong.
+    _, done = rules_run(tmp_path, 2, "later", expect=2)
+    assert done.stderr.count("ddpkit: error: --unchanged: Later left parameters without a gradient") == 1
+    assert "--find-unused-parameters" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow  # (a sharded run and a third run of the script: the default suite has no room)
+def test_ddp_rules_hold_under_shard_always_and_find_unused_parameters_trains_a_later_unused_head_exactly(
+        rules_one, tmp_path):
+    assert_rules_as_on_one_process(rules_one, rules_run(tmp_path, 2, flags=["--shard", "always"])[0])
+    later_one = rules_run(tmp_path, 1, "later")[0]
+    assert_rules_as_on_one_process(later_one, rules_run(tmp_path, 2, "later", flags=["--find-unused-parameters"])[0])
+
+
 ASIDE = Path(__file__).with_name("unchanged_aside_script.py")
 
 

@@ -389,9 +389,10 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 def _unchanged_argument(ns: argparse.Namespace) -> list[str]:
     """What tells each worker to run the script under --unchanged (``ddpkit.unchanged.Setting``), as its first
-    argument; nothing without --unchanged, where --seed, --loss-reduction and --shard are refused."""
+    argument; nothing without --unchanged, where its own flags are refused."""
     if not ns.unchanged:
-        for flag, value in (("--seed", ns.seed), ("--loss-reduction", ns.loss_reduction), ("--shard", ns.shard)):
+        for flag, value in (("--seed", ns.seed), ("--loss-reduction", ns.loss_reduction), ("--shard", ns.shard),
+                            ("--find-unused-parameters", ns.find_unused_parameters)):
             if value is not None:
                 raise UsageError(f"{flag} is for --unchanged (the script's own flags go after SCRIPT): add --unchanged, "
                                  f"or drop {flag}")
@@ -399,7 +400,8 @@ def _unchanged_argument(ns: argparse.Namespace) -> list[str]:
     from ddpkit.app.watched import source_of
     from ddpkit.unchanged import Setting, stands_aside
 
-    setting = Setting(seed=ns.seed, loss_reduction=ns.loss_reduction or "mean", shard=ns.shard or "auto")
+    setting = Setting(seed=ns.seed, loss_reduction=ns.loss_reduction or "mean", shard=ns.shard or "auto",
+                      find_unused=bool(ns.find_unused_parameters))
     if setting.shard == "always":
         from ddpkit.core.version import require_torch
         from ddpkit.unchanged.layouts import SHARD_IN_PLACE

@@ -160,6 +160,11 @@ def add_run_command(commands) -> None:
                           "CLIP, SimCLR): every process loads the whole batch, each computes its share of the "
                           "model's forward, and the outputs are gathered, so any loss is exact "
                           "(default: mean, PyTorch's default)")
+    run.add_argument("--find-unused-parameters", action="store_true", default=None,
+                     help="with --unchanged: DDP looks for parameters left without a gradient at every step "
+                          "(find_unused_parameters), for a model that uses all of its parameters at its first step and "
+                          "leaves some unused at a later one (a branch taken now and then). Not needed where the first "
+                          "step leaves one unused: --unchanged then turns it on itself (default: from the first step)")
     run.add_argument("--shard", choices=("auto", "always", "never"), default=None,
                      help="with --unchanged: where each model's training state lives. `always`: sharded in place "
                           "(FSDP2), each process holding about 1/N of its parameters, gradients and optimizer state; "

@@ -1,25 +1,24 @@
-"""DDP on a model object that the script keeps holding (``ddpkit run --unchanged``): PyTorch's composable
-``replicate``, whose hooks run DDP's reducer (bucketed all-reduces that overlap the backward pass) on the module
-itself. No wrapper: the script's ``model`` is still its own object, its ``state_dict()`` keys are unchanged, and
-``isinstance(model, ItsClass)`` holds (``replicate`` gives it a subclass of its class, in place).
+"""DDP on a model object that the script keeps holding (``ddpkit run --unchanged``): a ``Replica`` holds DDP's
+reducer (bucketed all-reduces that overlap the backward pass) over the module's own parameters, as PyTorch's
+composable ``replicate`` builds it, and the root call's hooks run DDP's forward halves around each training call. No
+wrapper, and nothing of DDP's on the module: the script's ``model`` is still its own object of its own class, its
+``state_dict()`` keys are unchanged.
 
-    >>> replicate_in_place(model, weight=lambda: 0.5)         # doctest: +SKIP
+    >>> replica = Replica(model, weight=lambda: 0.5)         # doctest: +SKIP
 
 What differs from DDP's own averaging is the weight: rank r's gradient counts ``weight()`` (its share of the
 batch, ``ddpkit.data.split_batches``), not 1 / world size, so that an uneven batch gives the gradient of the whole
 batch. The weights of a batch sum to 1 over the ranks; a gradient accumulated over several backward passes therefore
 keeps what earlier passes left in ``.grad`` (the same on every rank) as it is.
 
-BatchNorm layers in training normalise over every rank's batch together (``sync_bn.OverAllRanks``), their
-class also swapped for a subclass in place, so the module's structure and keys stay as they were.
+BatchNorm layers in training normalise over every rank's batch together (``sync_bn.OverAllRanks``): each layer keeps
+its class, its synchronised forward its own attribute.
 
-The module and its layers keep their own classes (``replicate`` gives the module a subclass of its class, which only
-adds methods that ddpkit has called by then: the class is put back). A copy of such a module is a plain one:
-``copy.deepcopy``, ``pickle`` and ``torch.save(model)`` give the module's own class (and BatchNorm's), holding its
-weights, without what ``replicate`` and ddpkit put on it (hooks and state: ``keep_plain``), as one device would have
-it: an EMA or best-model copy trains and evaluates on its own, a saved file loads where ddpkit was never imported, and
-its pickle names the globals that one device's names (``torch.load`` with ``weights_only`` and the script's own
-``safe_globals`` reads it).
+A copy of such a module is a plain one: ``copy.deepcopy``, ``pickle`` and ``torch.save(model)`` give the module's own
+class (and BatchNorm's), holding its weights, without what ddpkit put on it (hooks and state: ``keep_plain``), as one
+device would have it: an EMA or best-model copy trains and evaluates on its own, a saved file loads where ddpkit was
+never imported, and its pickle names the globals that one device's names (``torch.load`` with ``weights_only`` and the
+script's own ``safe_globals`` reads it).
 """
 
 import dataclasses
@@ -30,29 +29,128 @@ from collections.abc import Callable  # (no postponed annotations: DDP reads the
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._composable.replicate import replicate
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils import _pytree as pytree
 
+from ddpkit.core.errors import UsageError
+from ddpkit.core.logs import logger
 from ddpkit.strategies.sync_bn import forward_over_all_ranks
 
 Weight = Callable[[], float]
 
 
-def replicate_in_place(module: nn.Module, *, weight: Weight, whole: Callable[[], bool] = lambda: False) -> None:
-    """Make ``module`` (on every rank, at the same point of the script) a DDP replica of rank 0's, whose gradients
-    are summed over the ranks, rank r's weighted by ``weight()``. Its buffers are rank 0's from here on too.
-    ``whole()``: every rank holds the whole batch now, and its BatchNorm layers normalise over it alone."""
-    with torch.no_grad():
-        for buffer in module.buffers():
-            dist.broadcast(buffer, src=0)  # the parameters DDP broadcasts itself, when it starts
-    batch_norm_over_all_ranks(module, weight, whole)
-    plain, before = type(module), hooks_and_keys(module)
-    # No device_ids: DDP then leaves the inputs where the script put them, as the module alone would.
-    replicate(module)
-    module.register_comm_hook(weight, weighted_all_reduce)
-    # replicate's class (DDP<Name>) only adds methods, the last of which ran just now; its hooks, which do DDP's work,
-    # are the instance's. The module's own class again: what pickles it then names that class, as one device's does.
-    module.__class__ = plain
-    keep_plain(module, added_since(before, hooks_and_keys(module)))
+class Replica:
+    """DDP's reducer on a module the script keeps holding: DistributedDataParallel over the module's own parameters
+    (as PyTorch's composable ``replicate`` builds it), its forward's two halves called from the root call's hooks
+    (``before``, ``after``: ``ddpkit.unchanged.models``), the module untouched by it.
+
+    DDP's own rules are met for the script, from what its steps show (docs/unchanged.md, "DDP's rules"). The reducer's
+    first step is a probe: DDP's static graph, whose first iteration reduces every gradient at the end of the backward
+    pass, whatever the graph (unused parameters, reentrant activation checkpointing). The graph of that step's calls
+    decides the reducer for the steps after it, the same on every rank (what any rank's graph needs): a graph through
+    reentrant checkpointing keeps the static graph; one that leaves trainable parameters unreached gets
+    ``find_unused_parameters`` (their gradients left as one device leaves them); any other, neither (nothing to pay
+    where nothing goes unused). A change of which parameters require a gradient (a backbone unfrozen, a layer frozen)
+    starts a probe again, over the parameters that train now."""
+
+    def __init__(self, module: nn.Module, *, weight: Weight, whole: Callable[[], bool] = lambda: False,
+                 find_unused: bool = False):
+        with torch.no_grad():
+            for buffer in module.buffers():
+                dist.broadcast(buffer, src=0)  # the parameters DDP broadcasts itself, when it is built
+        batch_norm_over_all_ranks(module, weight, whole)
+        self.name = type(module).__name__
+        self.weight = weight
+        self.parameters = list(module.parameters())
+        self.find_unused = find_unused  # look for unused parameters at every step, whatever the probe showed
+        self.ddp: DistributedDataParallel | None = None
+        self.trains: tuple[bool, ...] = ()  # which parameters required a gradient when ``ddp`` was built
+        self.mode = ""  # how ``ddp`` was built: ``MODES``
+        self.needed = -1  # during a probe: the index in ``MODES`` of what its calls' graphs need so far
+        self.reduced = False  # the reducer's last backward pass reduced its last bucket
+
+    def before(self, args: tuple) -> None:
+        """A training call begins (gradients on, the module in training mode)."""
+        trains = self.trainable()
+        if self.ddp is not None and self.trains != trains:
+            self.ddp = None  # a probe again, over the parameters that train now
+        elif self.needed >= 0 and self.reduced:  # the probe's step is over: the reducer it showed is needed
+            mode, self.needed = MODES[self.needed], -1
+            if mode != self.mode:
+                self.build(trains, mode)
+        if self.ddp is None:
+            if not any(trains):
+                return  # nothing trains now: nothing to average
+            self.build(trains, "static graph")
+            self.needed = 0
+        DistributedDataParallel._active_ddp_module = self.ddp  # (what torch.compile's DDP optimizer reads)
+        try:
+            self.ddp._pre_forward(*args)
+        except RuntimeError as error:
+            if "Expected to have finished reduction in the prior iteration" not in str(error):
+                raise
+            raise UsageError(f"--unchanged: {self.name} left parameters without a gradient in its last step, and "
+                             "used them all at its first, so DDP did not look for unused ones and that step's "
+                             "gradients were not averaged: run with --find-unused-parameters (DDP's "
+                             "find_unused_parameters at every step)", said_elsewhere=dist.get_rank() != 0) from None
+
+    def after(self, output):
+        """The call's ``output``, as DDP's forward returns it."""
+        DistributedDataParallel._active_ddp_module = None
+        if self.ddp is None:
+            return output
+        if self.needed >= 0:
+            self.needed = max(self.needed, MODES.index(self.needs(output)))
+        return self.ddp._post_forward(output)
+
+    def trainable(self) -> tuple[bool, ...]:
+        return tuple(parameter.requires_grad for parameter in self.parameters)
+
+    def build(self, trains: tuple[bool, ...], mode: str) -> None:
+        logger.debug(f"--unchanged: {self.name}'s DDP built over {sum(trains)} trainable parameters ({mode})")
+        self.ddp = None  # (the reducer before it, its hooks with it)
+        self.ddp = DistributedDataParallel(nn.ParameterList(self.parameters), static_graph=mode == "static graph",
+                                           find_unused_parameters=mode == "unused parameters")
+        self.ddp.register_comm_hook(self, Replica.reduce)
+        self.trains, self.mode, self.reduced = trains, mode, False
+
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """DDP's communication hook: ``weighted_all_reduce``, the last bucket of a backward pass noted."""
+        if bucket.is_last():
+            self.reduced = True
+        return weighted_all_reduce(self.weight, bucket)
+
+    def needs(self, output) -> str:
+        """What ``output``'s graph needs of DDP on every rank (``MODES``): the most that any rank's needs."""
+        reached, reentrant = graph_of(output)
+        unused = self.find_unused or any(train and id(parameter) not in reached
+                                         for train, parameter in zip(self.trains, self.parameters))
+        mode = 2 if reentrant else 1 if unused else 0
+        decided = torch.tensor([mode], device=self.parameters[0].device)
+        dist.all_reduce(decided, op=dist.ReduceOp.MAX)
+        return MODES[int(decided.item())]
+
+
+MODES = ("plain", "unused parameters", "static graph")
+
+
+def graph_of(output) -> tuple[set[int], bool]:
+    """The ids of the leaf tensors that ``output``'s autograd graph reaches, and whether it runs through reentrant
+    activation checkpointing (whose forward ran without a graph: its parameters are reached in its backward only)."""
+    nodes = [leaf.grad_fn for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor) and leaf.grad_fn]
+    leaves = {id(leaf) for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor) and leaf.is_leaf}
+    seen, reentrant = set(nodes), False
+    while nodes:
+        node = nodes.pop()
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            leaves.add(id(variable))
+        reentrant = reentrant or type(node).__name__ == "CheckpointFunctionBackward"
+        for following, _ in node.next_functions:
+            if following is not None and following not in seen:
+                seen.add(following)
+                nodes.append(following)
+    return leaves, reentrant
 
 
 def weighted_all_reduce(weight: Weight, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -53,12 +53,14 @@ TRAINER_BATCH = ("each of its steps then takes per_device_train_batch_size sampl
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """What ``ddpkit run --unchanged`` hands each rank: the seed (None: rank 0 draws one), the loss's reduction, and
-    where the models' training state lives (``layouts.SHARDING``)."""
+    """What ``ddpkit run --unchanged`` hands each rank: the seed (None: rank 0 draws one), the loss's reduction,
+    where the models' training state lives (``layouts.SHARDING``), and whether DDP looks for unused parameters at
+    every step (``find_unused``; else from each model's first step: ``strategies.in_place.Replica``)."""
 
     seed: int | None = None
     loss_reduction: str = "mean"
     shard: str = "auto"
+    find_unused: bool = False
 
     def __post_init__(self) -> None:
         from ddpkit.unchanged.layouts import SHARDING
@@ -70,13 +72,16 @@ class Setting:
             raise UsageError(f"`shard` must be one of {', '.join(SHARDING)}, got {self.shard!r}")
 
     def encode(self) -> str:
-        """As one command-line word: ``SEED:REDUCTION:SHARD`` (SEED empty when none was given)."""
-        return f"{'' if self.seed is None else self.seed}:{self.loss_reduction}:{self.shard}"
+        """As one command-line word: ``SEED:REDUCTION:SHARD:UNUSED`` (SEED empty when none was given, UNUSED ``unused``
+        or empty)."""
+        return (f"{'' if self.seed is None else self.seed}:{self.loss_reduction}:{self.shard}:"
+                f"{'unused' if self.find_unused else ''}")
 
     @classmethod
     def decode(cls, word: str) -> Setting:
-        seed, reduction, shard = (word.split(":") + ["", ""])[:3]
-        return cls(seed=int(seed) if seed else None, loss_reduction=reduction or "mean", shard=shard or "auto")
+        seed, reduction, shard, unused = (word.split(":") + ["", "", ""])[:4]
+        return cls(seed=int(seed) if seed else None, loss_reduction=reduction or "mean", shard=shard or "auto",
+                   find_unused=unused == "unused")
 
 
 def stands_aside(source: str) -> str | None:
@@ -178,7 +183,7 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int, 
 
     models = Models(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams,
                     witness=loaders.witness, shard=shard, optimizers=optimizers, wait_for_rank_0=wait_for_rank_0,
-                    stand_aside=stand_aside)
+                    stand_aside=stand_aside, find_unused=setting.find_unused)
     models.install()
     undo.append(models.uninstall)
     saving = SaveOnce(rank=runtime.rank, wait_for_rank_0=wait_for_rank_0, sharding=shard != "never")

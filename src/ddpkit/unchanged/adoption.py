@@ -1,5 +1,5 @@
 """Which modules are the script's models, and what each becomes at its first training call (``ddpkit run --unchanged``):
-a DDP replica in place (``strategies.in_place``), or sharded in place where ``--shard`` says (``layouts``,
+a DDP replica (``strategies.in_place.Replica``), or sharded in place where ``--shard`` says (``layouts``,
 ``strategies.sharded_in_place``), its optimizers re-pointed (``optimizers``). A module with nothing to train, a part
 of a model found already, and the script's own DDP or FSDP (then --unchanged stands aside) are not models.
 
@@ -20,7 +20,7 @@ import torch.nn as nn
 from ddpkit.core.errors import UsageError
 from ddpkit.core.logs import logger
 from ddpkit.strategies import distributed_already
-from ddpkit.strategies.in_place import Added, added_since, hooks_and_keys, keep_plain, replicate_in_place
+from ddpkit.strategies.in_place import Added, Replica, added_since, hooks_and_keys, keep_plain
 from ddpkit.unchanged import layouts
 from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.optimizers import not_elementwise, steps_each_element
@@ -31,7 +31,7 @@ class Adoption:
 
     def __init__(self, *, rank: int, world_size: int, batch: Batch, shard: str = "never", optimizers=None,
                  wait_for_rank_0: Callable[[], None] = lambda: None, stand_aside: Callable[[], None] = lambda: None,
-                 items_hook: Callable | None = None):
+                 items_hook: Callable | None = None, find_unused: bool = False):
         self.rank = rank
         self.world_size = world_size
         self.batch = batch
@@ -43,6 +43,8 @@ class Adoption:
         self.found: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.passed: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # called at the top, not models (no parameters)
         self.sharded: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.replicas: weakref.WeakKeyDictionary[nn.Module, Replica] = weakref.WeakKeyDictionary()
+        self.find_unused = find_unused  # DDP looks for unused parameters at every step (``Replica``)
 
     def adopt(self, module: nn.Module) -> bool:
         """Make ``module`` a replica, if it is a model; False for one that is not (nothing to train, or the script's
@@ -69,7 +71,8 @@ class Adoption:
             self.optimizers.repoint(moved, class_name(module))
             self.sharded.add(module)
         elif self.world_size > 1:  # one process has nothing to average: its models run as they are
-            replicate_in_place(module, weight=self.batch.current_weight, whole=self.batch.is_whole)
+            self.replicas[module] = Replica(module, weight=self.batch.current_weight, whole=self.batch.is_whole,
+                                            find_unused=self.find_unused)
         if self.world_size > 1:
             saved_then_read(module, self.wait_for_rank_0)
             if self.items_hook is not None:

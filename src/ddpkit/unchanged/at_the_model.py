@@ -67,16 +67,19 @@ class AtTheModel:
                            "computes each of its steps whole, as one device does (exact, and no faster). A DataLoader "
                            "over a map-style data set would split its batches")
 
-    def whole_batch_losses(self, output, *, summed: bool | None = None, scale: float = 1.0):
+    def whole_batch_losses(self, output, *, summed: bool | None = None, scale: float = 1.0, required: bool = True):
         """``output`` of a model that got this rank's share of a batch, its losses (tensors of one element that
         require grad) valued as the whole batch's: what the script prints is then one process's number. Their
         gradient stays this rank's own (times ``scale``). ``summed``: each rank's loss is a part of a sum (else
-        the batch's reduction says). A model that returns no loss is refused (its loss would meet targets that were
-        not split)."""
+        the batch's reduction says). A loss valued whole already (``counted``) is left as it is. ``required``: a
+        model that returns no loss is refused (its loss would meet targets that were not split)."""
         leaves, spec = pytree.tree_flatten(output)
-        losses = [index for index, leaf in enumerate(leaves) if is_a_loss(leaf)]
-        if not losses:
+        if required and not any(is_a_loss(leaf) for leaf in leaves):
             raise UsageError(NOT_SPLIT, said_elsewhere=self.rank != 0)  # every rank meets it: rank 0 says it
+        losses = [index for index, leaf in enumerate(leaves)
+                  if is_a_loss(leaf) and (scale != 1.0 or not self.batch.is_valued_whole(leaf))]
+        if not losses:
+            return output
         weight = 1.0 if (self.batch.summed if summed is None else summed) else self.batch.weight
         values = torch.stack([leaves[index].detach().reshape(()).to(torch.float64) * weight for index in losses])
         dist.all_reduce(values)

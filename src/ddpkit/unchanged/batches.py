@@ -46,6 +46,9 @@ class Batch:
     weight: float = 1.0
     whole: bool = True  # every rank has the whole batch (nothing split it)
     loader_passes: int = 0  # split loaders' passes going on: they set the batch, which the models do not split
+    # Losses whose value is the whole batch's already (``counted``): a model that returns one needs no more. (By
+    # identity: a tensor's ``==`` is elementwise.)
+    _valued_whole: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.weight = 1.0 / self.world_size
@@ -57,6 +60,15 @@ class Batch:
     def set_whole(self) -> None:
         """Every rank has the whole batch: the same gradient on each, averaged."""
         self.set(1.0 / self.world_size, whole=True)
+
+    def valued_whole(self, loss) -> None:
+        """``loss``'s value is the whole batch's already."""
+        key = id(loss)
+        self._valued_whole[key] = weakref.ref(loss, lambda _: self._valued_whole.pop(key, None))
+
+    def is_valued_whole(self, loss) -> bool:
+        held = self._valued_whole.get(id(loss))
+        return held is not None and held() is loss
 
     def current_weight(self) -> float:
         return self.weight

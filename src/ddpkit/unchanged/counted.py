@@ -27,6 +27,7 @@ what to write instead).
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,10 @@ from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.gathered import ScaleGradient
 
 OBSERVED = ("cross_entropy", "nll_loss")  # torch.nn.functional's losses whose mean is over counted items
+# torch.nn.functional's losses whose mean is over their elements: the count is the share's number of elements, and the
+# value the script reads is the whole batch's (a split batch's share of a mean is its own mean, not the batch's).
+ELEMENTWISE = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+               "binary_cross_entropy_with_logits")
 
 
 class CountedMeans:
@@ -46,10 +51,10 @@ class CountedMeans:
         self.originals: dict[str, object] = {}
 
     def install(self) -> None:
-        for name in OBSERVED:
+        for name in OBSERVED + ELEMENTWISE:
             original = getattr(F, name)
             self.originals[name] = original
-            setattr(F, name, self._observed(original))
+            setattr(F, name, self._observed(original) if name in OBSERVED else self._elementwise(original))
 
     def uninstall(self) -> None:
         for name, original in self.originals.items():
@@ -66,10 +71,29 @@ class CountedMeans:
             summed = original(input, target, weight, None, ignore_index, None, "sum", *more, **kwargs)
             return self.mean_of_the_batch(summed, counted(target, weight, ignore_index))
 
-        # TorchScript compiles PyTorch's own function where a script calls this one (its mark for a wrapper).
-        setattr(loss, "__original_fn", original)
-        setattr(loss, "__script_if_tracing_wrapper", True)
-        return loss
+        return _scripted_as(original, loss)
+
+    def _elementwise(self, original):
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def loss(*args, **kwargs):
+            input = args[0] if args else kwargs.get("input")
+            if not self.applies(input):
+                return original(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            given = bound.arguments
+            if (given.get("reduction", "mean") != "mean" or given.get("size_average") is not None
+                    or given.get("reduce") is not None):
+                return original(*args, **kwargs)
+            given["reduction"] = "sum"
+            target = given.get("target")
+            shape = input.shape if not isinstance(target, torch.Tensor) else torch.broadcast_shapes(input.shape,
+                                                                                                    target.shape)
+            count = torch.tensor(shape.numel(), device=input.device)
+            return self.mean_of_the_batch(original(*bound.args, **bound.kwargs), count)
+
+        return _scripted_as(original, loss)
 
     def applies(self, input: torch.Tensor) -> bool:
         """A training step on a batch split across several ranks."""
@@ -88,7 +112,17 @@ class CountedMeans:
         dist.all_reduce(sums)
         whole_count, whole_sum = sums[0].to(summed.dtype), sums[1].to(summed.dtype)
         mean = ScaleGradient.apply(summed / whole_count, 1.0 / share if share > 0 else 0.0)
-        return mean + (whole_sum / whole_count - mean).detach()
+        valued = mean + (whole_sum / whole_count - mean).detach()
+        self.batch.valued_whole(valued)  # (a model that returns it: its value is the batch's already)
+        return valued
+
+
+def _scripted_as(original, loss):
+    """``loss``, which TorchScript compiles as PyTorch's own ``original`` where a script calls it (its mark for a
+    wrapper)."""
+    setattr(loss, "__original_fn", original)
+    setattr(loss, "__script_if_tracing_wrapper", True)
+    return loss
 
 
 def counted(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int) -> torch.Tensor:

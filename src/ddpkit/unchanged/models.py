@@ -3,8 +3,8 @@
 
 A module called from the script's own code (not from inside another module's forward), in training mode with
 gradients on, that has parameters to train, is a model: at that first call, on every rank alike, it becomes a DDP
-replica in place (``strategies.in_place``): its parameters and buffers rank 0's, its gradients all-reduced during
-backward, weighted by this rank's share of the batch. A loss module (no parameters) is left alone.
+replica (``strategies.in_place.Replica``): its parameters and buffers rank 0's, its gradients all-reduced during
+backward, weighted by this rank's share of the batch, DDP's reducer built from what its first call's graph needs. A loss module (no parameters) is left alone.
 
 What follows from a root call is here; which modules are models and what each becomes is ``adoption``'s, and what a
 batch cut at the model and its returned losses become is ``at_the_model``'s.
@@ -29,12 +29,16 @@ from ddpkit.unchanged.gathered import ScaleGradient, gathered
 from ddpkit.unchanged.randomness import Streams
 
 
+RAISED = object()  # what ``Models.after`` gets for the output of a call that raised
+
+
 class Models:
     """The global hooks, the models they found, and what each root call of one does."""
 
     def __init__(self, *, rank: int, world_size: int, batch: Batch, streams: Streams,
                  witness: Callable[..., None], shard: str = "never", optimizers=None,
-                 wait_for_rank_0: Callable[[], None] = lambda: None, stand_aside: Callable[[], None] = lambda: None):
+                 wait_for_rank_0: Callable[[], None] = lambda: None, stand_aside: Callable[[], None] = lambda: None,
+                 find_unused: bool = False):
         self.rank = rank
         self.witness = witness  # told of each call of a model: in training or not (``Loaders.witness``)
         self.world_size = world_size
@@ -47,7 +51,7 @@ class Models:
                                        current_call=lambda: self._calls[-1] if self._calls else None)
         self.adoption = Adoption(rank=rank, world_size=world_size, batch=batch, shard=shard, optimizers=optimizers,
                                  wait_for_rank_0=wait_for_rank_0, stand_aside=stand_aside,
-                                 items_hook=self.at_the_model.items_of_the_batch)
+                                 items_hook=self.at_the_model.items_of_the_batch, find_unused=find_unused)
         self.evaluations = Evaluations(rank=rank, world_size=world_size)
 
     def install(self) -> None:
@@ -100,11 +104,9 @@ class Models:
             # What leaves through its inputs (to a model that made them: a GAN's generator) is unweighted again.
             factor = self.sharded_weight()
             return _scaled_gradients(args, 1.0 / factor if factor else 0.0)
-        if first and self.world_size > 1:
-            from torch.distributed._composable.replicate import replicate
-
-            # replicate's own pre-forward hook was added during this call: run it for this call.
-            replicate.state(module).forward_pre_hook(module, args, {})
+        replica = self.adoption.replicas.get(module)
+        if replica is not None:
+            replica.before(args)
         return args if split else None
 
     def evaluating(self, module: nn.Module, args: tuple):
@@ -117,11 +119,15 @@ class Models:
         self._calls.append(Call(module, args, evaluating=True, share=None if divided is None else divided[1]))
         return None if divided is None else divided[0]
 
-    def after(self, module: nn.Module, args: tuple, kwargs: dict, output):
+    def after(self, module: nn.Module, args: tuple, kwargs: dict, output=RAISED):
         self.depth -= 1
         if self.depth != 0 or not self._calls or self._calls[-1].module is not module:
             return None
         call = self._calls.pop()
+        if output is RAISED:  # the call raised (torch then calls this hook without its keywords): unwound only
+            if call.share is not None and not call.evaluating:
+                self.streams.leave_forward()
+            return None
         if call.evaluating:
             return self.evaluations.finish(call, kwargs, output)
         share = call.share
@@ -142,9 +148,16 @@ class Models:
                               rows=len(share.indices), with_gradients=True)
         elif split:
             output = self.at_the_model.whole_batch_losses(output)
-        if scale == 1.0:
-            return output if split else None
-        return _scaled_gradients(output, scale)
+        elif self.batch.loader_passes and not self.batch.whole and not self.batch.coupled and returns_a_loss(output):
+            # A loss the model computed from this rank's share of a loader's batch: the value the script reads is the
+            # whole batch's (its gradient the share's, which DDP weighs).
+            output, split = self.at_the_model.whole_batch_losses(output, required=False), True
+        if scale != 1.0:
+            output, split = _scaled_gradients(output, scale), True
+        replica = self.adoption.replicas.get(module)
+        if replica is not None:
+            return replica.after(output)  # DDP's forward ends with the output the script gets
+        return output if split else None
 
     def sharded_weight(self) -> float:
         """What the gradient of a sharded model's call is multiplied by, inside it: FSDP averages the ranks'
