@@ -9,7 +9,8 @@ nothing of ddpkit: a script that does is one that distributes itself, and --unch
 Model: a torchvision ResNet (``--model``, default resnet18) on synthetic 3 x 64 x 64 images, SGD, a DataLoader over
 a TensorDataset (no decoding: the step is the model's), on the GPU where there is one (``cuda``, as a one-device
 script says it). Prints one JSON line (rank 0, or the one process): the median seconds per step after ``--warmup``
-steps, with the quartiles, over ``--steps`` timed steps, and the GPUs the process sees.
+steps, with the quartiles, over ``--steps`` timed steps, the sum of all the steps (``total_s``: passes' first batches
+included), and the GPUs the process sees. ``--samples`` and ``--workers`` size the data set and the loader's workers.
 """
 
 import argparse
@@ -31,6 +32,9 @@ def parse(argv=None) -> argparse.Namespace:
                         help="the ResNet's normalisation layers: BatchNorm, or none (nn.Identity)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--samples", type=int, default=None,
+                        help="the data set's size (default: 8 batches of --batch-size)")
+    parser.add_argument("--workers", type=int, default=0, help="the DataLoader's num_workers (default: 0)")
     return parser.parse_args(argv)
 
 
@@ -41,9 +45,9 @@ def build(args: argparse.Namespace):
     norm = {} if args.norm == "batch" else {"norm_layer": lambda channels: torch.nn.Identity()}
     model = torchvision.models.__dict__[args.model](num_classes=10, **norm).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    images = torch.randn(args.batch_size * 8, 3, args.image_size, args.image_size)
+    images = torch.randn(args.samples or args.batch_size * 8, 3, args.image_size, args.image_size)
     loader = DataLoader(TensorDataset(images, torch.randint(0, 10, (len(images),))), batch_size=args.batch_size,
-                        shuffle=True, drop_last=True)
+                        shuffle=True, drop_last=True, num_workers=args.workers)
     return device, model, optimizer, loader
 
 
@@ -70,6 +74,7 @@ def train(args: argparse.Namespace, device, model, optimizer, loader) -> dict:
     timed = sorted(times[args.warmup:])
     quartiles = statistics.quantiles(timed, n=4)
     return {"median_s": statistics.median(timed), "q1_s": quartiles[0], "q3_s": quartiles[2], "steps": len(timed),
+            "total_s": sum(times),  # every step, the warm-up and each pass's first batch included
             "median_thread_cpu_s": statistics.median(cpu_times[args.warmup:]), "device": str(device),
             "visible_gpus": torch.cuda.device_count(), "threads": torch.get_num_threads(),
             "batch_per_process": len(x)}

@@ -26,6 +26,7 @@ DEMO = str(Path(__file__).resolve().parents[1] / "examples" / "ddp_demo.py")  # 
         (["run", "--loss-reduction", "sum", DEMO], "--loss-reduction is for --unchanged"),
         (["run", "--unchanged", "--loss-reduction", "max", DEMO], "invalid choice: 'max'"),
         (["run", "--shard", "always", DEMO], "--shard is for --unchanged"),
+        (["run", "--find-unused-parameters", DEMO], "--find-unused-parameters is for --unchanged"),
         (["run", "--unchanged", "--shard", "half", DEMO], "invalid choice: 'half'"),
         (["run", "--unchanged", "--replica-groups", "2", DEMO], "--unchanged and --replica-groups do not go together"),
         (["train", "--nproc-per-node", "many"], "whole number or auto, got 'many'"),

@@ -81,6 +81,7 @@ def test_the_shared_stream_draws_the_same_order_whatever_the_global_stream_did_a
 def test_the_setting_travels_as_one_word_and_a_bad_reduction_is_refused():
     assert Setting.decode(Setting(seed=3, loss_reduction="sum").encode()) == Setting(seed=3, loss_reduction="sum")
     assert Setting.decode(Setting().encode()) == Setting(seed=None, loss_reduction="mean")
+    assert Setting.decode(Setting(shard="never", find_unused=True).encode()) == Setting(shard="never", find_unused=True)
     with pytest.raises(Exception, match="`loss_reduction` must be one of mean, sum, coupled, got 'max'"):
         Setting(loss_reduction="max")
 
@@ -394,11 +395,20 @@ def rules_one(tmp_path_factory) -> dict:
 def test_unused_parameters_reentrant_checkpointing_layers_frozen_and_unfrozen_train_and_print_as_on_one_process(
         rules_one, tmp_path):
     """DDP's rules met for the script (before: heads alternating and a layer frozen mid-run died at their second step;
-    reentrant checkpointing, a backbone unfrozen after an epoch and the printed MSE were wrong, silently)."""
+    reentrant checkpointing, a backbone unfrozen after an epoch and the printed MSE were wrong, silently); a stream's
+    batches cut at the model, and every pass's first batch (before: each computed whole on every process)."""
     two, done = rules_run(tmp_path, 2)
     assert_rules_as_on_one_process(rules_one, two)
-    # A parameter that is used at the first step and not at a later one is refused in one line, never averaged wrong.
-    _, done = rules_run(tmp_path, 2, "later", expect=2)
+    # The rows each call of the model computes: on rank 0 of two, the first half of one process's batch (rounded up),
+    # the model's first call, a stream's batches and each pass's first included (before: each of those whole). (The
+    # stream's 2 workers yield 15 and 14 samples: batches of 6, 6, 6, 6, 3 and 2.)
+    assert rules_one["rows"]["printed"] == [6, 6, 6, 6, 5] * 3 and rules_one["rows"]["stream"] == [6, 6, 6, 6, 3, 2] * 3
+    for name in ("unfrozen", "stream", "printed"):
+        assert two["rows"][name] == [(rows + 1) // 2 for rows in rules_one["rows"][name]], name
+    # A stream that gives each process its own samples is left as it is, said once; a parameter that is used at the
+    # first step and not at a later one is refused in one line, never averaged wrong.
+    _, done = rules_run(tmp_path, 2, "self-split", "later", expect=2)
+    assert done.stderr.count("a DataLoader over a stream gives each process batches of its own") == 1
     assert done.stderr.count("ddpkit: error: --unchanged: Later left parameters without a gradient") == 1
     assert "--find-unused-parameters" in done.stderr and "Traceback" not in done.stderr
 
@@ -575,17 +585,23 @@ def relative_difference(a: dict, b: dict) -> float:
 
 @pytest.mark.slow
 def test_the_imagenet_original_with_batch_norm_trains_on_two_processes_as_on_one(data, tmp_path):
-    # Its own --dummy data (FakeData: no random augmentation), resnet18 with BatchNorm, batches of 32 then 5 (3 + 2).
-    # 64 pixels: at 32, the last block's BatchNorm normalises 5 values a channel in the last batch, where float32's
-    # rounding (PyTorch's kernel on one process, sums in float64 over two) grows past 1e-5 in a step (8e-5 seen; in
-    # float64 the two agree to 1e-15 there).
+    # Its own --dummy data (FakeData: no random augmentation), resnet18 with BatchNorm, batches of 32 then 5 (3 + 2),
+    # each cut in two (the first at the model, its outputs gathered). In float32 the weights differ by float32's
+    # rounding in BatchNorm's backward, grown by the step: PyTorch's kernel on one process sums in float32, and its
+    # cancellations (a gradient less its mean over 32 x 32 x 32 values a channel after conv1) cost conv1's gradient
+    # about 1e-3 of itself; over two processes the sums are float64's. 9e-5 of the weights' norm seen over the two
+    # steps; the same two steps of resnet18 in float64 agree to 1e-15, and a method's error (an unweighted mean, a
+    # BatchNorm of the share alone) is 1e-2.
     args = ["--dummy", "--dummy-train", "37", "--dummy-val", "37", "-a", "resnet18", "--num-classes", "6",
             "--image-size", "64", "-j", "0", "-b", "32", "--lr", "0.01", "-p", "100", "--seed", "0", "--epochs", "1"]
     (one, one_out), (two, two_out) = [original(tmp_path, "imagenet/original.py", nproc, *args) for nproc in (1, 2)]
     weights = [torch.load(folder / "checkpoint.pth.tar", weights_only=True)["state_dict"] for folder in (one, two)]
-    assert relative_difference(*weights) < 1e-5
+    assert relative_difference(*weights) < 3e-4
+    # Its evaluation counts the 37 samples once (a count of 37); with weights float32's rounding apart, a prediction
+    # whose two best scores nearly tie may go either way: one sample's worth, 100/37 points, at most (one seen).
     summary = r" \*   Acc@1 (\S+) Acc@5 (\S+) \(37 samples\)"
-    assert re.findall(summary, one_out) == re.findall(summary, two_out) != []
+    (one_summary,), (two_summary,) = re.findall(summary, one_out), re.findall(summary, two_out)
+    assert all(abs(float(a) - float(b)) <= 100 / 37 + 1e-3 for a, b in zip(one_summary, two_summary))
     assert (two / "model_best.pth.tar").is_file()  # copied by every rank from the file rank 0 wrote first
 
 

@@ -22,6 +22,7 @@ script's own ``safe_globals`` reads it).
 """
 
 import dataclasses
+import inspect
 import types
 import weakref
 from collections.abc import Callable  # (no postponed annotations: DDP reads the hook's)
@@ -69,20 +70,28 @@ class Replica:
         self.needed = -1  # during a probe: the index in ``MODES`` of what its calls' graphs need so far
         self.reduced = False  # the reducer's last backward pass reduced its last bucket
 
-    def before(self, args: tuple) -> None:
-        """A training call begins (gradients on, the module in training mode)."""
+    def before(self, args: tuple, *, begin: bool = True) -> None:
+        """A training call begins (gradients on, the module in training mode). ``begin``: DDP's forward with it (else
+        ``begin`` is called once the forward showed it is one: DDP is built here all the same, as it broadcasts)."""
         trains = self.trainable()
         if self.ddp is not None and self.trains != trains:
             self.ddp = None  # a probe again, over the parameters that train now
         elif self.needed >= 0 and self.reduced:  # the probe's step is over: the reducer it showed is needed
             mode, self.needed = MODES[self.needed], -1
             if mode != self.mode:
-                self.build(trains, mode)
+                self.build(trains, mode, synced=True)
         if self.ddp is None:
             if not any(trains):
                 return  # nothing trains now: nothing to average
-            self.build(trains, "static graph")
+            self.build(trains, "static graph", synced=bool(self.mode))  # (rank 0's since the first was built)
             self.needed = 0
+        if begin:
+            self.begin(args)
+
+    def begin(self, args: tuple = ()) -> None:
+        """DDP's forward begins (its reducer prepared for a backward pass)."""
+        if self.ddp is None:
+            return
         DistributedDataParallel._active_ddp_module = self.ddp  # (what torch.compile's DDP optimizer reads)
         try:
             self.ddp._pre_forward(*args)
@@ -106,11 +115,14 @@ class Replica:
     def trainable(self) -> tuple[bool, ...]:
         return tuple(parameter.requires_grad for parameter in self.parameters)
 
-    def build(self, trains: tuple[bool, ...], mode: str) -> None:
+    def build(self, trains: tuple[bool, ...], mode: str, *, synced: bool = False) -> None:
+        """DDP over the parameters, as ``mode`` (``MODES``) says; ``synced``: they are rank 0's already (DDP need not
+        broadcast them again, where its release can be told so)."""
         logger.debug(f"--unchanged: {self.name}'s DDP built over {sum(trains)} trainable parameters ({mode})")
         self.ddp = None  # (the reducer before it, its hooks with it)
         self.ddp = DistributedDataParallel(nn.ParameterList(self.parameters), static_graph=mode == "static graph",
-                                           find_unused_parameters=mode == "unused parameters")
+                                           find_unused_parameters=mode == "unused parameters",
+                                           **({"init_sync": False} if synced and INIT_SYNC else {}))
         self.ddp.register_comm_hook(self, Replica.reduce)
         self.trains, self.mode, self.reduced = trains, mode, False
 
@@ -132,6 +144,7 @@ class Replica:
 
 
 MODES = ("plain", "unused parameters", "static graph")
+INIT_SYNC = "init_sync" in inspect.signature(DistributedDataParallel).parameters  # (torch 2.5 and later)
 
 
 def graph_of(output) -> tuple[set[int], bool]:

@@ -10,12 +10,14 @@ the loss the model returns a part of the batch's sum (``items_of_the_batch``).
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.modules import module as module_code
 from torch.utils import _pytree as pytree
 
 from ddpkit.core.errors import UsageError
@@ -23,8 +25,8 @@ from ddpkit.core.logs import logger
 from ddpkit.data.split_batches import Share, rows_of_share, share_of
 from ddpkit.unchanged.adoption import class_name
 from ddpkit.unchanged.batches import Batch
-from ddpkit.unchanged.divided import Call
-from ddpkit.unchanged.gathered import ScaleGradient
+from ddpkit.unchanged.divided import Call, rows_of
+from ddpkit.unchanged.gathered import ScaleGradient, batch_shaped
 
 NOT_SPLIT = ("--unchanged: this model's batches come from no DataLoader; it returned its loss at its first call, so "
              "they are split where they enter it, but it returns none now, and a loss computed outside it would meet "
@@ -42,6 +44,9 @@ class AtTheModel:
         self.batch = batch
         self.current_call = current_call
         self.whole: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models computed whole on every rank
+        # Whether a model's calls on a loader's whole batch can be cut at the model, its outputs gathered (``learn``).
+        self.cut_whole: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+        self._kept: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()  # a tried call's buffers
 
     def split(self, args: tuple) -> tuple[tuple, Share]:
         """This rank's share of the batch in ``args``: each tensor argument cut along its first dimension. (With a
@@ -107,6 +112,67 @@ class AtTheModel:
     def is_whole(self, module: nn.Module) -> bool:
         return module in self.whole
 
+    def learn(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        """A training call of ``module`` on a loader's whole batch, computed whole: whether its later calls on such
+        batches can be cut at the model (``split_whole``). They can where its tensor arguments are positional and
+        share their first dimension, and its outputs are one row per sample (a tensor, or a tuple, list, dict or
+        dataclass of them): they are then gathered. Decided at its first such call."""
+        if module in self.cut_whole:
+            return
+        rows = rows_of(args)
+        keywords = any(isinstance(value, torch.Tensor) for value in kwargs.values())
+        self.cut_whole[module] = rows is not None and not keywords and batch_shaped(output, rows)
+        if not self.cut_whole[module]:
+            self._said_whole(module)
+
+    def _said_whole(self, module: nn.Module) -> None:
+        """A model whose calls cannot be cut: said once where it trains on a stream (a map-style loader's batches are
+        split by the loader, but for a pass's first ones)."""
+        if self.batch.stream and self.rank == 0:
+            logger.warning(f"--unchanged: {class_name(module)} trains on a stream's batches, which every process "
+                           "reads whole, and its calls cannot be cut (tensors given by keyword, or outputs that are "
+                           "not one row per sample): every process computes each of its steps whole, exact and no "
+                           "faster than one device")
+
+    def split_first(self, module: nn.Module, args: tuple) -> tuple[tuple, Share] | None:
+        """``split_whole`` for a model's first training call on a loader's whole batch, whose outputs have not shown
+        yet that they can be gathered: cut where its call gives no tensor by keyword (read from torch's frame that
+        calls the hooks: none, where it cannot be read). Its buffers are kept, so that ``cut_as_tried`` can undo the
+        call if its outputs turn out not to be one row per sample."""
+        self.cut_whole[module] = True
+        cut = self.split_whole(module, args)
+        del self.cut_whole[module]
+        if cut is not None:
+            self._kept[module] = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+        return cut
+
+    def cut_as_tried(self, module: nn.Module, rows: int, output) -> bool:
+        """Whether a tried first call's ``output`` (``split_first``) can be gathered (one row per sample, on every
+        rank): the model's calls are cut from then on. If not, what the call changed is undone (its buffers, BatchNorm's
+        running statistics, as they were; the batch whole again) and the model is computed whole, as before."""
+        decided = torch.tensor([float(batch_shaped(output, rows))], device=next(module.parameters()).device)
+        dist.all_reduce(decided, op=dist.ReduceOp.MIN)
+        kept = self._kept.pop(module)
+        self.cut_whole[module] = bool(decided.item())
+        if not self.cut_whole[module]:
+            with torch.no_grad():
+                for buffer, value in kept:
+                    buffer.copy_(value)
+            self.batch.set_whole()
+            self._said_whole(module)
+        return self.cut_whole[module]
+
+    def split_whole(self, module: nn.Module, args: tuple) -> tuple[tuple, Share] | None:
+        """This rank's share of a loader's whole batch in ``args``, for a model that showed it can be cut (``learn``),
+        the batch weighed as split from here on; None: computed whole (a batch smaller than the world, each rank's
+        batch its own)."""
+        rows = rows_of(args) if self.cut_whole.get(module) and not self.batch.own_batches else None
+        if rows is None or rows < self.world_size or not _no_keyword_tensors(module):
+            return None
+        share = share_of(range(rows), self.rank, self.world_size)
+        self.batch.set(share.weight, gathered=True)
+        return rows_of_share(args, share), share
+
 
 def is_a_loss(leaf) -> bool:
     """A loss among a model's outputs: a tensor of one element that requires grad (nanoGPT's model returns one)."""
@@ -115,3 +181,27 @@ def is_a_loss(leaf) -> bool:
 
 def returns_a_loss(output) -> bool:
     return any(is_a_loss(leaf) for leaf in pytree.tree_leaves(output))
+
+
+def _no_keyword_tensors(module: nn.Module) -> bool:
+    """Whether ``module``'s call going on gives no tensor by keyword (which the hooks cannot cut), as far as can be
+    read (``call_keywords``; False where it cannot)."""
+    keywords = call_keywords(module)
+    return keywords is not None and not any(isinstance(value, torch.Tensor) for value in keywords.values())
+
+
+def call_keywords(module: nn.Module) -> dict | None:
+    """The keywords of ``module``'s call going on, from inside one of its global forward pre-hooks, which PyTorch
+    calls without them: read from the frame of torch's own ``Module`` code that calls the hooks (``_call_impl``, or a
+    function inside it), where it holds the module as ``self`` and a ``kwargs`` dictionary; None where no such frame
+    is found (a release whose code differs). Read only."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if frame.f_globals.get("__name__") == module_code.__name__:
+            found = frame.f_locals
+            if found.get("self") is module and isinstance(found.get("kwargs"), dict):
+                return found["kwargs"]
+    return None

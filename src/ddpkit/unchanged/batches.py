@@ -17,8 +17,12 @@ start (``Pass``; docs/unchanged.md, "Training or evaluation: the rule"):
   model in eval mode): every rank reads the whole batches to the end, as one process does, so that the script's own
   sums and counts are those of one process.
 
-A loader of an ``IterableDataset``, or one without a batch sampler (``batch_size=None``), is left as it is: its
-batches are split where they enter the model, as when a script cuts its batches by hand (``unchanged.models``).
+A loader whose batches cannot be split by index, a stream's (an ``IterableDataset``) or one without a batch sampler
+(``batch_size=None``), is followed the same way, its batches whole on every rank: every rank reads the stream in the
+same order, and a model called to train on one of its batches computes this rank's share of it, its outputs gathered
+(``unchanged.models``): the stream's order, its epochs and its last short batch stay one device's. A stream that splits
+itself by process (its first batch differs across the ranks: it reads the rank) is left as it is, said once: each
+rank trains on its own batches, averaged as under DDP (``Pass.own_batches``).
 """
 
 from __future__ import annotations
@@ -26,8 +30,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import weakref
+import zlib
 from collections.abc import Callable, Iterator
 
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, IterableDataset
 
 from ddpkit.core.logs import logger
@@ -53,9 +61,15 @@ class Batch:
     def __post_init__(self) -> None:
         self.weight = 1.0 / self.world_size
 
-    def set(self, weight: float, *, whole: bool = False) -> None:
+    gathered: bool = False  # a model's outputs on this batch were gathered from its shares (``unchanged.models``)
+    own_batches: bool = False  # each rank's batch is its own (a stream that splits itself): DDP's average, no split
+    stream: bool = False  # the batch comes from a loader whose batches cannot be split by index (a stream's)
+
+    def set(self, weight: float, *, whole: bool = False, gathered: bool = False) -> None:
         self.weight = weight
         self.whole = whole
+        self.gathered = gathered
+        self.own_batches = False
 
     def set_whole(self) -> None:
         """Every rank has the whole batch: the same gradient on each, averaged."""
@@ -86,19 +100,22 @@ class Batch:
 class Pass:
     """One pass over a split loader, and what its batches showed so far."""
 
-    sampler: SplitBatchSampler
+    sampler: SplitBatchSampler | None  # None: a loader whose batches cannot be split by index (a stream's)
     training: bool = False  # a model trained on one of its batches: its batches are split from then on (else whole)
     share: Share | None = None  # the batch last handed out
     trained: bool = False  # what the calls on that batch did
     evaluated: bool = False
     own_streams: bool = False  # this rank's own random streams (``Streams.enter_pass``) are on for this pass
+    own_batches: bool | None = None  # a stream's pass: whether each rank's batches are its own (None: not seen yet)
 
 
 class Loaders:
     """Takes over the script's DataLoaders as they are iterated (``install``), and follows each pass."""
 
-    def __init__(self, *, rank: int, world_size: int, batch: Batch, streams: Streams):
+    def __init__(self, *, rank: int, world_size: int, batch: Batch, streams: Streams,
+                 the_same_everywhere: Callable[[object], bool] = lambda batch: True):
         self.rank = rank
+        self.the_same_everywhere = the_same_everywhere  # whether a batch is the same on every rank (a collective)
         self.world_size = world_size
         self.batch = batch
         self.streams = streams
@@ -108,6 +125,7 @@ class Loaders:
         self._trained_before: weakref.WeakSet[SplitBatchSampler] = weakref.WeakSet()  # their last pass trained
         self._taken: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # loaders whose batch sampler is wrapped
         self._warned = False
+        self._said_own_batches = False
 
     def install(self) -> None:
         self._original_iter = DataLoader.__iter__
@@ -130,8 +148,8 @@ class Loaders:
 
     def iterate(self, loader: DataLoader):
         sampler = self.split_sampler(loader)
-        if sampler is None:
-            return self._original_iter(loader)
+        if sampler is None:  # a stream's batches, whole on every rank: split at the models
+            return self.follow(loader, Pass(None)) if self.world_size > 1 else self._original_iter(loader)
         sampler.whole = True  # until the pass shows what it is
         sampler.shares.clear()
         return self.follow(loader, Pass(sampler))
@@ -141,12 +159,16 @@ class Loaders:
         last pass trained starts in this rank's own random streams (before the loader draws its workers' seeds);
         another enters them when the pass shows that it trains."""
         self.batch.loader_passes += 1
-        if this.sampler in self._trained_before:
+        if this.sampler is not None and this.sampler in self._trained_before:
             self._own_streams(this)
         try:
             for batch in self._original_iter(loader):
                 self._settle(this)
-                this.share, this.trained, this.evaluated = this.sampler.shares.popleft(), False, False
+                if this.sampler is None and this.own_batches is None:
+                    this.own_batches = not self.the_same_everywhere(batch)
+                    self._say_own_batches(this)
+                this.share = None if this.sampler is None else this.sampler.shares.popleft()
+                this.trained, this.evaluated = False, False
                 self._make_current(this)
                 yield batch
         finally:
@@ -155,9 +177,9 @@ class Loaders:
                 self._passes.remove(this)
             if this.own_streams:
                 self.streams.leave_pass()
-            if this.training:
+            if this.sampler is not None and this.training:
                 self._trained_before.add(this.sampler)
-            else:
+            elif this.sampler is not None:
                 self._trained_before.discard(this.sampler)
             if self._passes:
                 self._make_current(self._passes[-1])  # an enclosing pass goes on with the batch it handed out
@@ -174,8 +196,9 @@ class Loaders:
         this.trained = True
         if not this.training:
             this.training = True
-            this.sampler.whole = self.batch.coupled  # the batches drawn from here on are split (but at the models)
-            self._own_streams(this)
+            if this.sampler is not None:  # (a stream's batches stay whole, and so do its streams: every rank reads it)
+                this.sampler.whole = self.batch.coupled  # the batches drawn from here on are split (but at the models)
+                self._own_streams(this)
 
     def _settle(self, this: Pass) -> None:
         """What the batch handed out last showed, before the next is handed out: a split batch of a training pass
@@ -194,12 +217,25 @@ class Loaders:
         if this in self._passes:
             self._passes.remove(this)
         self._passes.append(this)
+        self.batch.stream = this.sampler is None
+        if this.sampler is None:
+            self.batch.set_whole()
+            self.batch.own_batches = bool(this.own_batches)
+            return
         if this.share is None:
             return
         if this.share.whole:
             self.batch.set_whole()
         else:
             self.batch.set(this.share.weight)
+
+    def _say_own_batches(self, this: Pass) -> None:
+        if this.own_batches and not self._said_own_batches and self.rank == 0:
+            logger.warning("--unchanged: a DataLoader over a stream gives each process batches of its own (the stream "
+                           "splits itself by process, reading the rank): left as it is, each process trains on its "
+                           "own batches and their gradients are averaged, as under DDP: a step takes the number of "
+                           "processes times one device's batch")
+        self._said_own_batches = self._said_own_batches or bool(this.own_batches)
 
     def _own_streams(self, this: Pass) -> None:
         if not this.own_streams:
@@ -220,3 +256,21 @@ class Loaders:
         loader.__dict__["batch_sampler"] = split
         self._taken.add(loader)
         return split
+
+
+def the_same_on_every_rank(batch, group) -> bool:
+    """Whether ``batch`` (a loader's: tensors, numbers and strings in lists, tuples and dicts) is the same on every
+    rank of ``group`` (a gloo group), by a fingerprint of its values and their order: one all-reduce of 8 numbers."""
+    fingerprint = torch.zeros(4, dtype=torch.float64)
+    for leaf in pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor):
+            values = leaf.detach().reshape(-1).to(torch.float64)
+            order = torch.arange(1, values.numel() + 1, dtype=torch.float64, device=values.device) % 997
+            fingerprint += torch.stack([torch.tensor(float(values.numel()), dtype=torch.float64), values.sum().cpu(),
+                                        values.abs().sum().cpu(), (values * order).sum().cpu()])
+        elif isinstance(leaf, (str, bytes, int, float, bool)):
+            data = leaf.encode() if isinstance(leaf, str) else leaf if isinstance(leaf, bytes) else repr(leaf).encode()
+            fingerprint[3] += zlib.crc32(data)
+    extremes = torch.cat([fingerprint, -fingerprint])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    return bool(torch.equal(extremes[:4], -extremes[4:]))

@@ -99,6 +99,7 @@ class CountedMeans:
         """A training step on a batch split across several ranks."""
         batch = self.batch
         return (batch.world_size > 1 and not batch.whole and not batch.summed and not batch.coupled
+                and not batch.gathered
                 and isinstance(input, torch.Tensor) and input.requires_grad and torch.is_grad_enabled())
 
     def mean_of_the_batch(self, summed: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,9 @@ class Call:
     share: Share | None = None
     learning: bool = False  # a model's first training call outside a split loader: whether it returns its loss
     items_counted: bool = False  # given the batch's count of items (``num_items_in_batch``): its loss a part of a sum
+    gathered: bool = False  # a loader's whole batch cut at the model, its outputs gathered (``AtTheModel.split_whole``)
+    tried: bool = False  # a model's first call, cut before its outputs showed they can be gathered (``split_first``)
+    keywords: dict = dataclasses.field(default_factory=dict)  # a tried call's own (to compute it again, whole)
 
 
 class Evaluations:

@@ -4,7 +4,9 @@
 A module called from the script's own code (not from inside another module's forward), in training mode with
 gradients on, that has parameters to train, is a model: at that first call, on every rank alike, it becomes a DDP
 replica (``strategies.in_place.Replica``): its parameters and buffers rank 0's, its gradients all-reduced during
-backward, weighted by this rank's share of the batch, DDP's reducer built from what its first call's graph needs. A loss module (no parameters) is left alone.
+backward, weighted by this rank's share of the batch, DDP's reducer built from what its first step's graph needs. A
+loss module (no parameters) is left alone. A loader's whole batch is cut at the model where the model allows
+(``at_the_model.AtTheModel.split_whole``), its outputs gathered.
 
 What follows from a root call is here; which modules are models and what each becomes is ``adoption``'s, and what a
 batch cut at the model and its returned losses become is ``at_the_model``'s.
@@ -22,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from ddpkit.data.split_batches import share_sizes
 from ddpkit.unchanged.adoption import Adoption, is_trainable
-from ddpkit.unchanged.at_the_model import AtTheModel, returns_a_loss
+from ddpkit.unchanged.at_the_model import AtTheModel, call_keywords, returns_a_loss
 from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.divided import KEYWORDS_SEEN, Call, Evaluations
 from ddpkit.unchanged.gathered import ScaleGradient, gathered
@@ -87,27 +89,42 @@ class Models:
         from_loader = self.batch.loader_passes > 0 and not self.batch.coupled
         # (One process: nothing to split. A model whose first call returned no loss: every call whole, below.)
         split = self.world_size > 1 and not from_loader and not first and not self.at_the_model.is_whole(module)
-        share, whole_args = None, args
+        share, whole_args, cut = None, args, None
         if split:
             args, share = self.at_the_model.split(args)
-            self.streams.enter_forward()  # each rank's rows draw their own dropout, as rows of one batch do
+        elif from_loader and self.batch.whole and self.world_size > 1:
+            # A loader's whole batch (a pass's first ones, a stream's): this rank's share of it, the outputs gathered.
+            # (A model's first call: cut where nothing rules it out, undone in ``after`` if its outputs cannot be
+            # gathered. A sharded model's first call is whole: it shows the way.)
+            if not first:
+                cut = self.at_the_model.split_whole(module, args)
+            elif module not in self.adoption.sharded:
+                cut = self.at_the_model.split_first(module, args)
+            if cut is not None:
+                args, share = cut
         elif not from_loader:
             self.batch.set_whole()  # the same computation on every rank, from the shared streams: one device's
-        self._calls.append(Call(module, whole_args, share=share,
+        if share is not None:
+            self.streams.enter_forward()  # each rank's rows draw their own dropout, as rows of one batch do
+        tried = first and cut is not None
+        self._calls.append(Call(module, whole_args, share=share, gathered=cut is not None, tried=tried,
+                                keywords=call_keywords(module) if tried else {},
                                 learning=first and not self.batch.loader_passes and not self.batch.coupled))
+        # What leaves through its inputs (to a model that made them: a GAN's generator) is unweighted again: the
+        # weight of gathered outputs (``after``), and a sharded model's.
+        inputs = self.batch.current_weight() if cut is not None else 1.0
         if module in self.adoption.sharded:
             if first:
                 from ddpkit.strategies.fsdp import fsdp2
 
                 # fully_shard's pre-forward hook (it gathers the root's parameters) was added during this call: run it.
                 args, _ = fsdp2().fully_shard.state(module)._pre_forward(module, args, {})
-            # What leaves through its inputs (to a model that made them: a GAN's generator) is unweighted again.
             factor = self.sharded_weight()
-            return _scaled_gradients(args, 1.0 / factor if factor else 0.0)
+            return _scaled_gradients(args, inputs / factor if factor else 0.0)
         replica = self.adoption.replicas.get(module)
-        if replica is not None:
-            replica.before(args)
-        return args if split else None
+        if replica is not None:  # (a tried call's DDP forward begins in ``after``, once it is one)
+            replica.before(args, begin=not self._calls[-1].tried)
+        return _scaled_gradients(args, inputs) if share is not None else None
 
     def evaluating(self, module: nn.Module, args: tuple):
         """A model called without training: its loader's pass learns it is an evaluation, and a whole batch is
@@ -134,12 +151,28 @@ class Models:
         split = share is not None
         if split:
             self.streams.leave_forward()
-        elif call.learning and self.world_size > 1 and not returns_a_loss(output):
+        if call.tried and not self.at_the_model.cut_as_tried(module, len(share.indices), output):
+            # Again, whole (``cut_as_tried`` undid what the cut call did), with the keywords it was given.
+            return module(*call.whole_args, **call.keywords)
+        replica = self.adoption.replicas.get(module)
+        if call.tried and replica is not None:
+            replica.begin()
+        if not split and call.learning and self.world_size > 1 and not returns_a_loss(output):
             self.at_the_model.computed_whole(module)
-        scale = self.batch.output_scale()
+        elif not split and self.batch.loader_passes and self.batch.whole and not self.batch.coupled \
+                and self.world_size > 1:
+            self.at_the_model.learn(module, call.whole_args, kwargs, output)
+        # (Gathered outputs: the loss is the whole batch's on every rank, whatever its reduction.)
+        scale = 1.0 if call.gathered else self.batch.output_scale()
         if module in self.adoption.sharded:
             scale *= self.sharded_weight()
-        if call.items_counted and returns_a_loss(output):
+        if call.gathered:
+            # Every rank computes the whole batch's loss from them, and the gradient of its own rows is its part of
+            # one device's: divided by this rank's weight, which DDP multiplies back in (as a split batch's).
+            weight = self.batch.current_weight()
+            output = gathered(_scaled_gradients(output, 1.0 / weight), rank=self.rank, rows=len(share.indices),
+                              sizes=share_sizes(share.samples, world_size=self.world_size), with_gradients=True)
+        elif call.items_counted and returns_a_loss(output):
             weight = self.batch.current_weight()  # (a sum's part: its gradient counts whole, DDP weighs it by share)
             output = self.at_the_model.whole_batch_losses(output, summed=True, scale=1.0 / weight if weight else 0.0)
             split = True
@@ -154,7 +187,6 @@ class Models:
             output, split = self.at_the_model.whole_batch_losses(output, required=False), True
         if scale != 1.0:
             output, split = _scaled_gradients(output, scale), True
-        replica = self.adoption.replicas.get(module)
         if replica is not None:
             return replica.after(output)  # DDP's forward ends with the output the script gets
         return output if split else None

@@ -1,0 +1,131 @@
+"""What ``ddpkit run --unchanged`` costs where its batches come whole: the first batches of each pass, and a stream.
+
+    .venv/bin/python benchmarks/unchanged_passes.py [--rounds 2] [--json FILE]
+
+1. **Epochs** (``benchmarks/unchanged_loop.py``: a ResNet-18 without normalisation layers on synthetic 32-pixel
+   images, SGD, a DataLoader with 2 workers): 5 epochs of 20 steps at a global batch of 32 on 2 processes,
+   ``--unchanged`` against the same loop on ``job.prepare`` (``benchmarks/prepared_loop.py``, 16 a process), the same
+   data set. Each pass's first batch and those its workers fetched ahead come whole under ``--unchanged`` and are cut
+   at the model (its outputs gathered). Reported: each side's whole training time, every step included (the loop's
+   own sum, and the process tree's wall time), the ratio unchanged / prepare (goal: at most 1.05).
+2. **The ImageNet trainer** (``benchmarks/conversions/imagenet/original.py``, resnet18, its ``--dummy`` data at 64
+   pixels, 4 steps at batch 101 with 2 loader workers, then its validation of 64 images): the original under
+   ``--unchanged`` on 2 processes against its ``job.prepare`` conversion (``examples/imagenet_main.py``, batch 50 a
+   process) on 2, by the process tree's wall time (goal: at most 1.10).
+3. **A stream** (a script of its own below: an MLP 1024 wide, 4 layers, fed by an ``IterableDataset`` that makes its
+   samples, batch 512, 20 steps): its training time on 2 processes under ``--unchanged`` against 1 (goal: at most 0.75).
+
+Every process gets one thread (OMP_NUM_THREADS=1). R rounds, alternating which side goes first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from unchanged import CONVERTED, IMAGENET, LOOP, PREPARED, ddpkit, run  # noqa: E402
+
+STREAM = """
+import sys, time
+import torch, torch.nn as nn, torch.nn.functional as F
+from torch.utils.data import DataLoader, IterableDataset
+
+steps, width = int(sys.argv[1]), int(sys.argv[2])
+
+
+class Samples(IterableDataset):
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(steps * 512):
+            x = torch.randn(width, generator=generator)
+            yield x, x[:10].argmax()
+
+
+torch.manual_seed(0)
+layers = [layer for _ in range(4) for layer in (nn.Linear(width, width), nn.ReLU())]
+model = nn.Sequential(*layers, nn.Linear(width, 10))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+start = time.perf_counter()
+for x, y in DataLoader(Samples(), batch_size=512):
+    loss = F.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+print(f"trained in {time.perf_counter() - start:.3f} s, last loss {loss.item():.4f}")
+"""
+
+
+def alternated(sides: dict, rounds: int, folder: str, read) -> dict:
+    """Each side's argv run ``rounds`` times, alternating the order (AB, BA, ...): ``read(wall, stdout)`` of each."""
+    found: dict[str, list] = {name: [] for name in sides}
+    for round_ in range(rounds):
+        for name in (list(sides) if round_ % 2 == 0 else list(reversed(sides))):
+            with tempfile.TemporaryDirectory(dir=folder) as here:
+                wall, out = run(sides[name], here, threads=1)
+            found[name].append(read(wall, out))
+    return found
+
+
+def epochs(rounds: int, folder: str) -> dict:
+    common = ["--norm", "none", "--image-size", "32", "--samples", str(32 * 20), "--workers", "2", "--warmup", "0",
+              "--steps", "100"]
+    sides = {"unchanged": ddpkit("--unchanged", "--seed", "0", str(LOOP), "--batch-size", "32", *common),
+             "prepare": ddpkit(str(PREPARED), "--batch-size", "16", *common)}
+
+    def read(wall: float, out: str) -> dict:
+        report = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+        return {"loop_s": report["total_s"], "wall_s": wall, "median_step_s": report["median_s"]}
+
+    found = alternated(sides, rounds, folder, read)
+    best = {name: min(value["loop_s"] for value in values) for name, values in found.items()}
+    walls = {name: min(value["wall_s"] for value in values) for name, values in found.items()}
+    return {"runs": found, "ratio loop": best["unchanged"] / best["prepare"],
+            "ratio wall": walls["unchanged"] / walls["prepare"]}
+
+
+def imagenet(rounds: int, folder: str) -> dict:
+    common = ["--dummy", "--dummy-train", "404", "--dummy-val", "64", "-a", "resnet18", "--num-classes", "10",
+              "--image-size", "64", "-j", "2", "--lr", "0.01", "--seed", "0", "--epochs", "1", "-p", "1"]
+    sides = {"unchanged": ddpkit("--unchanged", "--seed", "0", str(IMAGENET), *common, "-b", "101"),
+             "prepare": ddpkit(str(CONVERTED), *common, "-b", "50")}
+    found = alternated(sides, rounds, folder, lambda wall, out: wall)
+    return {"wall_s": found, "ratio": min(found["unchanged"]) / min(found["prepare"])}
+
+
+def stream(rounds: int, folder: str, steps: int = 20, width: int = 1024) -> dict:
+    script = Path(folder) / "stream.py"
+    script.write_text(STREAM)
+    sides = {"1 process": [sys.executable, "-m", "ddpkit", "run", "--unchanged", "--seed", "0", "--nproc-per-node",
+                           "1", str(script), str(steps), str(width)],
+             "2 processes": ddpkit("--unchanged", "--seed", "0", str(script), str(steps), str(width))}
+    found = alternated(sides, rounds, folder,
+                       lambda wall, out: float(re.findall(r"trained in (\S+) s", out)[-1]))
+    return {"trained_s": found, "ratio": min(found["2 processes"]) / min(found["1 process"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--only", choices=("epochs", "imagenet", "stream"), default=None)
+    parser.add_argument("--json", default=None, metavar="FILE")
+    args = parser.parse_args()
+    result = {"command": " ".join(sys.argv), "cores": os.cpu_count()}
+    with tempfile.TemporaryDirectory() as folder:
+        for name, measure in (("epochs", epochs), ("imagenet", imagenet), ("stream", stream)):
+            if args.only in (None, name):
+                result[name] = measure(args.rounds, folder)
+                print(name, json.dumps(result[name]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    print(json.dumps({name: value.get("ratio", value.get("ratio loop")) for name, value in result.items()
+                      if isinstance(value, dict)}))
+
+
+if __name__ == "__main__":
+    main()
