@@ -343,6 +343,8 @@ def relative_norm(a: dict, b: dict) -> float:
 def assert_counted_means_as_on_one_process(one: dict, two: dict) -> None:
     """Every part of the counted script: weights to 1e-9 of one process's, and the printed losses the same (to float32's
     rounding for transformers' models, whose loss is computed in float32)."""
+    if "saved" in one:  # (where transformers is installed) the tie kept: one tensor, and save_pretrained's keys
+        assert one["tied"] and two["tied"] and two["saved"] == one["saved"]
     for name in one["weights"]:
         assert relative_norm(one["weights"][name], two["weights"][name]) < 1e-9, name
         tolerance = 1e-6 if name in ("lm", "items") else 1e-12

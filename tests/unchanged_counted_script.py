@@ -6,13 +6,15 @@ processes must still train and print as 1.
 
 - **lm** (where transformers is installed): a GPT-2 built from a config, sequences of different lengths padded by a
   collator that puts -100 in the labels at the padding, ``loss = model(**batch).loss``, AdamW with a linear warm-up,
-  gradient clipping; and the same model given ``num_items_in_batch``, counted from the batch, as transformers' own
+  gradient clipping, then saved with ``save_pretrained`` (its head tied to its embedding: one tensor, written once);
+  and the same model given ``num_items_in_batch``, counted from the batch, as transformers' own
   loops do;
 - **outside**: a small language model of the script's own on the same batches, its loss ``F.cross_entropy(...,
   ignore_index=-100)`` in the script;
 - **weighted**: a classifier with a class-weighted ``nn.CrossEntropyLoss(weight=w)``.
 
-It writes OUT/result.pt: each model's weights and each step's printed loss.
+It writes OUT/result.pt: each model's weights and each step's printed loss, whether the LM's state dict holds its tied
+head and embedding as one tensor, and the keys ``save_pretrained`` wrote.
 """
 
 import os
@@ -119,6 +121,14 @@ if transformers is not None:
     lm = language_model()
     result["printed"]["lm"] = trained(lm, lambda model, batch: model(**batch).loss, lr=3e-3)
     result["weights"]["lm"] = lm.state_dict()
+    # GPT-2 ties its head to its embedding: one tensor under both keys, and save_pretrained writes it once.
+    result["tied"] = result["weights"]["lm"]["lm_head.weight"].data_ptr() == \
+        result["weights"]["lm"]["transformer.wte.weight"].data_ptr()
+    lm.save_pretrained(os.path.join(out, "lm"))
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(out, "lm", "model.safetensors"), framework="pt") as saved:
+        result["saved"] = sorted(saved.keys())
     lm = language_model()
     result["printed"]["items"] = trained(lm, counted_items, lr=3e-3)
     result["weights"]["items"] = lm.state_dict()

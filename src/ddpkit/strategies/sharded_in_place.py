@@ -1,7 +1,7 @@
 """FSDP2 on a model object that the script keeps holding (``ddpkit run --unchanged --shard``): PyTorch's
-``fully_shard``, in place, as ``in_place.replicate_in_place`` is DDP in place. Each rank keeps 1/N of every parameter,
-gradient and optimizer state; a block's parameters are all-gathered for its forward (and backward) and its gradients
-reduce-scattered.
+``fully_shard``, in place, as ``in_place.Replica`` is DDP on a module the script keeps. Each rank keeps 1/N of every
+parameter, gradient and optimizer state; a block's parameters are all-gathered for its forward (and backward) and its
+gradients reduce-scattered.
 
     >>> moved = shard_in_place(model, reshard_after_forward=True, weight=lambda: 0.5)   # doctest: +SKIP
 
@@ -9,7 +9,9 @@ What stays one device's:
 
 - the object: its class is FSDP2's subclass of the script's, so ``isinstance`` holds, and its ``state_dict()`` keys;
 - ``model.state_dict()``: whole plain tensors, gathered (every rank calls it, as every rank runs the script), on the
-  CPU where the model is on a GPU; ``model.load_state_dict(whole)`` keeps each rank's shard of a whole state dict;
+  CPU where the model is on a GPU, a parameter tied to another (GPT-2's head and embedding) one tensor under both
+  keys, as one device's state dict shares it; ``model.load_state_dict(whole)`` keeps each rank's shard of a whole
+  state dict;
 - copies: ``copy.deepcopy``, ``pickle`` and ``torch.save(model)`` give the script's own class with whole weights,
   nothing of FSDP's on it (``plain_copy``).
 
@@ -71,7 +73,7 @@ def shard_in_place(module: nn.Module, *, reshard_after_forward: bool, weight: We
     first, then its root; ``reshard_after_forward=False`` keeps the gathered parameters from forward to backward
     (ZeRO-2's layout: gradients and optimizer state sharded, parameters whole during a step). Its parameters and
     buffers are rank 0's from here on. Returns each old parameter's sharded replacement, for the optimizers that
-    hold the old ones. BatchNorm normalises over all ranks' batches, as under ``replicate_in_place``."""
+    hold the old ones. BatchNorm normalises over all ranks' batches, as under ``in_place.Replica``."""
     fully_shard = fsdp2().fully_shard
     device = next(module.parameters()).device
     with torch.no_grad():
@@ -163,11 +165,34 @@ def sharded_like(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
 
 
 def _whole_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:  # noqa: ARG001
-    """A state dict hook: this module's sharded parameters, whole (every rank calls ``state_dict()``)."""
-    for name in module._parameters:
+    """A state dict hook: this module's sharded parameters, whole (every rank calls ``state_dict()``). A parameter
+    that several modules hold (tied) is gathered once for the dictionary being built, and each of its keys gets a view
+    of that one tensor, as one device's state dict shares a tied parameter's storage (``save_pretrained`` then writes
+    it once, and ``torch.save`` keeps the tie)."""
+    gathered = _gathered_for(state_dict)
+    for name, parameter in module._parameters.items():
         key = prefix + name
         if key in state_dict and is_shard(state_dict[key]):
-            state_dict[key] = whole(state_dict[key])
+            held = gathered.get(id(parameter))
+            tensor = held() if held is not None else None
+            if tensor is None:
+                state_dict[key] = whole(state_dict[key])
+                gathered[id(parameter)] = weakref.ref(state_dict[key])
+            else:
+                state_dict[key] = tensor.detach()
+
+
+# The whole tensors gathered for each state dict being built (weakly: the dictionary holds them), by the id of its
+# dictionary, dropped with it.
+_gathered: dict[int, dict[int, weakref.ref]] = {}
+
+
+def _gathered_for(state_dict: dict) -> dict[int, weakref.ref]:
+    key = id(state_dict)
+    if key not in _gathered:
+        _gathered[key] = {}
+        weakref.finalize(state_dict, _gathered.pop, key, None)
+    return _gathered[key]
 
 
 def _sharded_state(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
