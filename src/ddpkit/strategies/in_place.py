@@ -150,8 +150,9 @@ INIT_SYNC = "init_sync" in inspect.signature(DistributedDataParallel).parameters
 def graph_of(output) -> tuple[set[int], bool]:
     """The ids of the leaf tensors that ``output``'s autograd graph reaches, and whether it runs through reentrant
     activation checkpointing (whose forward ran without a graph: its parameters are reached in its backward only)."""
-    nodes = [leaf.grad_fn for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor) and leaf.grad_fn]
-    leaves = {id(leaf) for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor) and leaf.is_leaf}
+    tensors = [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
+    nodes = [tensor.grad_fn for tensor in tensors if tensor.grad_fn is not None]
+    leaves = {id(tensor) for tensor in tensors if tensor.is_leaf}
     seen, reentrant = set(nodes), False
     while nodes:
         node = nodes.pop()

@@ -141,7 +141,8 @@ def install(setting: Setting) -> None:
 def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int, *, undo: list) -> None:
     """Every hook of --unchanged's; each one's ``uninstall`` goes into ``undo``, which standing aside at run time calls
     (a script found to distribute itself runs as under ``ddpkit run``, nothing of ours left in its way)."""
-    from ddpkit.unchanged.batches import Batch, Loaders, the_same_on_every_rank
+    from ddpkit.unchanged.batches import Batch, Loaders, fingerprint
+    from ddpkit.unchanged.gathered import the_same_on_every_rank
     from ddpkit.unchanged.models import Models
     from ddpkit.unchanged.optimizers import Optimizers
     from ddpkit.unchanged.randomness import Streams
@@ -153,7 +154,7 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int, 
                   coupled=setting.loss_reduction == "coupled")
     control = process_group.control_group(runtime)
     loaders = Loaders(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams,
-                      the_same_everywhere=lambda found: the_same_on_every_rank(found, control))
+                      the_same_everywhere=lambda found: the_same_on_every_rank([fingerprint(found)], control))
     loaders.install()
     undo.append(loaders.uninstall)
     if runtime.world_size > 1:

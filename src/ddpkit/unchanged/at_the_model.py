@@ -139,9 +139,7 @@ class AtTheModel:
         yet that they can be gathered: cut where its call gives no tensor by keyword (read from torch's frame that
         calls the hooks: none, where it cannot be read). Its buffers are kept, so that ``cut_as_tried`` can undo the
         call if its outputs turn out not to be one row per sample."""
-        self.cut_whole[module] = True
-        cut = self.split_whole(module, args)
-        del self.cut_whole[module]
+        cut = self._cut(module, args)
         if cut is not None:
             self._kept[module] = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
         return cut
@@ -166,7 +164,10 @@ class AtTheModel:
         """This rank's share of a loader's whole batch in ``args``, for a model that showed it can be cut (``learn``),
         the batch weighed as split from here on; None: computed whole (a batch smaller than the world, each rank's
         batch its own)."""
-        rows = rows_of(args) if self.cut_whole.get(module) and not self.batch.own_batches else None
+        return self._cut(module, args) if self.cut_whole.get(module) else None
+
+    def _cut(self, module: nn.Module, args: tuple) -> tuple[tuple, Share] | None:
+        rows = None if self.batch.own_batches else rows_of(args)
         if rows is None or rows < self.world_size or not _no_keyword_tensors(module):
             return None
         share = share_of(range(rows), self.rank, self.world_size)

@@ -34,7 +34,6 @@ import zlib
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -54,16 +53,15 @@ class Batch:
     weight: float = 1.0
     whole: bool = True  # every rank has the whole batch (nothing split it)
     loader_passes: int = 0  # split loaders' passes going on: they set the batch, which the models do not split
+    gathered: bool = False  # a model's outputs on this batch were gathered from its shares (``unchanged.models``)
+    own_batches: bool = False  # each rank's batch is its own (a stream that splits itself): DDP's average, no split
+    stream: bool = False  # the batch comes from a loader whose batches cannot be split by index (a stream's)
     # Losses whose value is the whole batch's already (``counted``): a model that returns one needs no more. (By
     # identity: a tensor's ``==`` is elementwise.)
     _valued_whole: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.weight = 1.0 / self.world_size
-
-    gathered: bool = False  # a model's outputs on this batch were gathered from its shares (``unchanged.models``)
-    own_batches: bool = False  # each rank's batch is its own (a stream that splits itself): DDP's average, no split
-    stream: bool = False  # the batch comes from a loader whose batches cannot be split by index (a stream's)
 
     def set(self, weight: float, *, whole: bool = False, gathered: bool = False) -> None:
         self.weight = weight
@@ -177,10 +175,8 @@ class Loaders:
                 self._passes.remove(this)
             if this.own_streams:
                 self.streams.leave_pass()
-            if this.sampler is not None and this.training:
-                self._trained_before.add(this.sampler)
-            elif this.sampler is not None:
-                self._trained_before.discard(this.sampler)
+            if this.sampler is not None:
+                (self._trained_before.add if this.training else self._trained_before.discard)(this.sampler)
             if self._passes:
                 self._make_current(self._passes[-1])  # an enclosing pass goes on with the batch it handed out
 
@@ -258,9 +254,10 @@ class Loaders:
         return split
 
 
-def the_same_on_every_rank(batch, group) -> bool:
-    """Whether ``batch`` (a loader's: tensors, numbers and strings in lists, tuples and dicts) is the same on every
-    rank of ``group`` (a gloo group), by a fingerprint of its values and their order: one all-reduce of 8 numbers."""
+def fingerprint(batch) -> torch.Tensor:
+    """Four numbers of ``batch`` (a loader's: tensors, numbers and strings in lists, tuples and dicts), on the CPU, that
+    differ where its values or their order differ: compared across the ranks (``gathered.the_same_on_every_rank``)
+    to tell a stream that gives each rank batches of its own."""
     fingerprint = torch.zeros(4, dtype=torch.float64)
     for leaf in pytree.tree_leaves(batch):
         if isinstance(leaf, torch.Tensor):
@@ -271,6 +268,4 @@ def the_same_on_every_rank(batch, group) -> bool:
         elif isinstance(leaf, (str, bytes, int, float, bool)):
             data = leaf.encode() if isinstance(leaf, str) else leaf if isinstance(leaf, bytes) else repr(leaf).encode()
             fingerprint[3] += zlib.crc32(data)
-    extremes = torch.cat([fingerprint, -fingerprint])
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-    return bool(torch.equal(extremes[:4], -extremes[4:]))
+    return fingerprint

@@ -73,15 +73,15 @@ def gathered(output, *, sizes: list[int], rank: int, rows: int, with_gradients: 
     return output
 
 
-def the_same_on_every_rank(tensors: list[torch.Tensor]) -> bool:
-    """Whether each of ``tensors`` holds the same values on every rank (one all-reduce of their largest and smallest
-    values; large ones are not compared, and taken to be the same)."""
+def the_same_on_every_rank(tensors: list[torch.Tensor], group=None) -> bool:
+    """Whether each of ``tensors`` holds the same values on every rank of ``group`` (the default one where None: one
+    all-reduce of their largest and smallest values; large ones are not compared, and taken to be the same)."""
     small = [tensor.detach().reshape(-1).double() for tensor in tensors if tensor.numel() <= 65536]
     if not small:
         return True
     values = torch.cat(small)
     extremes = torch.cat([values, -values])
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
     return bool(torch.equal(extremes[:values.numel()], -extremes[values.numel():]))
 
 
