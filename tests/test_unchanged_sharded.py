@@ -293,7 +293,7 @@ def test_sharding_keeps_every_case_the_replica_keeps_exact_and_its_whole_models_
         assert loaded[files[a]]["globals"] == loaded[files[b]]["globals"]
     assert shared_script_runs["sum"][2]["pickled"] == ["TinyLanguageModel", True]  # pickle.dumps of the model
     assert shared_script_runs["sum"][2]["pickled globals"] == one["pickled globals"]
-    assert two["best_plain"] == ["Sequential", "BatchNorm1d", 0]  # a deep copy: plain, and it evaluates on its own
+    assert two["best_plain"][0] == "FSDPSequential"  # a deep copy: sharded like the model, and it evaluates on its own
     assert two["best_eval"] == pytest.approx(one["best_eval"], rel=1e-12)
 
 
@@ -344,10 +344,22 @@ try:  # an optimizer built over the sharded parameters that does not step each e
     torch.optim.LBFGS(model.parameters()).step(lambda: 0.0)
 except Exception as error:
     print(f"rank {rank}: {type(error).__name__}: {error}")
-state, expected = model.state_dict(), alone.state_dict()
-worst = max((state[key] - expected[key]).abs().max().item() for key in expected)
+# A whole state dict is rank 0's alone; the others hold stand-ins of one element each, and load it from rank 0.
+state, moments, expected = model.state_dict(), optimizer.state_dict(), alone.state_dict()
+held = sorted({value.untyped_storage().nbytes() // value.element_size() for value in
+               [*state.values(), *(value for each in moments["state"].values() for value in each.values() if value.dim())]
+               if value.numel() > 1})
+worst = max((state[key] - expected[key]).abs().max().item() for key in expected) if rank == 0 else 0.0
+with torch.no_grad():
+    for parameter in model.parameters():
+        parameter.to_local().zero_()
+model.load_state_dict(state)
+optimizer.load_state_dict(moments)
+reloaded = model.state_dict()
+if rank == 0:
+    worst = max(worst, *((reloaded[key] - expected[key]).abs().max().item() for key in expected))
 print(f"rank {rank}: {layout} whole after forward {whole_after_forward}, sharded between steps "
-      f"{isinstance(model[2].weight, DTensor)}, worst {worst:.1e}")
+      f"{isinstance(model[2].weight, DTensor)}, worst {worst:.1e}, held {held}")
 dist.destroy_process_group()
 """
 
@@ -360,11 +372,14 @@ def test_zero2s_layout_keeps_the_parameters_whole_from_forward_to_backward_and_t
     script.write_text(ZERO2)
     done = run_ddpkit("run", "--nproc-per-node", "2", str(script), layout, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    found = re.findall(rf"rank \d: {layout} whole after forward (\w+), sharded between steps (\w+), worst (\S+)",
-                       done.stdout)
+    found = re.findall(rf"rank (\d): {layout} whole after forward (\w+), sharded between steps (\w+), worst (\S+), "
+                       r"held (.*)", done.stdout)
     assert len(found) == 2, done.stdout
-    for whole, sharded, worst in found:
+    for rank, whole, sharded, worst, held in found:
         assert (whole, sharded) == (str(whole_during_step), "True") and float(worst) < 1e-12
+        # Rank 0 holds the whole state dicts (model and optimizer), rank 1 one element for each tensor, and loads
+        # rank 0's values.
+        assert (held == "[1]") == (rank == "1"), done.stdout
     assert done.stdout.count("UsageError: --unchanged --shard: LBFGS steps a sharded model's parameters") == 2
 
 
@@ -389,3 +404,30 @@ def test_means_over_counted_items_train_and_print_sharded_as_on_one_process(tmp_
 
     pytest.importorskip("transformers", reason="the counted script's models are transformers'")
     assert_counted_means_as_on_one_process(counted_run(tmp_path, 1), counted_run(tmp_path, 2, "--shard", "always"))
+
+
+@pytest.mark.slow
+def test_averaged_copies_of_a_sharded_model_are_sharded_alike_and_update_as_on_one_process(tmp_path, sharding_torch):
+    """tests/unchanged_ema_script.py: an ``AveragedModel`` EMA built before training, with ``update_bn``; a deep copy
+    taken after the first step, updated by the script's own loop; timm's ``ModelEmaV3``, which reads both models'
+    state dicts at every update. Sharded on 2 processes against 1, in float64."""
+    pytest.importorskip("timm", reason="the script's last model is timm's")
+    found = []
+    for processes in (1, 2):
+        out = tmp_path / str(processes)
+        out.mkdir()
+        done = run_ddpkit("run", "--unchanged", "--seed", "5", "--shard", "always", "--nproc-per-node", str(processes),
+                          str(Path(__file__).parent / "unchanged_ema_script.py"), str(out), timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
+        found.append(torch.load(out / "result.pt", weights_only=True))
+    one, two = found
+    for name in ("model", "averaged", "own", "net", "ema"):  # (the averaged model's n_averaged, BatchNorm's counts)
+        assert _worst(one["weights"][name], two["weights"][name]) < 1e-9, name
+        assert all(torch.equal(value, two["weights"][name][key]) for key, value in one["weights"][name].items()
+                   if not value.is_floating_point()), name
+    for name, loss in one["evaluations"].items():
+        assert two["evaluations"][name] == pytest.approx(loss, rel=1e-9), name
+    # Each copy is sharded (each process holds its shards), and its state dict whole and plain, one device's keys.
+    assert two["classes"] == {"averaged": ["DTensor"], "own": ["DTensor"], "ema": ["DTensor"]}
+    assert one["classes"] == {"averaged": ["Parameter"], "own": ["Parameter"], "ema": ["Parameter"]}
+    assert all(type(value) is torch.Tensor for weights in two["weights"].values() for value in weights.values())

@@ -117,7 +117,7 @@ def classifier_with_batch_norm():
     mlflow.end_run()
     with open(os.path.join(out, "log.csv")) as log:  # read back: this process's own file
         result["log lines"] = len(log.read().splitlines())
-    with torch.no_grad():  # the copy evaluates on its own, a plain model
+    with torch.no_grad():  # the copy evaluates on its own (a plain model; under --shard, sharded like the model)
         result["best_eval"] = F.cross_entropy(best(data), labels, reduction="sum").item()
     result["best_plain"] = [type(best).__name__, type(best[1]).__name__, len(best._forward_pre_hooks)]
     torch.save(model, os.path.join(out, "whole.pt"))

@@ -8,12 +8,15 @@ gradients reduce-scattered.
 What stays one device's:
 
 - the object: its class is FSDP2's subclass of the script's, so ``isinstance`` holds, and its ``state_dict()`` keys;
-- ``model.state_dict()``: whole plain tensors, gathered (every rank calls it, as every rank runs the script), on the
-  CPU where the model is on a GPU, a parameter tied to another (GPT-2's head and embedding) one tensor under both
-  keys, as one device's state dict shares it; ``model.load_state_dict(whole)`` keeps each rank's shard of a whole
-  state dict;
-- copies: ``copy.deepcopy``, ``pickle`` and ``torch.save(model)`` give the script's own class with whole weights,
-  nothing of FSDP's on it (``plain_copy``).
+- ``model.state_dict()``: whole plain tensors on rank 0, gathered there alone (every rank calls it, as every rank runs
+  the script), on the CPU where the model is on a GPU, a parameter tied to another (GPT-2's head and embedding) one
+  tensor under both keys, as one device's state dict shares it; on the other ranks stand-ins of one element each
+  (``whole_on_rank_0``); ``model.load_state_dict(whole)`` keeps each rank's shard of rank 0's whole state dict;
+- ``pickle`` and ``torch.save(model)`` give the script's own class with whole weights, nothing of FSDP's on it
+  (``plain_copy``);
+- copies kept beside it (an EMA's): ``copy.deepcopy(model)`` is sharded like it (``sharded_copy``), and so are the
+  copies the script made before it was sharded (``copies_of``); an EMA's update that reads state dicts reads shards
+  (``read_to_update``).
 
 Which blocks (``repeated_blocks``): the outermost submodules whose class occurs at least twice among the modules
 with parameters, and which have children (a transformer's layers, a ResNet's residual blocks); where none has
@@ -28,7 +31,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import dataclasses
+import gc
 import inspect
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -38,7 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit.core.errors import UsageError
-from ddpkit.strategies.base import is_shard
+from ddpkit.strategies.base import is_shard, local_shard
 from ddpkit.strategies.fsdp import fsdp2, is_fsdp2
 from ddpkit.strategies.in_place import (Added, Weight, added_since, batch_norm_over_all_ranks, hooks_and_keys,
                                         state_without)
@@ -74,19 +80,38 @@ def shard_in_place(module: nn.Module, *, reshard_after_forward: bool, weight: We
     (ZeRO-2's layout: gradients and optimizer state sharded, parameters whole during a step). Its parameters and
     buffers are rank 0's from here on. Returns each old parameter's sharded replacement, for the optimizers that
     hold the old ones. BatchNorm normalises over all ranks' batches, as under ``in_place.Replica``."""
-    fully_shard = fsdp2().fully_shard
-    device = next(module.parameters()).device
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor, src=0)  # fully_shard keeps each rank's own slice of its own copy
-    batch_norm_over_all_ranks(module, weight, whole, scaled=True)  # (the models' outputs carry the weights)
+    return _shard(module, next(module.parameters()).device.type, Sharding(reshard_after_forward, weight, whole))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """How a model was sharded, which its copies repeat (``copies_of``, ``sharded_copy``)."""
+
+    reshard_after_forward: bool
+    weight: Weight
+    whole: Callable[[], bool]
+
+
+# The models sharded (each root, with how), and the copies of them sharded alike (an EMA's, an AveragedModel's).
+_roots: weakref.WeakKeyDictionary[nn.Module, Sharding] = weakref.WeakKeyDictionary()
+_copies: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _shard(module: nn.Module, device_type: str, sharding: Sharding) -> dict[nn.Parameter, nn.Parameter]:
+    """``fully_shard`` on ``module``'s blocks, then on its root, and what ddpkit puts beside it (see
+    ``shard_in_place``); its parameters may be on the meta device (a copy's, materialised after)."""
+    fully_shard = fsdp2().fully_shard
+    batch_norm_over_all_ranks(module, sharding.weight, sharding.whole, scaled=True)  # (the outputs carry the weights)
     names = {name: parameter for name, parameter in module.named_parameters()}
     before = {part: hooks_and_keys(part) for part in module.modules()}
     plain = {part: type(part) for part in module.modules()}
-    mesh = _mesh(device.type)
+    mesh = _mesh(device_type)
     # FSDP2 shards no scalar (CLIP's temperature): it stays whole on every rank, its gradient averaged here.
     scalars = {parameter for parameter in module.parameters() if parameter.dim() == 0}
-    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
+    options = {"mesh": mesh, "reshard_after_forward": sharding.reshard_after_forward,
                **({"ignored_params": scalars} if scalars else {})}
     for block in repeated_blocks(module):
         fully_shard(block, **options)
@@ -99,11 +124,72 @@ def shard_in_place(module: nn.Module, *, reshard_after_forward: bool, weight: We
         if type(part) is not plain[part]:
             _copies_plain(part, plain[part])
     for part in module.modules():
-        if any(is_shard(parameter) for parameter in part._parameters.values()):
+        if part._parameters or part._buffers:
             part._register_state_dict_hook(_whole_state)
+        if any(is_shard(parameter) for parameter in part._parameters.values()):
             part._register_load_state_dict_pre_hook(_sharded_state, with_module=True)
+    _roots[module] = sharding
     moved = dict(module.named_parameters())
     return {old: moved[name] for name, old in names.items() if moved.get(name) is not old and name in moved}
+
+
+def is_sharded_copy(module: nn.Module) -> bool:
+    """Whether ``module`` is a copy of a sharded model that ddpkit sharded alike (``copies_of``, ``sharded_copy``)."""
+    return module in _copies
+
+
+def copies_of(model: nn.Module, *, not_these=()) -> dict[nn.Parameter, nn.Parameter]:
+    """Shard alike, where ``model`` was just sharded, the copies of it that the script made before (an EMA's
+    ``copy.deepcopy(model)``, an ``AveragedModel``'s, timm's ``ModelEmaV3``'s, taken before its first step): every
+    module of its class (before sharding) whose parameters and buffers have its names, shapes, dtypes and device,
+    sharing none of them, not itself a model (``not_these``). Found once, among the objects Python tracks. Each copy's
+    blocks are gathered for a forward and freed after it, whatever the model's layout (a copy is evaluated, not
+    trained). Returns each old parameter's replacement, for the optimizers that hold them."""
+    kind = getattr(type(model), "_plain", type(model))
+    layout = _layout(model)
+    own = {id(tensor) for tensor in [*model.parameters(), *model.buffers()]}
+    sharding = dataclasses.replace(_roots[model], reshard_after_forward=True)
+    moved: dict[nn.Parameter, nn.Parameter] = {}
+    twins = [found for found in gc.get_objects() if type(found) is kind and found is not model]
+    for twin in twins:
+        if (twin in not_these or any(is_fsdp2(part) for part in twin.modules()) or _layout(twin) != layout
+                or any(id(tensor) in own for tensor in [*twin.parameters(), *twin.buffers()])):
+            continue
+        moved.update(shard_in_place(twin, reshard_after_forward=True, weight=sharding.weight, whole=sharding.whole))
+        _copies.add(twin)
+    return moved
+
+
+def _layout(module: nn.Module) -> list:
+    """Each parameter's and buffer's name, shape, dtype and device type (a shard's whole shape)."""
+    return [(name, tuple(tensor.shape), tensor.dtype, tensor.device.type)
+            for name, tensor in [*module.named_parameters(), *module.named_buffers()]]
+
+
+def sharded_copy(module: nn.Module, memo: dict) -> nn.Module:
+    """A copy of the sharded model ``module`` sharded alike (``copy.deepcopy``): the script's classes built without
+    their tensors (on the meta device), sharded with the model's mesh and placements, each rank's shards then copied
+    from the model's own, the buffers whole. Nothing is gathered: each rank adds its shards' bytes alone."""
+    sharding = _roots[module]
+    for tensor in [*module.parameters(), *module.buffers()]:
+        empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+    _state.copying = True
+    try:
+        copied = _one_plain(module, None, memo)
+    finally:
+        _state.copying = False
+    for original, part in zip(module.modules(), copied.modules()):
+        _strip(part, _added_by_sharding(original))
+    device = next(module.parameters()).device
+    _shard(copied, device.type, dataclasses.replace(sharding, reshard_after_forward=True))
+    copied.to_empty(device=device)
+    with torch.no_grad():
+        for (_, mine), (_, theirs) in zip([*copied.named_parameters(), *copied.named_buffers()],
+                                          [*module.named_parameters(), *module.named_buffers()]):
+            local_shard(mine).copy_(local_shard(theirs))
+    _copies.add(copied)
+    return copied
 
 
 READ_DIRECTLY = ("--unchanged --shard: the script used a sharded parameter directly (`model.fc.weight`, an EMA "
@@ -144,18 +230,44 @@ def _mesh(device_type: str):
     return _meshes[device_type]
 
 
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, whole and plain where it is a shard (gathered: every rank calls it), else itself. A GPU's comes back
-    on the CPU, one tensor at a time (as FSDP's own full state dicts with ``cpu_offload``): a model sharded because it
-    does not fit one device would not fit there whole either."""
+def whole_on_rank_0(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` whole and plain on rank 0 where it is a shard (every rank calls it: the shards are gathered to rank
+    0 alone); on the other ranks zeros of its shape and dtype that hold one element (``stand_in``): a whole state
+    dict then costs rank 0 alone (FSDP's own full state dicts with ``rank0_only``), and the others can still read it.
+    Any other tensor is itself. A GPU's comes back on the CPU, one tensor at a time (as FSDP's full state dicts with
+    ``cpu_offload``): a model sharded because it does not fit one device would not fit there whole either."""
     if not is_shard(tensor):
         return tensor
-    gathered = tensor.full_tensor()
+    from torch.distributed.tensor import Shard
+
+    mesh, local = tensor.device_mesh, tensor.to_local()
+    group = mesh.get_group()
+    rank, size, first = dist.get_rank(group), dist.get_world_size(group), dist.get_global_rank(group, 0)
+    if mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),):  # (not FSDP2's layout on ddpkit's mesh)
+        gathered = tensor.full_tensor()
+    else:
+        rows = -(-tensor.shape[0] // size)  # torch.chunk's: every rank's shard of dim 0 has as many, the last fewer
+        padded = local.new_zeros((rows, *tensor.shape[1:]))
+        padded[:local.shape[0]] = local
+        gathered = local.new_empty((rows * size, *tensor.shape[1:])) if rank == 0 else None
+        dist.gather(padded, list(gathered.split(rows)) if rank == 0 else None, dst=first, group=group)
+        gathered = gathered[:tensor.shape[0]] if rank == 0 else None
+    if rank != 0:
+        return stand_in(tensor)
     return gathered.cpu() if gathered.device.type != "cpu" else gathered
 
 
+def stand_in(tensor: torch.Tensor) -> torch.Tensor:
+    """What a rank other than 0 holds for ``tensor`` in a whole state dict: zeros of its shape and dtype on the CPU,
+    one element expanded (every stride 0): a read gives zeros, a write is refused by PyTorch, a copy
+    (``copy.deepcopy``) holds one element too, and loading it takes rank 0's values (``from_rank_0``). Only rank 0's
+    values are the model's, and only rank 0's console, files and saves are the job's."""
+    return torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
+
+
 def sharded_like(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of ``value``, a whole tensor shaped as the sharded ``parameter``, placed as it is."""
+    """This rank's shard of ``value``, a whole tensor shaped as the sharded ``parameter``, placed as it is, cut from
+    this rank's own ``value`` (the same on every rank)."""
     from torch.distributed.tensor import distribute_tensor
 
     value = value.detach().to(parameter.device)
@@ -164,45 +276,108 @@ def sharded_like(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(value, parameter.device_mesh, parameter.placements)
 
 
+def from_rank_0(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of rank 0's ``value``, a whole tensor shaped as the sharded ``parameter``, placed as it is:
+    scattered from rank 0, so that the other ranks' ``value`` may be a whole state dict's stand-in (``stand_in``) or
+    anything of its shape. Every rank calls it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if value.is_meta:  # (distribute_tensor reads only rank 0's values, but cuts a real tensor on every rank)
+        value = torch.empty(parameter.shape, dtype=parameter.dtype, device=parameter.device)
+    value = value.detach().to(device=parameter.device, dtype=parameter.dtype)
+    placed = distribute_tensor(value, parameter.device_mesh, parameter.placements, src_data_rank=0)
+    local = placed.to_local()
+    return DTensor.from_local(local, parameter.device_mesh, parameter.placements, run_check=False,
+                              shape=parameter.shape, stride=parameter.stride())
+
+
 def _whole_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:  # noqa: ARG001
-    """A state dict hook: this module's sharded parameters, whole (every rank calls ``state_dict()``). A parameter
-    that several modules hold (tied) is gathered once for the dictionary being built, and each of its keys gets a view
-    of that one tensor, as one device's state dict shares a tied parameter's storage (``save_pretrained`` then writes
-    it once, and ``torch.save`` keeps the tie)."""
-    gathered = _gathered_for(state_dict)
-    for name, parameter in module._parameters.items():
+    """A state dict hook: this module's sharded parameters, whole on rank 0 (``whole_on_rank_0``: every rank calls
+    ``state_dict()``). A parameter that several modules hold (tied) is gathered once for the dictionary being built,
+    and each of its keys gets a view of that one tensor, as one device's state dict shares a tied parameter's storage
+    (``save_pretrained`` then writes it once, and ``torch.save`` keeps the tie).
+
+    Where an EMA's update reads the state dict (``read_to_update``), its values are this rank's shards instead, and its
+    other tensors (buffers, scalars) DTensors replicated over the ranks, views of the module's own: the update writes
+    into its copy's shards and reads the model's, shard by shard, nothing gathered."""
+    built = _built_for(state_dict)
+    for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
         key = prefix + name
-        if key in state_dict and is_shard(state_dict[key]):
-            held = gathered.get(id(parameter))
-            tensor = held() if held is not None else None
-            if tensor is None:
-                state_dict[key] = whole(state_dict[key])
-                gathered[id(parameter)] = weakref.ref(state_dict[key])
-            else:
-                state_dict[key] = tensor.detach()
+        if key not in state_dict or tensor is None:
+            continue
+        if built.to_update:
+            if not is_shard(state_dict[key]):
+                state_dict[key] = _replicated(state_dict[key])
+            continue
+        if not is_shard(state_dict[key]):
+            continue
+        held = built.gathered.get(id(tensor))
+        gathered = held() if held is not None else None
+        if gathered is None:
+            state_dict[key] = whole_on_rank_0(state_dict[key])
+            built.gathered[id(tensor)] = weakref.ref(state_dict[key])
+        else:
+            state_dict[key] = gathered.detach()
 
 
-# The whole tensors gathered for each state dict being built (weakly: the dictionary holds them), by the id of its
-# dictionary, dropped with it.
-_gathered: dict[int, dict[int, weakref.ref]] = {}
+@dataclasses.dataclass
+class _Built:
+    """A state dict being built: read to update a copy in place (its values shards), and the whole tensors gathered
+    for it (weakly: the dictionary holds them), by the id of each parameter."""
+
+    to_update: bool
+    gathered: dict = dataclasses.field(default_factory=dict)
 
 
-def _gathered_for(state_dict: dict) -> dict[int, weakref.ref]:
+_built: dict[int, _Built] = {}  # by the id of each dictionary being built, dropped with it
+
+
+def _built_for(state_dict: dict) -> _Built:
     key = id(state_dict)
-    if key not in _gathered:
-        _gathered[key] = {}
-        weakref.finalize(state_dict, _gathered.pop, key, None)
-    return _gathered[key]
+    if key not in _built:
+        _built[key] = _Built(to_update=read_to_update())
+        weakref.finalize(state_dict, _built.pop, key, None)
+    return _built[key]
+
+
+_MODULE_CODE = (nn.modules.module.__file__, __file__)
+
+
+def read_to_update() -> bool:
+    """Whether the state dict being built is read by an EMA's update, which writes into its copy's values in place
+    (timm's ``ModelEma``, ``ModelEmaV2`` and ``ModelEmaV3``, YOLOv5's ``ModelEMA``): gradients off, and the code that
+    called ``state_dict()`` a method of an object that holds a sharded copy of a model (``copies_of``,
+    ``sharded_copy``). Such an update reads its copy's state dict and the model's together."""
+    if torch.is_grad_enabled() or not _copies:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in _MODULE_CODE:
+        frame = frame.f_back
+    holder = frame.f_locals.get("self") if frame is not None else None
+    if holder is None:
+        return False
+    held = list(vars(holder).values()) if hasattr(holder, "__dict__") else []
+    if isinstance(holder, nn.Module):
+        held += list(holder._modules.values())
+    return any(isinstance(value, nn.Module) and value in _copies for value in held)
+
+
+def _replicated(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (whole on every rank) as a DTensor replicated over the ranks, a view of it."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(tensor, _mesh(tensor.device.type), [Replicate()], run_check=False)
 
 
 def _sharded_state(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
-    """A load_state_dict pre-hook: a whole tensor for a sharded parameter becomes this rank's shard of it."""
+    """A load_state_dict pre-hook: a whole tensor for a sharded parameter becomes this rank's shard of rank 0's
+    (``from_rank_0``: the other ranks may hold a whole state dict's meta tensors)."""
     for name, parameter in module._parameters.items():
         key = prefix + name
         value = state_dict.get(key)
         if (is_shard(parameter) and isinstance(value, torch.Tensor) and not is_shard(value)
                 and value.shape == parameter.shape):
-            state_dict[key] = sharded_like(value, parameter)
+            state_dict[key] = from_rank_0(value, parameter)
 
 
 # Copies: the script's classes, whole weights, nothing of FSDP's.
@@ -255,7 +430,9 @@ class _PicklesPlain:
     def __deepcopy__(self, memo: dict) -> nn.Module:
         if getattr(_state, "copying", False):
             return _one_plain(self, self._plain, memo)
-        return plain_copy(self, memo)
+        if self in _roots:  # a model's copy (an EMA's): sharded alike
+            return sharded_copy(self, memo)
+        return plain_copy(self, memo)  # (a block of one, copied alone)
 
 
 def plain_copy(module: nn.Module, memo: dict | None = None) -> nn.Module:
@@ -339,6 +516,8 @@ def saved_alone() -> Iterator[None]:
 def plain_for_saving(obj):
     """``obj`` with every module in it that holds a sharded block (itself, or in a dict, list or tuple) replaced by its
     plain copy: every rank calls it, before one rank saves."""
+    if isinstance(obj, torch.Tensor):
+        return whole_on_rank_0(obj) if is_shard(obj) else obj  # (an EMA's update's state dict, kept and saved)
     if isinstance(obj, nn.Module):
         return plain_copy(obj) if any(is_fsdp2(part) for part in obj.modules()) else obj
     if isinstance(obj, dict):

@@ -43,6 +43,7 @@ class Adoption:
         self.found: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.passed: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # called at the top, not models (no parameters)
         self.sharded: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.sharded_before: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # sharded as copies, before their first call
         self.replicas: weakref.WeakKeyDictionary[nn.Module, Replica] = weakref.WeakKeyDictionary()
         self.find_unused = find_unused  # DDP looks for unused parameters at every step (``Replica``)
 
@@ -56,6 +57,14 @@ class Adoption:
         if any(id(parameter) in owned for parameter in module.parameters()):
             self.passed.add(module)  # a part of a model found already, called on its own: that model's replica
             return False
+        if self.world_size > 1 and self.shard != "never":
+            from ddpkit.strategies.sharded_in_place import is_sharded_copy
+
+            if is_sharded_copy(module):  # a copy of a model, sharded with it (``copies_of``), now trained itself
+                self.sharded.add(module)
+                self.sharded_before.add(module)
+                self.found.add(module)
+                return True
         if any(distributed_already(part) for part in module.modules()):
             if self.rank == 0:
                 logger.warning("--unchanged stood aside: the script wraps its model in DDP or FSDP itself, and runs as "
@@ -64,10 +73,11 @@ class Adoption:
             return False
         layout = self.layout(module) if self.world_size > 1 else "replica"
         if layout != "replica":
-            from ddpkit.strategies.sharded_in_place import shard_in_place
+            from ddpkit.strategies.sharded_in_place import copies_of, shard_in_place
 
             moved = shard_in_place(module, reshard_after_forward=layout == "full", weight=self.batch.current_weight,
                                    whole=self.batch.is_whole)
+            moved.update(copies_of(module, not_these=self.found))  # (an EMA's copy, taken before: sharded alike)
             self.optimizers.repoint(moved, class_name(module))
             self.sharded.add(module)
         elif self.world_size > 1:  # one process has nothing to average: its models run as they are

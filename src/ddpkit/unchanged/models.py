@@ -114,7 +114,7 @@ class Models:
         # weight of gathered outputs (``after``), and a sharded model's.
         inputs = self.batch.current_weight() if cut is not None else 1.0
         if module in self.adoption.sharded:
-            if first:
+            if first and module not in self.adoption.sharded_before:
                 from ddpkit.strategies.fsdp import fsdp2
 
                 # fully_shard's pre-forward hook (it gathers the root's parameters) was added during this call: run it.

@@ -8,8 +8,8 @@ State it holds already (an optimizer loaded from a checkpoint before training, o
 the parameters; state that is not shaped as its parameter (a factored second moment) cannot be, and is refused.
 
 Every optimizer's ``state_dict()`` and ``load_state_dict()`` speak one device's format: its sharded state gathered
-whole into plain tensors (every rank calls it, as every rank runs the script), and whole state loaded as each
-rank's shard of it.
+whole into plain tensors on rank 0 (every rank calls it, as every rank runs the script; the others hold stand-ins:
+``sharded_in_place.whole_on_rank_0``), and rank 0's whole state loaded as each rank's shard of it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from ddpkit.core.errors import UsageError
 from ddpkit.strategies.base import is_shard
-from ddpkit.strategies.sharded_in_place import sharded_like, whole
+from ddpkit.strategies.sharded_in_place import from_rank_0, sharded_like, whole_on_rank_0
 
 
 # torch.optim's optimizers whose step updates each element from that element's own gradient and state: a shard's
@@ -118,16 +118,16 @@ def _shaped_as(value, parameter: torch.Tensor) -> bool:
 
 
 def _whole_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """An optimizer's state dict with its sharded state gathered whole (new inner dicts: the optimizer's own
-    state stays as it is)."""
+    """An optimizer's state dict with its sharded state gathered whole on rank 0 (new inner dicts: the optimizer's
+    own state stays as it is)."""
     if not any(is_shard(value) for state in state_dict["state"].values() for value in state.values()):
         return state_dict
-    return {**state_dict, "state": {index: {key: whole(value) for key, value in state.items()}
+    return {**state_dict, "state": {index: {key: whole_on_rank_0(value) for key, value in state.items()}
                                     for index, state in state_dict["state"].items()}}
 
 
 def _sharded_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """A whole (one device's) optimizer state dict, each tensor for a sharded parameter cut to this rank's shard."""
+    """A whole (one device's) optimizer state dict, each tensor for a sharded parameter this rank's shard of rank 0's."""
     parameters = {index: parameter
                   for saved, group in zip(state_dict["param_groups"], optimizer.param_groups)
                   for index, parameter in zip(saved["params"], group["params"])}
@@ -137,7 +137,7 @@ def _sharded_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     for index, values in state_dict["state"].items():
         parameter = parameters.get(index)
         sharded = parameter is not None and is_shard(parameter)
-        state[index] = {key: sharded_like(value, parameter)
+        state[index] = {key: from_rank_0(value, parameter)
                         if sharded and _shaped_as(value, parameter) and not is_shard(value) else value
                         for key, value in values.items()}
     return {**state_dict, "state": state}
