@@ -315,7 +315,7 @@ ZERO2 = """
 import copy, sys
 import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from ddpkit.strategies.sharded_in_place import shard_in_place
+from ddpkit.strategies.sharded_in_place import shard_in_place, shard_on_the_way
 from ddpkit.unchanged.optimizers import Optimizers
 
 dist.init_process_group("gloo")
@@ -328,7 +328,13 @@ optimizers = Optimizers(rank=rank)
 optimizers.install()
 optimizer, alone_optimizer = torch.optim.Adam(model.parameters(), lr=0.01), torch.optim.Adam(alone.parameters(), lr=0.01)
 layout = sys.argv[1]
-moved = shard_in_place(model, reshard_after_forward=layout == "full", weight=lambda: 0.5)
+if rank == 1:  # rank 0's values are the model's, however it is sharded
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+if layout == "arriving":  # on its way to the device (the CPU here): made there from rank 0's rows alone
+    moved = shard_on_the_way(model, torch.device("cpu"), reshard_after_forward=True, weight=lambda: 0.5)
+else:
+    moved = shard_in_place(model, reshard_after_forward=layout == "full", weight=lambda: 0.5)
 optimizers.repoint(moved, "Sequential")
 x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
 for step in range(3):
@@ -365,8 +371,8 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, whole_during_step", [("zero2", True), ("full", False)])
-def test_zero2s_layout_keeps_the_parameters_whole_from_forward_to_backward_and_trains_as_one_device(
+@pytest.mark.parametrize("layout, whole_during_step", [("zero2", True), ("full", False), ("arriving", False)])
+def test_zero2_full_and_on_the_way_layouts_train_as_one_device_from_rank_0s_values(
         tmp_path, layout, whole_during_step, sharding_torch):
     script = tmp_path / "zero2.py"
     script.write_text(ZERO2)
@@ -431,3 +437,62 @@ def test_averaged_copies_of_a_sharded_model_are_sharded_alike_and_update_as_on_o
     assert two["classes"] == {"averaged": ["DTensor"], "own": ["DTensor"], "ema": ["DTensor"]}
     assert one["classes"] == {"averaged": ["Parameter"], "own": ["Parameter"], "ema": ["Parameter"]}
     assert all(type(value) is torch.Tensor for weights in two["weights"].values() for value in weights.values())
+
+
+def test_a_move_to_a_gpu_by_the_script_shards_a_model_on_the_way_where_shard_says_so(monkeypatch, caplog):
+    """``model.to(device)`` / ``model.cuda()`` from the script's code, outside a forward: ``Adoption.move`` decides
+    (``always``; ``auto`` where a replica with its parameters arriving would not fit), and the model is sharded there
+    by ``shard_on_the_way`` (run for real on 2 processes in the test above: this machine has no GPU to move to).
+    Everything else is the original ``Module.to``."""
+    from ddpkit.core.logs import logger
+    from ddpkit.strategies import sharded_in_place
+    from ddpkit.unchanged.batches import Batch
+    from ddpkit.unchanged.models import Models
+    from ddpkit.unchanged.optimizers import Optimizers
+
+    sharded = []
+    monkeypatch.setattr(sharded_in_place, "shard_on_the_way",
+                        lambda module, device, **options: sharded.append((module, device, options)) or {})
+    monkeypatch.setattr(sharded_in_place, "copies_of", lambda module, not_these: {})
+    monkeypatch.setattr(layouts, "least_of_all_ranks", lambda memory, device: memory)
+    model = nn.Sequential(nn.Linear(1024, 1024, bias=False), nn.ReLU(), nn.Linear(1024, 1024, bias=False))  # 8 MiB
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    real_to, originals = nn.Module.to, []
+
+    def original_to(module, *args, **kwargs):  # the original, but a move to a GPU (none here) is only recorded
+        if "cuda" in f"{args}{kwargs}":
+            return originals.append(module)
+        return real_to(module, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "to", original_to)
+    monkeypatch.setattr(nn.Module, "cuda", lambda module, device=None: originals.append(module))
+    for shard, free, expected in (("always", GiB, "full"), ("auto", GiB // 4 + 34 * MiB, None),
+                                  ("auto", GiB // 4 + 30 * MiB, "zero2"), ("never", 0, None)):
+        models = Models(rank=0, world_size=2, batch=Batch(world_size=2), streams=None, witness=lambda **_: None,
+                        shard=shard, optimizers=Optimizers(rank=0))
+        monkeypatch.setattr(layouts, "device_memory", lambda device, free=free: (int(free), GiB))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        models.install()
+        try:
+            sharded.clear()
+            assert model.to(torch.float32) is model and frozen.to("cpu") is frozen  # not a GPU: the original's
+            logger.addHandler(caplog.handler)
+            with caplog.at_level(logging.INFO, logger=logger.name):
+                moved = model.to("cuda") if expected != "zero2" else model.cuda()
+            logger.removeHandler(caplog.handler)
+            if expected is None:  # a replica fits (32 MiB with the parameters arriving), or never: the original's
+                assert not sharded and moved is None and originals[-1] is model
+            else:
+                assert moved is model and [(module, str(device)) for module, device, _ in sharded] == [
+                    (model, "cuda:0")]
+                assert sharded[0][2]["reshard_after_forward"] == (expected == "full")
+                assert caplog.records[-1].getMessage().endswith("; on its way to cuda:0)")
+            sharded.clear()
+            models.depth = 1  # inside a forward: the original's
+            assert frozen.cuda() is None and model.to("cuda") is None and not sharded and originals[-2:] == [frozen,
+                                                                                                             model]
+            models.depth = 0
+        finally:
+            models.uninstall()
+    assert nn.Module.to is original_to

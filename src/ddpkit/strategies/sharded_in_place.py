@@ -60,12 +60,15 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     holders = [module for module in model.modules()
                if module is not model and _has_parameters(module) and not isinstance(module, CONTAINERS)]
     counts = collections.Counter(type(module) for module in holders)
+    held = _holders(model)
     for with_children in (True, False):
         chosen: list[nn.Module] = []
         inside: set[int] = set()
         for module in holders:  # modules() is depth first: an outer block comes before what it holds
             if id(module) in inside or counts[type(module)] < 2 or bool(list(module.children())) != with_children:
                 continue
+            if any(held[key] != count for key, count in _holders(module).items()):
+                continue  # it shares a parameter with a module outside it (a tied head): that stays with the root
             chosen.append(module)
             inside.update(id(part) for part in module.modules())
         if chosen:
@@ -133,9 +136,10 @@ def _shard(module: nn.Module, device_type: str, sharding: Sharding) -> dict[nn.P
     return {old: moved[name] for name, old in names.items() if moved.get(name) is not old and name in moved}
 
 
-def is_sharded_copy(module: nn.Module) -> bool:
-    """Whether ``module`` is a copy of a sharded model that ddpkit sharded alike (``copies_of``, ``sharded_copy``)."""
-    return module in _copies
+def sharded_ahead(module: nn.Module) -> bool:
+    """Whether ddpkit sharded ``module`` as a whole model or a copy of one (``shard_in_place``, ``shard_on_the_way``,
+    ``copies_of``, ``sharded_copy``)."""
+    return module in _copies or module in _roots
 
 
 def copies_of(model: nn.Module, *, not_these=()) -> dict[nn.Parameter, nn.Parameter]:
@@ -214,6 +218,12 @@ def _averaged(gradient: torch.Tensor) -> torch.Tensor:
     return gradient / dist.get_world_size()
 
 
+def _holders(module: nn.Module) -> collections.Counter:
+    """How many times each parameter (by id) is held inside ``module``, by each module holding it."""
+    return collections.Counter(id(parameter) for _, part in module.named_modules(remove_duplicate=False)
+                               for parameter in part._parameters.values() if parameter is not None)
+
+
 def _has_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
@@ -280,15 +290,68 @@ def from_rank_0(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
     """This rank's shard of rank 0's ``value``, a whole tensor shaped as the sharded ``parameter``, placed as it is:
     scattered from rank 0, so that the other ranks' ``value`` may be a whole state dict's stand-in (``stand_in``) or
     anything of its shape. Every rank calls it."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
-    if value.is_meta:  # (distribute_tensor reads only rank 0's values, but cuts a real tensor on every rank)
-        value = torch.empty(parameter.shape, dtype=parameter.dtype, device=parameter.device)
-    value = value.detach().to(device=parameter.device, dtype=parameter.dtype)
-    placed = distribute_tensor(value, parameter.device_mesh, parameter.placements, src_data_rank=0)
-    local = placed.to_local()
-    return DTensor.from_local(local, parameter.device_mesh, parameter.placements, run_check=False,
-                              shape=parameter.shape, stride=parameter.stride())
+    return DTensor.from_local(_rows_from_rank_0(value, parameter), parameter.device_mesh, parameter.placements,
+                              run_check=False, shape=parameter.shape, stride=parameter.stride())
+
+
+def _rows_from_rank_0(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
+    """This rank's local shard of rank 0's whole ``value`` for the sharded ``parameter``, on its device: rank 0's
+    rows of dim 0 scattered (each rank receives its shard alone, padded as torch.chunk cuts); only rank 0's ``value``
+    is read."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh, local = parameter.device_mesh, parameter.to_local()
+    if mesh.ndim != 1 or tuple(parameter.placements) != (Shard(0),):  # (not FSDP2's layout on ddpkit's mesh)
+        value = value.detach().to(device=parameter.device, dtype=parameter.dtype)
+        return distribute_tensor(value, mesh, parameter.placements, src_data_rank=0).to_local()
+    group = mesh.get_group()
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    rows = -(-parameter.shape[0] // size)
+    mine = local.new_empty((rows, *parameter.shape[1:]))
+    chunks = None
+    if rank == 0:
+        padded = local.new_zeros((rows * size, *parameter.shape[1:]))
+        padded[:parameter.shape[0]].copy_(value.detach())
+        chunks = list(padded.split(rows))
+    dist.scatter(mine, chunks, src=dist.get_global_rank(group, 0), group=group)
+    return mine[:local.shape[0]]
+
+
+def shard_on_the_way(module: nn.Module, device: torch.device, *, reshard_after_forward: bool, weight: Weight,
+                     whole: Callable[[], bool] = lambda: False) -> dict[nn.Parameter, nn.Parameter]:
+    """Shard ``module``, whole on the CPU, as the script moves it to ``device`` (``model.to(device)``): its tensors
+    are put on the meta device (their values kept aside), it is sharded there as ``shard_in_place`` shards, and each
+    rank's shards are then made on ``device`` and filled with rank 0's rows (scattered): the device never holds more
+    of a parameter than its shard, the buffers whole. Ties stay ties. Returns each old parameter's replacement."""
+    values: dict[str, torch.Tensor] = {}
+    names: dict[str, nn.Parameter] = {}
+    metas: dict[int, torch.Tensor] = {}
+    for prefix, part in module.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for name, tensor in getattr(part, kind).items():
+                if tensor is None:
+                    continue
+                key = f"{prefix}.{name}" if prefix else name
+                values[key] = tensor.detach()
+                if kind == "_parameters":
+                    names[key] = tensor
+                if id(tensor) not in metas:
+                    empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+                    metas[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if kind == "_parameters" else empty
+                getattr(part, kind)[name] = metas[id(tensor)]
+    _shard(module, device.type, Sharding(reshard_after_forward, weight, whole))
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for key, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if is_shard(tensor):
+                tensor.to_local().copy_(_rows_from_rank_0(values[key], tensor))
+            else:
+                tensor.copy_(values[key])
+                dist.broadcast(tensor, src=0)
+    moved = dict(module.named_parameters(remove_duplicate=False))
+    return {old: moved[name] for name, old in names.items() if name in moved and moved[name] is not old}
 
 
 def _whole_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:  # noqa: ARG001
@@ -371,7 +434,7 @@ def _replicated(tensor: torch.Tensor) -> torch.Tensor:
 
 def _sharded_state(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
     """A load_state_dict pre-hook: a whole tensor for a sharded parameter becomes this rank's shard of rank 0's
-    (``from_rank_0``: the other ranks may hold a whole state dict's meta tensors)."""
+    (``from_rank_0``: the other ranks may hold a whole state dict's stand-ins)."""
     for name, parameter in module._parameters.items():
         key = prefix + name
         value = state_dict.get(key)

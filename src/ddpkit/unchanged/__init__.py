@@ -11,8 +11,9 @@ What ddpkit puts into the script's processes, all of it here, before the script'
 - its models, each a DDP replica in place when first called to train, gradients weighted by share
   (``models``, ``ddpkit.strategies.in_place``), BatchNorm over the whole batch; a loss that is a mean over counted
   items (tokens not ignored, class weights) weighted by its count (``counted``); or sharded in place where
-  ``--shard`` says so (``layouts``, ``ddpkit.strategies.sharded_in_place``), its optimizers re-pointed
-  (``optimizers``);
+  ``--shard`` says so (``layouts``, ``ddpkit.strategies.sharded_in_place``), at its first call or on its way to
+  the GPU where the script moves it there (``Module.to`` and ``Module.cuda`` replaced: ``models``), its optimizers
+  re-pointed (``optimizers``), its copies (an EMA's) sharded alike;
 - ``torch.save`` to a path, by rank 0 alone, atomically (``saving``);
 - the console, the files the script writes and its trackers' runs, once: rank 0's (``outputs``).
 

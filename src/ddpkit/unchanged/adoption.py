@@ -15,6 +15,7 @@ import functools
 import weakref
 from collections.abc import Callable
 
+import torch
 import torch.nn as nn
 
 from ddpkit.core.errors import UsageError
@@ -43,7 +44,7 @@ class Adoption:
         self.found: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.passed: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # called at the top, not models (no parameters)
         self.sharded: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        self.sharded_before: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # sharded as copies, before their first call
+        self.sharded_before: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # sharded before their first call
         self.replicas: weakref.WeakKeyDictionary[nn.Module, Replica] = weakref.WeakKeyDictionary()
         self.find_unused = find_unused  # DDP looks for unused parameters at every step (``Replica``)
 
@@ -57,22 +58,17 @@ class Adoption:
         if any(id(parameter) in owned for parameter in module.parameters()):
             self.passed.add(module)  # a part of a model found already, called on its own: that model's replica
             return False
-        if self.world_size > 1 and self.shard != "never":
-            from ddpkit.strategies.sharded_in_place import is_sharded_copy
-
-            if is_sharded_copy(module):  # a copy of a model, sharded with it (``copies_of``), now trained itself
-                self.sharded.add(module)
-                self.sharded_before.add(module)
-                self.found.add(module)
-                return True
-        if any(distributed_already(part) for part in module.modules()):
+        if self.world_size > 1 and self.shard != "never" and _sharded_ahead(module):
+            # Sharded before its first call: on its way to the device (``move``), or as a copy of a model (an EMA's).
+            self.sharded.add(module)
+            self.sharded_before.add(module)
+        elif any(distributed_already(part) for part in module.modules()):
             if self.rank == 0:
                 logger.warning("--unchanged stood aside: the script wraps its model in DDP or FSDP itself, and runs as "
                                "under ddpkit run (its loaders, files, saves and losses its own from here on)")
             self.stand_aside()
             return False
-        layout = self.layout(module) if self.world_size > 1 else "replica"
-        if layout != "replica":
+        elif self.world_size > 1 and (layout := self.layout(module)) != "replica":
             from ddpkit.strategies.sharded_in_place import copies_of, shard_in_place
 
             moved = shard_in_place(module, reshard_after_forward=layout == "full", weight=self.batch.current_weight,
@@ -93,32 +89,72 @@ class Adoption:
         logger.debug(f"--unchanged: {class_name(module)} is a model; its gradients are averaged over the ranks")
         return True
 
-    def layout(self, module: nn.Module) -> str:
+    def move(self, module: nn.Module, device: torch.device) -> bool:
+        """The script moves ``module`` to ``device`` (``model.to(device)``, ``model.cuda()``): where it is a model
+        that ``--shard`` shards there (``always``, or ``auto`` where a replica would not fit, its parameters counted
+        as arriving), it is sharded on the way (``sharded_in_place.shard_on_the_way``), so that the device receives
+        its shards alone, and its first call finds it sharded. False where it moves as it is: on one process, to
+        the CPU, a module with nothing to train, one not whole on the CPU, a model found already or a part of one,
+        one sharded or distributed already, or one that ``auto`` keeps as a replica."""
+        from ddpkit.strategies.fsdp import is_fsdp2
+
+        if (self.world_size == 1 or self.shard == "never" or device.type != "cuda" or module in self.found
+                or module in self.passed or not is_trainable(module) or _sharded_ahead(module)
+                or any(parameter.device.type != "cpu" for parameter in module.parameters())
+                or any(is_fsdp2(part) or distributed_already(part) for part in module.modules())):
+            return False
+        owned = {id(parameter) for model in self.found for parameter in model.parameters()}
+        if any(id(parameter) in owned for parameter in module.parameters()):
+            return False
+        layout = self.layout(module, arriving=device)
+        if layout == "replica":
+            return False
+        from ddpkit.strategies.sharded_in_place import copies_of, shard_on_the_way
+
+        moved = shard_on_the_way(module, device, reshard_after_forward=layout == "full",
+                                 weight=self.batch.current_weight, whole=self.batch.is_whole)
+        moved.update(copies_of(module, not_these=self.found))
+        self.optimizers.repoint(moved, class_name(module))
+        return True
+
+    def layout(self, module: nn.Module, arriving: torch.device | None = None) -> str:
         """Where ``module``'s training state lives (``layouts``), said in one line where it is sharded or ``auto``
-        weighed it. Every rank decides alike: ``auto`` reads the least free memory of any rank."""
+        weighed it; ``arriving``: the device the script is moving it to, its parameters not there yet. Every rank
+        decides alike: ``auto`` reads the least free memory of any rank."""
         name = class_name(module)
         if self.shard == "never":
             return "replica"
         stepped_by = self.optimizers.holding(module.parameters())
         odd = next((optimizer for optimizer in stepped_by if not steps_each_element(optimizer)), None)
+        device = arriving or next(module.parameters()).device
         if self.shard == "always":
             if odd is not None:
                 raise UsageError(not_elementwise(odd, name), said_elsewhere=self.rank != 0)
             layout, why = "full", "--shard always"
         else:
-            memory = layouts.device_memory(next(module.parameters()).device)
+            memory = layouts.device_memory(device)
             if memory is None:
                 return "replica"  # the CPU: ``auto`` keeps the replica
-            free, total = layouts.least_of_all_ranks(memory, next(module.parameters()).device)
-            estimate = layouts.estimate(module.parameters(), stepped_by)
+            free, total = layouts.least_of_all_ranks(memory, device)
+            estimate = layouts.estimate(module.parameters(), stepped_by, arriving=arriving is not None)
             layout, why = layouts.choose(estimate, world_size=self.world_size, free=free, total=total)
             why = f"--shard auto: {why}"
             if layout != "replica" and odd is not None:
                 layout, why = "replica", (f"{why}; but {type(odd).__name__} steps it, and over a shard its step would "
                                           "not be one device's: it may run out of memory")
+        if arriving is not None and layout != "replica":
+            why = f"{why}; on its way to {arriving}"
         if self.rank == 0:
             logger.info(f"--unchanged: {name} {layouts.SAID[layout].format(n=self.world_size)} ({why})")
         return layout
+
+
+def _sharded_ahead(module: nn.Module) -> bool:
+    """Whether ddpkit sharded ``module`` before its first call (on its way to the device, or as a model's copy)."""
+    import sys
+
+    sharded = sys.modules.get("ddpkit.strategies.sharded_in_place")
+    return sharded is not None and sharded.sharded_ahead(module)
 
 
 def saved_then_read(module: nn.Module, wait_for_rank_0: Callable[[], None]) -> None:

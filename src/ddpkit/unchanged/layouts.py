@@ -60,26 +60,31 @@ class Estimate:
     parameter_bytes: int
     state_factor: float
     how: str
+    arriving: bool = False  # the parameters are not on the device yet: the script is moving them there
 
     def added(self, layout: str, world_size: int) -> float:
-        """What ``layout`` adds on each rank to the memory in use now, where the whole parameters lie already."""
+        """What ``layout`` adds on each rank to the memory in use now, where the whole parameters lie already (or,
+        ``arriving``, are still to come)."""
         parameters, state = self.parameter_bytes, self.parameter_bytes * self.state_factor
+        coming = parameters if self.arriving else 0
         if layout == "replica":
-            return parameters + state  # gradients and state, whole
+            return coming + parameters + state  # gradients and state, whole
         shards = (2 * parameters + state) / world_size  # the parameters' shards, the gradients' and the state's
         if layout == "zero2":
-            return shards  # the whole parameters stay, gathered from forward to backward
-        return shards - parameters  # the whole parameters freed: a block at a time is gathered
+            return coming + shards  # the whole parameters stay, gathered from forward to backward
+        return coming + shards - parameters  # the whole parameters freed: a block at a time is gathered
 
 
-def estimate(parameters, optimizers) -> Estimate:
-    """The training state of a model with ``parameters``, stepped by ``optimizers`` (those that hold them)."""
+def estimate(parameters, optimizers, *, arriving: bool = False) -> Estimate:
+    """The training state of a model with ``parameters``, stepped by ``optimizers`` (those that hold them);
+    ``arriving``: the parameters are on their way to the device, not there yet."""
     parameters = list(parameters)
     parameter_bytes = sum(parameter.numel() * parameter.element_size() for parameter in parameters)
     if not optimizers:
-        return Estimate(parameter_bytes, ASSUMED, "no optimizer yet: assumed Adam's two moments")
+        return Estimate(parameter_bytes, ASSUMED, "no optimizer yet: assumed Adam's two moments", arriving)
     factors = [state_per_parameter(optimizer) for optimizer in optimizers]
-    return Estimate(parameter_bytes, sum(factor for factor, _ in factors), ", ".join(how for _, how in factors))
+    return Estimate(parameter_bytes, sum(factor for factor, _ in factors), ", ".join(how for _, how in factors),
+                    arriving)
 
 
 def choose(estimate: Estimate, *, world_size: int, free: int, total: int) -> tuple[str, str]:
@@ -88,7 +93,8 @@ def choose(estimate: Estimate, *, world_size: int, free: int, total: int) -> tup
     budget = free - ACTIVATIONS * total
     layout = next((name for name in LAYOUTS[:2] if estimate.added(name, world_size) <= budget), "full")
     figures = (f"its training state adds {_size(estimate.added('replica', world_size))} as a replica "
-               f"(parameters {_size(estimate.parameter_bytes)}, their gradients, {estimate.how}), "
+               f"(parameters {_size(estimate.parameter_bytes)}{' arriving' if estimate.arriving else ''}, their "
+               f"gradients, {estimate.how}), "
                f"{_size(estimate.added('zero2', world_size))} with gradients and optimizer state sharded {world_size} "
                f"ways; {_size(free)} free of {_size(total)}, {ACTIVATIONS:.0%} of it kept for activations")
     return layout, figures

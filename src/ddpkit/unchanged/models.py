@@ -9,11 +9,18 @@ loss module (no parameters) is left alone. A loader's whole batch is cut at the 
 (``at_the_model.AtTheModel.split_whole``), its outputs gathered.
 
 What follows from a root call is here; which modules are models and what each becomes is ``adoption``'s, and what a
-batch cut at the model and its returned losses become is ``at_the_model``'s.
+batch cut at the model and its returned losses become is ``at_the_model``'s. Under ``--shard``, a model that the
+script moves to a GPU is seen there first (``Module.to`` and ``Module.cuda`` replaced: ``_moves_seen``), and sharded
+on the way where ``--shard`` says so (``Adoption.move``).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import site
+import sys
+import sysconfig
 import warnings
 from collections.abc import Callable
 
@@ -68,11 +75,16 @@ class Models:
             self._handles.append(module_hooks.register_module_forward_hook(
                 lambda module, args, output: self.after(module, args, {}, output), always_call=True))
 
+        if self.world_size > 1 and self.adoption.shard != "never":
+            self._undo_moves = _moves_seen(self)
+
     def uninstall(self) -> None:
         self.off = True
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        getattr(self, "_undo_moves", lambda: None)()
+        self._undo_moves = lambda: None
 
     def before(self, module: nn.Module, args: tuple):
         self.depth += 1
@@ -204,3 +216,57 @@ def _scaled_gradients(tree, scale: float):
     if scale == 1.0:
         return tree
     return pytree.tree_map_only(torch.Tensor, lambda t: ScaleGradient.apply(t, scale) if t.requires_grad else t, tree)
+
+
+def _moves_seen(models: Models) -> Callable[[], None]:
+    """``nn.Module.to`` and ``nn.Module.cuda`` replaced (PyTorch has no hook for a module's move; ``--shard`` only):
+    a move to a GPU that the script's own code makes, outside any forward, goes through ``Adoption.move`` first,
+    which shards a model on the way where ``--shard`` says so; every other call is the original's, untouched (a
+    library's moves of its own modules included). Returns what puts the originals back."""
+    original_to, original_cuda = nn.Module.to, nn.Module.cuda
+
+    @functools.wraps(original_to)
+    def to(module, *args, **kwargs):
+        if models.depth == 0 and not models.off and _by_the_script(sys._getframe(1)):
+            try:
+                device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+            except (TypeError, RuntimeError):  # (the original says what is wrong with the arguments)
+                device = dtype = None
+            if device is not None and device.type == "cuda":
+                device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+                if dtype is not None:
+                    original_to(module, dtype)  # (its dtype first, on the CPU: on the device it arrives sharded)
+                if models.adoption.move(module, device):
+                    return module
+        return original_to(module, *args, **kwargs)
+
+    @functools.wraps(original_cuda)
+    def cuda(module, device=None):
+        if models.depth == 0 and not models.off and torch.cuda.is_available() and _by_the_script(sys._getframe(1)):
+            index = device if isinstance(device, int) else None if device is None else torch.device(device).index
+            if models.adoption.move(module, torch.device("cuda", torch.cuda.current_device() if index is None
+                                                         else index)):
+                return module
+        return original_cuda(module, device)
+
+    nn.Module.to, nn.Module.cuda = to, cuda
+
+    def undo() -> None:
+        nn.Module.to, nn.Module.cuda = original_to, original_cuda
+
+    return undo
+
+
+def _by_the_script(frame) -> bool:
+    """Whether ``frame`` runs the script's own code: not Python's installation, nor a library installed in it."""
+    path = frame.f_code.co_filename
+    return not path.startswith("<") and not path.startswith(_installed())
+
+
+@functools.cache
+def _installed() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    folders = {paths[name] for name in ("stdlib", "platstdlib", "purelib", "platlib") if name in paths}
+    folders.update(site.getsitepackages() + [site.getusersitepackages()])
+    folders.add(os.path.dirname(os.path.dirname(__file__)))  # ddpkit's own moves (wherever it is installed)
+    return tuple(os.path.join(os.path.abspath(folder), "") for folder in folders if folder)
