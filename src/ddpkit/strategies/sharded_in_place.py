@@ -323,8 +323,9 @@ def shard_on_the_way(module: nn.Module, device: torch.device, *, reshard_after_f
                      whole: Callable[[], bool] = lambda: False) -> dict[nn.Parameter, nn.Parameter]:
     """Shard ``module``, whole on the CPU, as the script moves it to ``device`` (``model.to(device)``): its tensors
     are put on the meta device (their values kept aside), it is sharded there as ``shard_in_place`` shards, and each
-    rank's shards are then made on ``device`` and filled with rank 0's rows (scattered): the device never holds more
-    of a parameter than its shard, the buffers whole. Ties stay ties. Returns each old parameter's replacement."""
+    rank's shards are then made on ``device`` and filled with rank 0's rows (scattered): a rank's device holds no
+    more of a parameter than its shard (rank 0's, each parameter whole while it scatters it, one at a time), the
+    buffers whole. Ties stay ties. Returns each old parameter's replacement."""
     values: dict[str, torch.Tensor] = {}
     names: dict[str, nn.Parameter] = {}
     metas: dict[int, torch.Tensor] = {}

@@ -100,6 +100,7 @@ class Adoption:
 
         if (self.world_size == 1 or self.shard == "never" or device.type != "cuda" or module in self.found
                 or module in self.passed or not is_trainable(module) or _sharded_ahead(module)
+                or type(module).__name__ == "OptimizedModule"  # (torch.compile's wrapper: sharded at its first call)
                 or any(parameter.device.type != "cpu" for parameter in module.parameters())
                 or any(is_fsdp2(part) or distributed_already(part) for part in module.modules())):
             return False
