@@ -496,3 +496,16 @@ def test_a_move_to_a_gpu_by_the_script_shards_a_model_on_the_way_where_shard_say
         finally:
             models.uninstall()
     assert nn.Module.to is original_to
+
+
+def test_an_averaged_model_over_buffers_too_is_refused_in_one_line_before_training():
+    from torch.optim.swa_utils import AveragedModel
+
+    from ddpkit.strategies.sharded_in_place import averaged_with_buffers
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    plain, over_buffers = AveragedModel(model), AveragedModel(model, use_buffers=True)
+    assert averaged_with_buffers([plain, model], [plain.module]) is None  # (the parameters alone: sharded alike)
+    said = averaged_with_buffers([plain, over_buffers, model], [plain.module, over_buffers.module])
+    assert said.startswith("--unchanged --shard: AveragedModel(..., use_buffers=True) averages the model's buffers")
+    assert said.endswith("or run with --shard never") and "\n" not in said

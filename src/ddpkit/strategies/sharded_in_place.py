@@ -154,14 +154,32 @@ def copies_of(model: nn.Module, *, not_these=()) -> dict[nn.Parameter, nn.Parame
     own = {id(tensor) for tensor in [*model.parameters(), *model.buffers()]}
     sharding = dataclasses.replace(_roots[model], reshard_after_forward=True)
     moved: dict[nn.Parameter, nn.Parameter] = {}
-    twins = [found for found in gc.get_objects() if type(found) is kind and found is not model]
+    objects = gc.get_objects()
+    twins = [found for found in objects if type(found) is kind and found is not model and found not in not_these
+             and not any(is_fsdp2(part) for part in found.modules()) and _layout(found) == layout
+             and not any(id(tensor) in own for tensor in [*found.parameters(), *found.buffers()])]
+    if (refused := averaged_with_buffers(objects, twins)) is not None:
+        raise UsageError(refused, said_elsewhere=dist.get_rank() != 0)
     for twin in twins:
-        if (twin in not_these or any(is_fsdp2(part) for part in twin.modules()) or _layout(twin) != layout
-                or any(id(tensor) in own for tensor in [*twin.parameters(), *twin.buffers()])):
-            continue
         moved.update(shard_in_place(twin, reshard_after_forward=True, weight=sharding.weight, whole=sharding.whole))
         _copies.add(twin)
     return moved
+
+
+def averaged_with_buffers(objects, copies: list[nn.Module]) -> str | None:
+    """The one line that refuses an ``AveragedModel(model, use_buffers=True)`` among ``objects`` over one of
+    ``copies``, before training: its update averages the buffers in the same step as the parameters, and sharded its
+    parameters are shards and its buffers whole tensors, which one of PyTorch's ``foreach`` steps cannot take
+    together; else None."""
+    from torch.optim.swa_utils import AveragedModel
+
+    held = {id(copy) for copy in copies}
+    if any(isinstance(found, AveragedModel) and found.use_buffers and id(found.module) in held for found in objects):
+        return ("--unchanged --shard: AveragedModel(..., use_buffers=True) averages the model's buffers in one step "
+                "with its parameters, which are shards under --shard (its buffers whole): average the parameters "
+                "alone (use_buffers=False, then torch.optim.swa_utils.update_bn for BatchNorm's statistics), or run "
+                "with --shard never")
+    return None
 
 
 def _layout(module: nn.Module) -> list:
@@ -196,9 +214,9 @@ def sharded_copy(module: nn.Module, memo: dict) -> nn.Module:
     return copied
 
 
-READ_DIRECTLY = ("--unchanged --shard: the script used a sharded parameter directly (`model.fc.weight`, an EMA "
-                 "copy updated from model.parameters()): between steps each process holds its shard of it, a DTensor. "
-                 "Read model.state_dict() (whole), or run with --shard never")
+READ_DIRECTLY = ("--unchanged --shard: the script used a sharded parameter directly (`model.fc.weight`, or with a "
+                 "tensor kept beside the model: an EMA on another device or in another dtype): between steps each "
+                 "process holds its shard of it, a DTensor. Read model.state_dict() (whole), or run with --shard never")
 
 
 def read_directly(error: BaseException) -> str | None:
