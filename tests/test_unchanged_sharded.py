@@ -433,9 +433,13 @@ def test_averaged_copies_of_a_sharded_model_are_sharded_alike_and_update_as_on_o
                    if not value.is_floating_point()), name
     for name, loss in one["evaluations"].items():
         assert two["evaluations"][name] == pytest.approx(loss, rel=1e-9), name
+    # The EMA kept in float32 of a float64 model: float32's rounding of what reaches it.
+    assert _worst(one["weights"]["ema32"], two["weights"]["ema32"]) < 1e-6
+    assert {value.dtype for value in two["weights"]["ema32"].values() if value.is_floating_point()} == {torch.float32}
     # Each copy is sharded (each process holds its shards), and its state dict whole and plain, one device's keys.
-    assert two["classes"] == {"averaged": ["DTensor"], "own": ["DTensor"], "ema": ["DTensor"]}
-    assert one["classes"] == {"averaged": ["Parameter"], "own": ["Parameter"], "ema": ["Parameter"]}
+    assert two["classes"] == {"averaged": ["DTensor"], "own": ["DTensor"], "ema": ["DTensor"], "ema32": ["DTensor"]}
+    assert one["classes"] == {"averaged": ["Parameter"], "own": ["Parameter"], "ema": ["Parameter"],
+                              "ema32": ["Parameter"]}
     assert all(type(value) is torch.Tensor for weights in two["weights"].values() for value in weights.values())
 
 

@@ -9,7 +9,8 @@ models and much of LLM pre-training do, that ``tests/test_unchanged_sharded.py``
   step, its BatchNorm statistics recomputed at the end (``update_bn``) and evaluated;
 - an EMA of the script's own, a ``copy.deepcopy`` taken after the first step, updated by a loop over
   ``zip(ema.parameters(), model.parameters())``;
-- a timm model (``resnet10t``) with timm's ``ModelEmaV3``, which reads both models' ``state_dict()`` at every update.
+- a timm model (``resnet10t``) with timm's ``ModelEmaV3``, which reads both models' ``state_dict()`` at every update,
+  and a second one kept in float32.
 
 In float64. It writes OUT/result.pt: every model's and copy's state dict at the end, the evaluations, and the class of
 each copy's parameters.
@@ -85,6 +86,7 @@ from timm.utils import ModelEmaV3  # noqa: E402
 net = timm.create_model("resnet10t", pretrained=False, num_classes=4)
 net_optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=0.05)
 ema = ModelEmaV3(net, decay=0.9)
+ema32 = ModelEmaV3(net, decay=0.8, dtype=torch.float32)  # an EMA in another dtype than its model's
 for step, (x, y) in enumerate(DataLoader(TensorDataset(images, labels), batch_size=12, shuffle=True)):
     net.train()
     loss = F.cross_entropy(net(x), y)
@@ -92,13 +94,15 @@ for step, (x, y) in enumerate(DataLoader(TensorDataset(images, labels), batch_si
     loss.backward()
     net_optimizer.step()
     ema.update(net, step=step + 2)
+    ema32.update(net, step=step + 2)
 ema.module.eval()
 with torch.no_grad():
     evaluations["timm"] = F.cross_entropy(ema.module(images), labels, reduction="sum").item()
 print(f"timm's EMA's loss {evaluations['timm']:.6f}")
 torch.save({"weights": {"model": model.state_dict(), "averaged": averaged.state_dict(), "own": own.state_dict(),
-                        "net": net.state_dict(), "ema": ema.module.state_dict()},
+                        "net": net.state_dict(), "ema": ema.module.state_dict(), "ema32": ema32.module.state_dict()},
             "evaluations": evaluations,
             "classes": {name: sorted({type(parameter).__name__ for parameter in copied.parameters()})
-                        for name, copied in (("averaged", averaged), ("own", own), ("ema", ema.module))}},
+                        for name, copied in (("averaged", averaged), ("own", own), ("ema", ema.module),
+                                             ("ema32", ema32.module))}},
            os.path.join(out, "result.pt"))

@@ -145,8 +145,9 @@ def sharded_ahead(module: nn.Module) -> bool:
 def copies_of(model: nn.Module, *, not_these=()) -> dict[nn.Parameter, nn.Parameter]:
     """Shard alike, where ``model`` was just sharded, the copies of it that the script made before (an EMA's
     ``copy.deepcopy(model)``, an ``AveragedModel``'s, timm's ``ModelEmaV3``'s, taken before its first step): every
-    module of its class (before sharding) whose parameters and buffers have its names, shapes, dtypes and device,
-    sharing none of them, not itself a model (``not_these``). Found once, among the objects Python tracks. Each copy's
+    module of its class (before sharding) whose parameters and buffers have its names, shapes and device, sharing
+    none of them, not itself a model (``not_these``); its dtype may differ (an EMA kept in float32 of a bfloat16
+    model), each copy sharded in its own. Found once, among the objects Python tracks. Each copy's
     blocks are gathered for a forward and freed after it, whatever the model's layout (a copy is evaluated, not
     trained). Returns each old parameter's replacement, for the optimizers that hold them."""
     kind = getattr(type(model), "_plain", type(model))
@@ -183,8 +184,8 @@ def averaged_with_buffers(objects, copies: list[nn.Module]) -> str | None:
 
 
 def _layout(module: nn.Module) -> list:
-    """Each parameter's and buffer's name, shape, dtype and device type (a shard's whole shape)."""
-    return [(name, tuple(tensor.shape), tensor.dtype, tensor.device.type)
+    """Each parameter's and buffer's name, shape and device type (a shard's whole shape)."""
+    return [(name, tuple(tensor.shape), tensor.device.type)
             for name, tensor in [*module.named_parameters(), *module.named_buffers()]]
 
 
@@ -215,7 +216,7 @@ def sharded_copy(module: nn.Module, memo: dict) -> nn.Module:
 
 
 READ_DIRECTLY = ("--unchanged --shard: the script used a sharded parameter directly (`model.fc.weight`, or with a "
-                 "tensor kept beside the model: an EMA on another device or in another dtype): between steps each "
+                 "tensor kept beside the model: an EMA on another device): between steps each "
                  "process holds its shard of it, a DTensor. Read model.state_dict() (whole), or run with --shard never")
 
 
