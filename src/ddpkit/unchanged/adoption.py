@@ -143,7 +143,9 @@ class Adoption:
             if layout != "replica" and odd is not None:
                 layout, why = "replica", (f"{why}; but {type(odd).__name__} steps it, and over a shard its step would "
                                           "not be one device's: it may run out of memory")
-        if arriving is not None and layout != "replica":
+        if arriving is not None:
+            if layout == "replica":
+                return layout  # (said at its first call, which weighs it again)
             why = f"{why}; on its way to {arriving}"
         if self.rank == 0:
             logger.info(f"--unchanged: {name} {layouts.SAID[layout].format(n=self.world_size)} ({why})")
