@@ -84,13 +84,9 @@ def _locked(path: Path, mode: int):
 # pytest-xdist hands whole modules to its workers (--dist loadscope), in the order of the collection (addopts:
 # --no-loadscope-reorder). By its own default it orders them by their number of tests, which starts a module of few
 # but long tests (one shared multi-process run, a minute under the suite's load) among the last, to end the suite
-# alone. These modules go first, the longest first (their tests' times summed, from a `--durations=0` run of the
-# default suite at stop 71: test_unchanged.py 120 s, test_resume.py 93 s, ...), then the rest by their number of
-# tests.
-LONGEST_FIRST = ("test_unchanged.py", "test_resume.py", "test_own_script.py", "test_cli.py", "test_replica_groups.py",
-                 "test_signals.py", "test_parallelism.py", "test_multinode.py", "test_examples.py", "test_bench.py",
-                 "test_replica_groups_machines.py", "test_doctor.py", "test_train_multiprocess.py",
-                 "test_public_scripts.py", "test_slurm.py", "test_replica_groups_job.py", "test_library_loop.py")
+# alone. These modules, the longest in a `--durations` run of the suite, go first; the rest by their number of tests.
+LONGEST_FIRST = ("test_replica_groups_machines.py", "test_own_script.py", "test_bench.py", "test_library_loop.py",
+                 "test_replica_groups_job.py", "test_public_scripts.py", "test_replica_groups.py")
 
 
 def pytest_collection_modifyitems(config, items):
