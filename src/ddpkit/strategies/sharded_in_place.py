@@ -153,7 +153,7 @@ def copies_of(model: nn.Module, *, not_these=()) -> dict[nn.Parameter, nn.Parame
     kind = getattr(type(model), "_plain", type(model))
     layout = _layout(model)
     own = {id(tensor) for tensor in [*model.parameters(), *model.buffers()]}
-    sharding = dataclasses.replace(_roots[model], reshard_after_forward=True)
+    source = _roots[model]
     moved: dict[nn.Parameter, nn.Parameter] = {}
     objects = gc.get_objects()
     twins = [found for found in objects if type(found) is kind and found is not model and found not in not_these
@@ -162,7 +162,7 @@ def copies_of(model: nn.Module, *, not_these=()) -> dict[nn.Parameter, nn.Parame
     if (refused := averaged_with_buffers(objects, twins)) is not None:
         raise UsageError(refused, said_elsewhere=dist.get_rank() != 0)
     for twin in twins:
-        moved.update(shard_in_place(twin, reshard_after_forward=True, weight=sharding.weight, whole=sharding.whole))
+        moved.update(shard_in_place(twin, reshard_after_forward=True, weight=source.weight, whole=source.whole))
         _copies.add(twin)
     return moved
 
@@ -267,23 +267,33 @@ def whole_on_rank_0(tensor: torch.Tensor) -> torch.Tensor:
     ``cpu_offload``): a model sharded because it does not fit one device would not fit there whole either."""
     if not is_shard(tensor):
         return tensor
-    from torch.distributed.tensor import Shard
-
-    mesh, local = tensor.device_mesh, tensor.to_local()
-    group = mesh.get_group()
-    rank, size, first = dist.get_rank(group), dist.get_world_size(group), dist.get_global_rank(group, 0)
-    if mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),):  # (not FSDP2's layout on ddpkit's mesh)
-        gathered = tensor.full_tensor()
+    cut = _rows_of_dim_0(tensor)
+    if cut is None:  # (not FSDP2's layout on ddpkit's mesh)
+        gathered, rank = tensor.full_tensor(), dist.get_rank()
     else:
-        rows = -(-tensor.shape[0] // size)  # torch.chunk's: every rank's shard of dim 0 has as many, the last fewer
+        group, rank, rows = cut
+        local = tensor.to_local()
         padded = local.new_zeros((rows, *tensor.shape[1:]))
         padded[:local.shape[0]] = local
-        gathered = local.new_empty((rows * size, *tensor.shape[1:])) if rank == 0 else None
-        dist.gather(padded, list(gathered.split(rows)) if rank == 0 else None, dst=first, group=group)
+        gathered = local.new_empty((rows * dist.get_world_size(group), *tensor.shape[1:])) if rank == 0 else None
+        dist.gather(padded, list(gathered.split(rows)) if rank == 0 else None, dst=dist.get_global_rank(group, 0),
+                    group=group)
         gathered = gathered[:tensor.shape[0]] if rank == 0 else None
     if rank != 0:
         return stand_in(tensor)
     return gathered.cpu() if gathered.device.type != "cpu" else gathered
+
+
+def _rows_of_dim_0(tensor: torch.Tensor):
+    """For a shard laid out as FSDP2 lays them on ddpkit's mesh (dim 0 cut as torch.chunk cuts it, over one mesh
+    dimension): its group, this rank in it, and the rows of every rank's shard padded alike (the last ranks' shards
+    have fewer); None for any other layout."""
+    from torch.distributed.tensor import Shard
+
+    if tensor.device_mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),):
+        return None
+    group = tensor.device_mesh.get_group()
+    return group, dist.get_rank(group), -(-tensor.shape[0] // dist.get_world_size(group))
 
 
 def stand_in(tensor: torch.Tensor) -> torch.Tensor:
@@ -319,19 +329,18 @@ def _rows_from_rank_0(value: torch.Tensor, parameter: torch.Tensor) -> torch.Ten
     """This rank's local shard of rank 0's whole ``value`` for the sharded ``parameter``, on its device: rank 0's
     rows of dim 0 scattered (each rank receives its shard alone, padded as torch.chunk cuts); only rank 0's ``value``
     is read."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
 
-    mesh, local = parameter.device_mesh, parameter.to_local()
-    if mesh.ndim != 1 or tuple(parameter.placements) != (Shard(0),):  # (not FSDP2's layout on ddpkit's mesh)
+    cut = _rows_of_dim_0(parameter)
+    if cut is None:  # (not FSDP2's layout on ddpkit's mesh)
         value = value.detach().to(device=parameter.device, dtype=parameter.dtype)
-        return distribute_tensor(value, mesh, parameter.placements, src_data_rank=0).to_local()
-    group = mesh.get_group()
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    rows = -(-parameter.shape[0] // size)
+        return distribute_tensor(value, parameter.device_mesh, parameter.placements, src_data_rank=0).to_local()
+    group, rank, rows = cut
+    local = parameter.to_local()
     mine = local.new_empty((rows, *parameter.shape[1:]))
     chunks = None
     if rank == 0:
-        padded = local.new_zeros((rows * size, *parameter.shape[1:]))
+        padded = local.new_zeros((rows * dist.get_world_size(group), *parameter.shape[1:]))
         padded[:parameter.shape[0]].copy_(value.detach())
         chunks = list(padded.split(rows))
     dist.scatter(mine, chunks, src=dist.get_global_rank(group, 0), group=group)

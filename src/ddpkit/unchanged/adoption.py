@@ -54,8 +54,7 @@ class Adoption:
         if not is_trainable(module):
             self.passed.add(module)
             return False
-        owned = {id(parameter) for model in self.found for parameter in model.parameters()}
-        if any(id(parameter) in owned for parameter in module.parameters()):
+        if self.part_of_a_model(module):
             self.passed.add(module)  # a part of a model found already, called on its own: that model's replica
             return False
         if self.world_size > 1 and self.shard != "never" and _sharded_ahead(module):
@@ -89,6 +88,11 @@ class Adoption:
         logger.debug(f"--unchanged: {class_name(module)} is a model; its gradients are averaged over the ranks")
         return True
 
+    def part_of_a_model(self, module: nn.Module) -> bool:
+        """Whether ``module`` holds a parameter of a model found already (it is a part of one)."""
+        owned = {id(parameter) for model in self.found for parameter in model.parameters()}
+        return any(id(parameter) in owned for parameter in module.parameters())
+
     def move(self, module: nn.Module, device: torch.device) -> bool:
         """The script moves ``module`` to ``device`` (``model.to(device)``, ``model.cuda()``): where it is a model
         that ``--shard`` shards there (``always``, or ``auto`` where a replica would not fit, its parameters counted
@@ -104,8 +108,7 @@ class Adoption:
                 or any(parameter.device.type != "cpu" for parameter in module.parameters())
                 or any(is_fsdp2(part) or distributed_already(part) for part in module.modules())):
             return False
-        owned = {id(parameter) for model in self.found for parameter in model.parameters()}
-        if any(id(parameter) in owned for parameter in module.parameters()):
+        if self.part_of_a_model(module):
             return False
         layout = self.layout(module, arriving=device)
         if layout == "replica":
