@@ -304,6 +304,27 @@ def default_run(tmp_path_factory):
     return result, folder
 
 
+CORPUS = REPO.parent / "shared" / "corpus"  # other people's scripts, byte for byte, beside the repository
+
+
+def conversions():
+    """``benchmarks/conversions/convert.py``, imported: the public scripts' conversions, kept as their changes."""
+    if "convert" not in sys.modules:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("convert", REPO / "benchmarks" / "conversions" / "convert.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["convert"] = module  # (count.py imports it under this name; its dataclasses look it up there)
+        spec.loader.exec_module(module)
+    return sys.modules["convert"]
+
+
+def needs_corpus() -> None:
+    """Skip, saying why, where the corpus is not beside the repository."""
+    if not CORPUS.is_dir():
+        pytest.skip(f"no corpus at {CORPUS}: the shared folder beside the repository (docs/testing.md)")
+
+
 def public_scripts_data(folder: Path) -> Path:
     """The data the public scripts' runs share (benchmarks/conversions/make_data.py: MNIST files made from
     scikit-learn's digits, a small image folder, a character corpus), made in ``folder``; the runs that read it check

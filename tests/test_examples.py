@@ -116,7 +116,7 @@ def test_the_ddp_demo_without_ddpkit_shows_every_ranks_line_and_ends_well_even_w
     out = done.stdout
     assert count_lines(out, r"rank 0 of 2 done") == 1 and count_lines(out, r"\[rank1\]: rank 1 of 2 done") == 1, out
     assert count_lines(done.stderr, r".*--unchanged stood aside: .*ddp_demo\.py distributes itself "
-                                    r"\(it uses DistributedDataParallel\), and runs as under ddpkit run") == 1, done.stderr
+                                    r"\(it calls init_process_group\), and runs as under ddpkit run") == 1, done.stderr
 
 
 def test_model_parallel_inside_ddp(tmp_path):

@@ -1,5 +1,5 @@
-"""``ddpkit run --unchanged``: a script written for one device (tests/unchanged_script.py, and the public originals in
-benchmarks/conversions/) on 1 and on 2 processes, the same script and the same arguments, trains to the same weights.
+"""``ddpkit run --unchanged``: a script written for one device (tests/unchanged_script.py, and public originals from
+the corpus beside the repository, ../shared/corpus) on 1 and on 2 processes, the same script and the same arguments, trains to the same weights.
 
 The pure parts (how a batch is cut, the settings, the script check, the shared stream) are tested in this process;
 the runs are shared by the tests through module fixtures.
@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, public_scripts_data, run_command, run_ddpkit
+from conftest import CORPUS, needs_corpus, public_scripts_data, run_command, run_ddpkit
+from ddpkit.core.version import torch_at_least
 from ddpkit.data.split_batches import SharedStream, share_of
 from ddpkit.unchanged import Setting, stands_aside
 from ddpkit.unchanged.batches import Batch
@@ -28,7 +29,6 @@ from ddpkit.unchanged.divided import KEYWORDS_SEEN
 from ddpkit.unchanged.randomness import derived_seed
 
 SCRIPT = str(Path(__file__).with_name("unchanged_script.py"))
-CONVERSIONS = REPO / "benchmarks" / "conversions"
 
 
 # -- in this process ---------------------------------------------------------------------------------------------------
@@ -87,17 +87,28 @@ def test_the_setting_travels_as_one_word_and_a_bad_reduction_is_refused():
 
 
 @pytest.mark.parametrize("source, named", [
-    ("dist.init_process_group('gloo')", "uses init_process_group"),
-    ("model = DistributedDataParallel(model)", "uses DistributedDataParallel"),
-    ("fully_shard(block)", "uses fully_shard"),
+    ("dist.init_process_group('gloo')", "calls init_process_group"),
+    ("model = DistributedDataParallel(model)", "calls DistributedDataParallel"),
+    ("fully_shard(block)", "calls fully_shard"),
     ("import ddpkit\n", "imports ddpkit"),
     ("x = 1\nfrom ddpkit import Job\n", "imports ddpkit"),
     ("import torch\nmodel = Net()  # one device\n", None),
     # Comments and strings are words, not code: a one-device script that mentions DDP runs under --unchanged.
     ("# one device: no DistributedDataParallel / init_process_group branches\nprint('init_process_group')\n", None),
     ("import torch.distributed as dist\nif __name__ == '__main__':\n    dist.init_process_group('gloo')\n",
-     "uses init_process_group"),
-    ("from torch.nn.parallel import DistributedDataParallel as DDP\n", "uses DistributedDataParallel"),
+     "calls init_process_group"),
+    ("def setup(rank):\n    for _ in range(1):\n        dist.init_process_group('gloo', rank=rank)\n",
+     "calls init_process_group"),  # a function's top (a loop's body too): whenever the function runs
+    ("from torch.nn.parallel import DistributedDataParallel as DDP\ndef wrap(m):\n    return DDP(m)\n",
+     "calls DistributedDataParallel"),
+    # A call that a condition guards is the script's to make or not (the ImageNet trainer's --dist-* flags, nanoGPT
+    # under a launcher's RANK): --unchanged runs it, and stands aside at run time if the call comes.
+    ("from torch.nn.parallel import DistributedDataParallel as DDP\n", None),
+    ("if args.distributed:\n    dist.init_process_group('nccl')\nelse:\n    model.to(device)\n", None),
+    ("ddp = 'RANK' in os.environ\ndef main():\n    if ddp:\n        init_process_group(backend)\n", None),
+    ("model = DDP(model) if distributed else model\n", None),
+    ("try:\n    import x\nexcept ImportError:\n    dist.init_process_group('gloo')\n", None),
+    ("ok = dist.is_initialized() or dist.init_process_group('gloo')\n", None),
     ("from accelerate import Accelerator\n", "imports accelerate"),
     ("import lightning as L\nfabric = L.Fabric()\n", "imports lightning"),
     ("from lightning.fabric import Fabric\n", "imports lightning.fabric"),
@@ -111,8 +122,26 @@ def test_the_setting_travels_as_one_word_and_a_bad_reduction_is_refused():
     ("from .accelerate_helpers import x\n", None),  # a module of the script's own
     ("x = (\n", None),  # does not parse: Python says so when it runs
 ])
-def test_a_script_that_distributes_itself_is_told_by_what_its_code_uses_not_by_its_comments(source, named):
+def test_a_script_that_distributes_itself_is_told_by_what_its_code_calls_not_by_its_comments(source, named):
     assert stands_aside(source) == named
+
+
+def test_the_public_scripts_that_distribute_themselves_only_when_told_run_under_unchanged():
+    needs_corpus()
+    for script in ("pytorch-examples/imagenet/main.py", "nanogpt/train.py"):  # flags; a launcher's RANK
+        assert stands_aside((CORPUS / script).read_text()) is None, script
+
+
+def test_a_group_of_the_scripts_own_found_at_run_time_is_ddpkits_where_it_asks_for_that_one():
+    from ddpkit.unchanged.own_group import other_group
+
+    ours = {"backend": "gloo", "world_size": 2, "rank": 1}
+    assert other_group({}, **ours) is None
+    assert other_group({"backend": "gloo", "init_method": "env://", "world_size": 2, "rank": 1}, **ours) is None
+    assert other_group({"backend": "nccl"}, backend="cpu:gloo,cuda:nccl", world_size=2, rank=1) is None
+    assert other_group({"backend": "nccl"}, **ours) == "over nccl, where ddpkit's runs over gloo on this machine"
+    assert other_group({"world_size": 4}, **ours) == "of 4 processes, where 2 run"
+    assert other_group({"rank": 3}, **ours) == "in which this process is rank 3, where it is rank 1"
 
 
 def test_what_a_rank_writes_stays_private_only_when_it_is_the_scripts_output(monkeypatch, tmp_path):
@@ -426,24 +455,32 @@ def test_ddp_rules_hold_under_shard_always_and_find_unused_parameters_trains_a_l
 ASIDE = Path(__file__).with_name("unchanged_aside_script.py")
 
 
-def test_standing_aside_at_run_time_takes_out_every_hook_and_the_script_runs_on_as_under_ddpkit_run(tmp_path):
-    """A script whose helper module wraps its model in DDP (its own file reads as one device's): at the model's first
-    call --unchanged stands aside, and from there on the loaders, ``open``, ``torch.save``, the losses and the global
-    hooks are PyTorch's and Python's own: each rank writes its own files and saves, as under ``ddpkit run``."""
+@pytest.mark.parametrize("how, said", [
+    ([], "the script wraps its model in DDP"),
+    (["--own-group"], "the script starts a process group of its own (init_process_group)"),
+], ids=["ddp-in-a-helper", "own-group-behind-a-condition"])
+def test_standing_aside_at_run_time_takes_out_every_hook_and_the_script_runs_on_as_under_ddpkit_run(tmp_path, how,
+                                                                                                    said):
+    """A script that distributes itself only at run time (a helper module wraps its model in DDP; the script starts a
+    group of its own behind a condition): at the model's first call, or at the script's ``init_process_group``,
+    --unchanged stands aside, and from there on the loaders, ``open``, ``torch.save``, the losses, the global hooks and
+    ``init_process_group`` are PyTorch's and Python's own, and the launcher's variables are back: each rank writes its
+    own files and saves, as under ``ddpkit run``. Before, the script saw no RANK, as on one device."""
     (tmp_path / "helper.py").write_text("from torch.nn.parallel import DistributedDataParallel\n\n\n"
                                         "def wrap(model):\n    return DistributedDataParallel(model)\n")
     shutil.copy(ASIDE, tmp_path / ASIDE.name)
     out = tmp_path / "out"
     out.mkdir()
-    done = run_ddpkit("run", "--unchanged", "--nproc-per-node", "2", str(tmp_path / ASIDE.name), str(out), timeout=120,
-                      cwd=tmp_path)
+    done = run_ddpkit("run", "--unchanged", "--nproc-per-node", "2", str(tmp_path / ASIDE.name), str(out), *how,
+                      timeout=120, cwd=tmp_path)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
-    assert done.stderr.count("--unchanged stood aside: the script wraps its model in DDP") == 1, done.stderr
+    assert done.stderr.count(f"--unchanged stood aside: {said}") == 1, done.stderr
     for rank in (0, 1):
         found = json.loads((out / f"rank{rank}.json").read_text())
         assert found == {"batch sizes": [4] * 8, "torch.save": "torch.serialization", "open": True,
                          "iterate": "torch.utils.data.dataloader", "batch sampler": "torch.utils.data.sampler",
-                         "cross_entropy": "torch.nn.functional", "global hooks": 0}, rank
+                         "cross_entropy": "torch.nn.functional", "global hooks": 0, "RANK": [None, str(rank)],
+                         "init_process_group": True}, rank
         assert (out / f"model{rank}.pt").exists()
 
 
@@ -562,18 +599,26 @@ def test_under_an_outer_torchrun_each_line_of_the_script_is_printed_once(tmp_pat
     printed_once(done)
 
 
-# -- the public originals, as their authors wrote them -----------------------------------------------------------------
+# -- the public originals, as their authors wrote them (../shared/corpus) ----------------------------------------------
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
+    needs_corpus()
     return public_scripts_data(tmp_path_factory.mktemp("data"))
 
 
-def original(tmp: Path, script: str, nproc: int, *args: str, flags=()) -> tuple[Path, str]:
+def original(tmp: Path, script: str, nproc: int, *args: str, flags=(), links=(), folders=()) -> tuple[Path, str]:
+    """``ddpkit run --unchanged`` of the corpus's ``script`` on ``nproc`` processes, in a folder of its own that holds
+    ``links`` (name, target) and ``folders`` first: where the script reads its data and companions, and writes."""
     folder = tmp / f"{Path(script).parent.name}{nproc}"
     folder.mkdir()
+    for name in folders:
+        (folder / name).mkdir()
+    for name, target in links:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).symlink_to(target)
     done = run_ddpkit("run", "--unchanged", "--seed", "0", *flags, "--nproc-per-node", str(nproc),
-                      str(CONVERSIONS / script), *args, timeout=180, cwd=folder)
+                      str(CORPUS / script), *args, timeout=180, cwd=folder)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     return folder, done.stdout
 
@@ -586,22 +631,24 @@ def relative_difference(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not torch_at_least("2.6"), reason="pytorch/examples' ImageNet trainer uses torch.accelerator (2.6)")
 def test_the_imagenet_original_with_batch_norm_trains_on_two_processes_as_on_one(data, tmp_path):
-    # Its own --dummy data (FakeData: no random augmentation), resnet18 with BatchNorm, batches of 32 then 5 (3 + 2),
-    # each cut in two (the first at the model, its outputs gathered). In float32 the weights differ by float32's
-    # rounding in BatchNorm's backward, grown by the step: PyTorch's kernel on one process sums in float32, and its
-    # cancellations (a gradient less its mean over 32 x 32 x 32 values a channel after conv1) cost conv1's gradient
-    # about 1e-3 of itself; over two processes the sums are float64's. 9e-5 of the weights' norm seen over the two
-    # steps; the same two steps of resnet18 in float64 agree to 1e-15, and a method's error (an unweighted mean, a
-    # BatchNorm of the share alone) is 1e-2.
-    args = ["--dummy", "--dummy-train", "37", "--dummy-val", "37", "-a", "resnet18", "--num-classes", "6",
-            "--image-size", "64", "-j", "0", "-b", "32", "--lr", "0.01", "-p", "100", "--seed", "0", "--epochs", "1"]
-    (one, one_out), (two, two_out) = [original(tmp_path, "imagenet/original.py", nproc, *args) for nproc in (1, 2)]
+    # Its own code paths for DDP and DataParallel are there, each behind its flags: it runs under --unchanged. Images of
+    # one colour each (its random crops and flips, drawn differently on each process, leave them as they are),
+    # resnet18 with BatchNorm, 37 of them in batches of 32 then 5 (16 + 16, then 3 + 2), each cut in two (the first at
+    # the model, its outputs gathered). In float32 the weights differ by float32's rounding in BatchNorm's backward,
+    # grown by the step: PyTorch's kernel on one process sums in float32 (a gradient less its mean over 32 x 112 x 112
+    # values a channel after conv1), over two processes the sums are float64's. 1.9e-4 of the weights' norm seen over
+    # the two steps; a method's error (an unweighted mean, a BatchNorm of the share alone) is 1e-2.
+    args = [str(data / "flatfolder"), "-a", "resnet18", "-j", "0", "-b", "32", "--lr", "0.01", "-p", "100", "--seed",
+            "0", "--epochs", "1"]
+    (one, one_out), (two, two_out) = [original(tmp_path, "pytorch-examples/imagenet/main.py", nproc, *args)
+                                      for nproc in (1, 2)]
     weights = [torch.load(folder / "checkpoint.pth.tar", weights_only=True)["state_dict"] for folder in (one, two)]
     assert relative_difference(*weights) < 3e-4
-    # Its evaluation counts the 37 samples once (a count of 37); with weights float32's rounding apart, a prediction
-    # whose two best scores nearly tie may go either way: one sample's worth, 100/37 points, at most (one seen).
-    summary = r" \*   Acc@1 (\S+) Acc@5 (\S+) \(37 samples\)"
+    # Its evaluation counts the 37 samples once; with weights float32's rounding apart, a prediction whose two best
+    # scores nearly tie may go either way: one sample's worth, 100/37 points, at most.
+    summary = r" \*   Acc@1 (\S+) Acc@5 (\S+)"
     (one_summary,), (two_summary,) = re.findall(summary, one_out), re.findall(summary, two_out)
     assert all(abs(float(a) - float(b)) <= 100 / 37 + 1e-3 for a, b in zip(one_summary, two_summary))
     assert (two / "model_best.pth.tar").is_file()  # copied by every rank from the file rank 0 wrote first
@@ -610,14 +657,15 @@ def test_the_imagenet_original_with_batch_norm_trains_on_two_processes_as_on_one
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", [[], ["--shard", "always"]], ids=["replica", "sharded"])
 def test_the_nanogpt_original_cutting_its_batches_by_hand_trains_and_prints_as_on_one_process(data, tmp_path, sharding):
-    # Sharded too: AdamW's two parameter groups built before the first call, tied weights, a checkpoint with the
-    # optimizer's state dict.
-    args = ["--dataset", str(data / "chargpt"), "--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size",
-            "32", "--batch_size", "8", "--gradient_accumulation_steps", "4", "--eval_interval", "5", "--eval_iters",
-            "2", "--log_interval", "5", "--warmup_iters", "2", "--lr_decay_iters", "30", "--learning_rate", "3e-3",
-            "--min_lr", "3e-4", "--compile", "False", "--dtype", "float32", "--device", "cpu", "--out_dir", "gpt",
-            "--max_iters", "10"]
-    (one, one_out), (two, two_out) = [original(tmp_path, "nanogpt/original.py", nproc, *args, flags=sharding)
+    # nanoGPT distributes itself where a launcher's RANK is set: under --unchanged it finds none, and takes its one-device
+    # way. Its batches are drawn by hand (no DataLoader) and cut at the model. Sharded too: AdamW's two parameter groups
+    # built before the first call, tied weights, a checkpoint with the optimizer's state dict.
+    args = ["--dataset=chargpt", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=8",
+            "--gradient_accumulation_steps=4", "--eval_interval=5", "--eval_iters=2", "--log_interval=5",
+            "--warmup_iters=2", "--lr_decay_iters=30", "--learning_rate=3e-3", "--min_lr=3e-4", "--compile=False",
+            "--dtype=float32", "--device=cpu", "--out_dir=gpt", "--max_iters=10"]
+    links = [("configurator.py", CORPUS / "nanogpt" / "configurator.py"), ("data/chargpt", data / "chargpt")]
+    (one, one_out), (two, two_out) = [original(tmp_path, "nanogpt/train.py", nproc, *args, flags=sharding, links=links)
                                       for nproc in (1, 2)]
     weights = [torch.load(folder / "gpt" / "ckpt.pt", weights_only=False)["model"] for folder in (one, two)]
     assert relative_difference(*weights) < 1e-5
@@ -628,12 +676,16 @@ def test_the_nanogpt_original_cutting_its_batches_by_hand_trains_and_prints_as_o
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not torch_at_least("2.6"), reason="pytorch/examples' VAE uses torch.accelerator (torch>=2.6)")
 def test_the_vae_original_summing_its_loss_reaches_one_process_test_loss(data, tmp_path):
     # Its noise (the reparameterisation) is each sample's own draw: the runs agree in what they reach, not bit for bit.
-    args = ["--data", str(data), "--epochs", "1", "--batch-size", "64", "--log-interval", "100"]
+    # It reads MNIST from ../data and writes its images into results/, which must be there.
+    (tmp_path / "data").symlink_to(data)
+    args = ["--epochs", "1", "--batch-size", "64", "--log-interval", "100"]
     losses = []
     for nproc in (1, 2):
-        folder, out = original(tmp_path, "vae/original.py", nproc, *args, flags=["--loss-reduction", "sum"])
+        folder, out = original(tmp_path, "pytorch-examples/vae/main.py", nproc, *args,
+                               flags=["--loss-reduction", "sum"], folders=["results"])
         losses.append([float(value) for value in re.findall(r"====> Test set loss: (\S+)", out)])
         assert {path.name for path in (folder / "results").iterdir()} == {"sample_1.png", "reconstruction_1.png"}
     assert len(losses[1]) == 1 and losses[1][-1] == pytest.approx(losses[0][-1], rel=0.01), losses

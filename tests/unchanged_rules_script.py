@@ -12,7 +12,8 @@
   as on one process, and without it refused in one line;
 - **stream**: batches of an ``IterableDataset`` that shuffles itself with torch's global generator, through a
   DataLoader with 2 workers, each yielding every other sample; its last batch short;
-- **self-split** (named alone): a stream that gives each process its own samples, reading ``RANK``: left as it is;
+- **self-split** (named alone): a stream that gives each process its own samples, reading the group's rank: left
+  as it is;
 - **printed**: an ``nn.MSELoss`` and a ``F.binary_cross_entropy_with_logits`` whose ``loss.item()`` the script
   prints, and a model with BatchNorm that returns its own mean loss written by hand.
 
@@ -48,7 +49,8 @@ class Stream(IterableDataset):
 
 class SelfSplit(IterableDataset):
     def __iter__(self):
-        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        # (as WebDataset's split_by_node reads them; the launcher's RANK is not in a --unchanged script's environment)
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         for index in range(rank, len(inputs), world):
             yield inputs[index], targets[index]
 

@@ -13,6 +13,11 @@ Writes, under DIR:
       --classes classes (default 6) of small synthetic JPEGs (--size pixels):
       each class is a coloured shape on noise.  --train-per-class images per
       class for train, --val-images images in total for val (default 37: odd).
+  DIR/flatfolder/{train,val}/class_K/*.png
+      the same layout, each image of one colour (--flat-train and --flat-val
+      images, default 37 each: odd): random crops, resizes and flips leave such
+      an image as it is, so a run that draws them differently on each process
+      still reads the same pixels (the ImageNet trainer's weights compared).
   DIR/chargpt/{train.bin,val.bin,meta.pkl}
       a char-level nanoGPT dataset (uint16 token ids, meta.pkl with vocab_size,
       stoi, itos) from a generated text (--chars characters, 90/10 split).
@@ -98,6 +103,20 @@ def make_imagefolder(root, classes, train_per_class, val_total, size, seed):
     return sum(counts["train"]), sum(counts["val"])
 
 
+def make_flatfolder(root, classes, n_train, n_val, size, seed):
+    """Images of one colour each: a shade of the class's colour, so that the classes can be told apart."""
+    rng = np.random.default_rng(seed + 3)
+    for split, n in (("train", n_train), ("val", n_val)):
+        for i in range(n):
+            k = i % classes
+            shade = rng.uniform(0.5, 1.0)
+            color = tuple(int(c * shade) for c in COLORS[k % len(COLORS)])
+            d = os.path.join(root, "flatfolder", split, f"class_{k}")
+            os.makedirs(d, exist_ok=True)
+            Image.new("RGB", (size, size), color).save(os.path.join(d, f"{i:04d}.png"))
+    return n_train, n_val
+
+
 WORDS = ("the king queen lord lady night day sword crown love death heart blood fair foul sweet "
          "speak hear see come go stay fly rise fall bright dark old young true false my thy thou "
          "art shall will not never ever now then here there").split()
@@ -139,6 +158,8 @@ def main():
     p.add_argument("--train-per-class", type=int, default=20)
     p.add_argument("--val-images", type=int, default=37, help="total val images (default 37)")
     p.add_argument("--size", type=int, default=72, help="JPEG side in pixels (default 72)")
+    p.add_argument("--flat-train", type=int, default=37, help="one-colour train images (default 37)")
+    p.add_argument("--flat-val", type=int, default=37, help="one-colour val images (default 37)")
     p.add_argument("--chars", type=int, default=200_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true",
@@ -149,6 +170,8 @@ def main():
     print(f"MNIST-format digits: {n_tr} train / {n_te} test -> {a.out}/MNIST/raw")
     n_tr, n_va = make_imagefolder(a.out, a.classes, a.train_per_class, a.val_images, a.size, a.seed)
     print(f"ImageFolder: {a.classes} classes, {n_tr} train / {n_va} val -> {a.out}/imagefolder")
+    n_tr, n_va = make_flatfolder(a.out, a.classes, a.flat_train, a.flat_val, a.size, a.seed)
+    print(f"ImageFolder of one-colour images: {n_tr} train / {n_va} val -> {a.out}/flatfolder")
     v, n_tr, n_va = make_chars(a.out, a.chars, a.seed)
     print(f"char dataset: vocab {v}, {n_tr} train / {n_va} val tokens -> {a.out}/chargpt")
 

@@ -210,7 +210,12 @@ def explain(error: Exception) -> None:
             return
     if (process_group.set_up_by_ddpkit() and not _unchanged) or not up():
         return
-    runtime = process_group.Runtime(env=process_group.read_environment(), backend=dist.get_backend(),
+    environ = None
+    if _unchanged:
+        from ddpkit import unchanged
+
+        environ = unchanged.launcher_environment()  # (the script's own environment lacks the launcher's variables)
+    runtime = process_group.Runtime(env=process_group.read_environment(environ), backend=dist.get_backend(),
                                     device=torch.device("cpu"))
     explanation, missing = process_group.explain_timeout(error, runtime)
     if explanation:

@@ -19,7 +19,9 @@ What ddpkit puts into the script's processes, all of it here, before the script'
 
 A script that starts its own process group, wraps its model in DDP or FSDP, or is built on ddpkit or on another
 library that distributes it (Accelerate, Lightning, DeepSpeed, Horovod) runs as under ``ddpkit run``: --unchanged
-stands aside, saying so in one line (``stands_aside``: from the names its code uses, not from its comments). docs/unchanged.md says what is split, what is
+stands aside, saying so in one line (``stands_aside``: from the calls its code makes whenever it runs, not from its
+comments; a call behind a condition is found at run time: ``own_group``, ``adoption``). The script sees no launcher's
+variables meanwhile, as a one-device run (``own_group``). docs/unchanged.md says what is split, what is
 averaged, what stays the same and what it costs.
 """
 
@@ -36,6 +38,7 @@ import torch.distributed as dist
 from ddpkit.core import process_group
 from ddpkit.core.errors import UsageError
 from ddpkit.core.logs import logger
+from ddpkit.unchanged.own_group import Hidden
 
 LOSS_REDUCTIONS = ("mean", "sum", "coupled")
 
@@ -86,10 +89,13 @@ class Setting:
 
 
 def stands_aside(source: str) -> str | None:
-    """What makes ``source`` (a script's text) one that distributes itself, or None: a library it imports
-    (``DISTRIBUTING_LIBRARIES``), a name its code uses (``DISTRIBUTING_NAMES``), or a trainer of a library that
-    distributes itself (``DISTRIBUTING_TRAINERS``), wherever in the code, a branch included. Comments and strings count
-    for nothing. A script that does not parse is left to Python to refuse."""
+    """What makes ``source`` (a script's text) one that distributes itself whenever it runs, or None: a library it
+    imports (``DISTRIBUTING_LIBRARIES``), a trainer of a library that distributes itself (``DISTRIBUTING_TRAINERS``),
+    or a call of ``DISTRIBUTING_NAMES`` (under a name it imported one as, too) that no condition of the script's
+    guards (``unguarded_call``). A script that makes such a call only when told to (pytorch/examples' ImageNet trainer
+    with its ``--dist-*`` flags, nanoGPT where a launcher's RANK is set) runs under --unchanged, which stands aside
+    at run time if the call comes (``own_group``, ``adoption``). Comments and strings count for nothing. A script
+    that does not parse is left to Python to refuse."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
@@ -107,15 +113,66 @@ def stands_aside(source: str) -> str | None:
             trainer = next((name for name in imported if name in DISTRIBUTING_TRAINERS.get(library, ())), None)
             if trainer is not None and not node.level:
                 return f"trains through {library}.{trainer}"
-            named = next((name for name in imported if name in DISTRIBUTING_NAMES), None)
-        else:
-            named = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
-                    and node.attr in DISTRIBUTING_TRAINERS[aliases[node.value.id]]):
-                return f"trains through {aliases[node.value.id]}.{node.attr}"
-        if named in DISTRIBUTING_NAMES:
-            return f"uses {named}"
-    return None
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+              and node.attr in DISTRIBUTING_TRAINERS[aliases[node.value.id]]):
+            return f"trains through {aliases[node.value.id]}.{node.attr}"
+    called = unguarded_call(tree)
+    return None if called is None else f"calls {called}"
+
+
+def unguarded_call(tree: ast.AST) -> str | None:
+    """The first of ``DISTRIBUTING_NAMES`` that ``tree`` calls where no condition guards the call: at the top of the
+    module, of its ``if __name__ == "__main__":`` or of a function (a loop's body and a ``try``'s count as the top,
+    its handlers and an ``if``'s branches do not)."""
+    names = {name: name for name in DISTRIBUTING_NAMES}
+    names.update({alias.asname: alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                  for alias in node.names if alias.name in DISTRIBUTING_NAMES and alias.asname})
+
+    def visit(node: ast.AST, guarded: bool) -> str | None:
+        if isinstance(node, ast.Call) and not guarded:
+            callee = node.func
+            name = callee.id if isinstance(callee, ast.Name) else callee.attr if isinstance(callee, ast.Attribute) \
+                else None
+            if name in names:
+                return names[name]
+        for field, value in ast.iter_fields(node):
+            for index, child in enumerate(value if isinstance(value, list) else [value]):
+                if isinstance(child, ast.AST):
+                    found = visit(child, guarded or _guards(node, field, index))
+                    if found is not None:
+                        return found
+        return None
+
+    return visit(tree, False)
+
+
+def _guards(node: ast.AST, field: str, index: int) -> bool:
+    """Whether what ``node`` holds in ``field`` (its ``index``-th item) runs only on a condition."""
+    if isinstance(node, ast.If):
+        return field != "test" and not (field == "body" and _is_main_guard(node.test))
+    if isinstance(node, (ast.IfExp, ast.While)):
+        return field != "test"
+    if isinstance(node, (ast.For, ast.AsyncFor, ast.Try)):
+        return field in ("orelse", "handlers")
+    if isinstance(node, ast.BoolOp):
+        return index > 0  # `a and init_process_group()`: the right side is a condition's
+    return isinstance(node, ast.Match) and field == "cases"
+
+
+def _is_main_guard(test: ast.AST) -> bool:
+    """``__name__ == "__main__"``, either way round: the script's entry, not a condition."""
+    return (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)
+            and {ast.dump(test.left), ast.dump(test.comparators[0])}
+            == {ast.dump(ast.Name(id="__name__", ctx=ast.Load())), ast.dump(ast.Constant(value="__main__"))})
+
+
+HIDDEN = Hidden()  # the launcher's variables, out of the script's environment while --unchanged runs it
+
+
+def launcher_environment() -> dict[str, str]:
+    """This process's environment as the launcher set it, the variables that --unchanged keeps from the script
+    included (what ddpkit's own code reads of it)."""
+    return HIDDEN.environment()
 
 
 def install(setting: Setting) -> None:
@@ -130,7 +187,8 @@ def install(setting: Setting) -> None:
 
     private = outputs.install(runtime)
     seed = shared_seed(setting.seed, runtime)
-    _install_hooks(runtime, setting, seed, undo=[] if private is None else [private.uninstall])
+    HIDDEN.hide()  # the launcher's variables: the script's process is one device's (``own_group``)
+    _install_hooks(runtime, setting, seed, undo=[HIDDEN.give_back, *([] if private is None else [private.uninstall])])
     if runtime.is_main:
         many = runtime.world_size > 1
         logger.info(f"--unchanged: {runtime.world_size} process{'es' if many else ''} train as one device would"
@@ -146,6 +204,7 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int, 
     from ddpkit.unchanged.gathered import the_same_on_every_rank
     from ddpkit.unchanged.models import Models
     from ddpkit.unchanged.optimizers import Optimizers
+    from ddpkit.unchanged.own_group import OwnGroup
     from ddpkit.unchanged.randomness import Streams
     from ddpkit.unchanged.saving import SaveOnce
 
@@ -192,6 +251,9 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int, 
     saving = SaveOnce(rank=runtime.rank, wait_for_rank_0=wait_for_rank_0, sharding=shard != "never")
     saving.install()
     undo.append(saving.uninstall)
+    own_group = OwnGroup(rank=runtime.rank, stand_aside=stand_aside)
+    own_group.install()
+    undo.append(own_group.uninstall)
 
 
 def one_gpu_each(local_rank: int, local_world_size: int) -> bool:
