@@ -8,9 +8,10 @@ the same global batch, and pytorch/examples' ImageNet trainer on 1 and 2 process
    (``benchmarks/prepared_loop.py``) at ``--batch-size B``: the same global batch, the same model, one gloo group. R rounds, alternating which goes
    first (AB, BA, ...); each run reports its median step after a warm-up. Reported: each side's median over rounds
    and the ratio unchanged / prepare (goal: at most 1.05).
-2. **The ImageNet trainer** (``benchmarks/conversions/imagenet/original.py``, resnet18, its own ``--dummy`` data at
-   64 pixels, one epoch): the original as ``python original.py`` on one process, the same file under
-   ``--unchanged`` on 2, and its ``job.prepare`` conversion (``examples/imagenet_main.py``) on 2 at half the batch.
+2. **The ImageNet trainer** (pytorch/examples' ``imagenet/main.py`` as its authors wrote it, from the corpus beside
+   the project, ``../shared/corpus``; resnet18 at its 224-pixel crops of a small image folder, one epoch): the
+   original as ``python main.py`` on one process, the same file under ``--unchanged`` on 2, and its ``job.prepare``
+   conversion (``examples/imagenet_main.patch``, written out onto the original) on 2 at half the batch.
    Every process gets one thread (OMP_NUM_THREADS=1). Reported: the wall time of each run and the script's own
    average batch time.
 
@@ -33,8 +34,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LOOP = REPO / "benchmarks" / "unchanged_loop.py"
 PREPARED = REPO / "benchmarks" / "prepared_loop.py"
-IMAGENET = REPO / "benchmarks" / "conversions" / "imagenet" / "original.py"
-CONVERTED = REPO / "examples" / "imagenet_main.py"
+CONVERSIONS = REPO / "benchmarks" / "conversions"
+sys.path.insert(0, str(CONVERSIONS))
+import convert  # noqa: E402  (benchmarks/conversions/convert.py: the public scripts and their conversions)
+
+
+def imagenet_scripts(folder: str) -> tuple[Path, Path]:
+    """The ImageNet trainer as its authors wrote it, and its ``job.prepare`` conversion written into ``folder``."""
+    return convert.original_of("imagenet", "ddpkit"), convert.write("imagenet", "ddpkit", Path(folder) / "converted")
+
+
+def imagenet_data(folder: str, images: int) -> Path:
+    """An image folder of about ``images`` training images in 6 classes (and 37 to validate), made in ``folder``."""
+    out = Path(folder) / "data"
+    subprocess.run([sys.executable, str(CONVERSIONS / "make_data.py"), "--out", str(out), "--no-check",
+                    "--train-per-class", str(-(-images // 6))], check=True, capture_output=True)
+    return out / "imagefolder"
 
 
 def run(argv: list[str], cwd: str, threads: int | None = None) -> tuple[float, str]:
@@ -71,14 +86,16 @@ def step_times(rounds: int, batch: int, folder: str, norm: str) -> dict:
 
 
 def imagenet(folder: str, batch: int, images: int) -> dict:
-    common = ["--dummy", "--dummy-train", str(images), "--dummy-val", "64", "-a", "resnet18", "--num-classes", "10",
-              "--image-size", "64", "-j", "0", "--lr", "0.01", "--seed", "0", "--epochs", "1"]
+    original, converted = imagenet_scripts(folder)
+    data = imagenet_data(folder, images)
+    images = 6 * -(-images // 6)
+    common = [str(data), "-a", "resnet18", "-j", "0", "--lr", "0.01", "--seed", "0", "--epochs", "1"]
     last = images // batch - 1  # the progress line of the last batch: its average is the epoch's
     runs = {
-        "original, 1 process": [sys.executable, str(IMAGENET), *common, "-b", str(batch), "-p", str(last)],
-        "original --unchanged, 2 processes": ddpkit("--unchanged", "--seed", "0", str(IMAGENET), *common,
+        "original, 1 process": [sys.executable, str(original), *common, "-b", str(batch), "-p", str(last)],
+        "original --unchanged, 2 processes": ddpkit("--unchanged", "--seed", "0", str(original), *common,
                                                     "-b", str(batch), "-p", str(last)),
-        "job.prepare conversion, 2 processes": ddpkit(str(CONVERTED), *common, "-b", str(batch // 2),
+        "job.prepare conversion, 2 processes": ddpkit(str(converted), *common, "-b", str(batch // 2),
                                                       "-p", str(last)),
     }
     result = {}

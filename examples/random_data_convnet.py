@@ -1,90 +1,85 @@
-"""The random-data conv demo of the DDP quick-start tutorial, data-parallel with ddpkit.
+"""DataParallel or DistributedDataParallel, on the same small convolutional network and random images.
 
-Run it on 2 processes (2 GPUs, or 2 CPU processes with gloo on a machine without GPUs):
+    python examples/random_data_convnet.py --strategy dp                       # one process driving every GPU
+    ddpkit run --nproc-per-node 2 examples/random_data_convnet.py              # DDP: a process per GPU (or CPU share)
 
-    ddpkit run --nproc-per-node 2 examples/random_data_convnet.py --batch-size 32 --epochs 5
+The question the DDP tutorials start from, answered with one script: with ``dp`` a single process copies the model
+onto each GPU at every step, cuts the batch between them and gathers the outputs and gradients back on the first GPU;
+with ``ddp`` (the default) each process holds its own replica and its own share of the data, and the gradients are
+averaged while the backward pass runs. The ``Job`` is the only line that differs. ``--batch-size`` is what one process
+reads per step: DataParallel splits it across its GPUs, DDP's global batch is it times the number of processes
+(printed at the start). DataParallel needs CUDA; DDP runs on the CPU too, over gloo.
 
-``--batch-size`` is per process: the global batch is batch size x number of processes. Every line
-that differs from the tutorial's single-device script carries a ``# ddpkit:`` comment.
+The images are noise, the red channel a little brighter in those of one class and darker in the other's, so the
+loss has something to fall towards. Each epoch ends with its mean loss over every sample, summed over the processes.
 """
 
 import argparse
 
 import torch
 import torch.nn as nn
-from torch.optim import SGD
-from torch.utils.data import Dataset
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
-import ddpkit  # ddpkit: replaces DataLoader, DistributedSampler, DDP and init_process_group imports
-
-parser = argparse.ArgumentParser()
-# ddpkit: no --gpu_id / CUDA_VISIBLE_DEVICES: the launcher gives each process its own device
-parser.add_argument('--batch-size', type=int, default=32, help='per process')  # ddpkit: per process now
-parser.add_argument('--epochs', type=int, default=5)
-parser.add_argument('--dataset-size', type=int, default=128)
-parser.add_argument('--num-classes', type=int, default=10)
-parser.add_argument('--device', default='auto', choices=['auto', 'cpu', 'cuda'],  # ddpkit: new flag
-                    help='auto: one GPU per process when there are enough, else CPU (gloo)')
-config = parser.parse_args()
+import ddpkit
 
 
-# Define dataset sample
-class RandomDataset(Dataset):
-    def __init__(self, dataset_size, image_size=32):
-        images = torch.randn(dataset_size, 3, image_size, image_size)
-        labels = torch.zeros(dataset_size, dtype=int)
-        self.data = list(zip(images, labels))
-
-    def __getitem__(self, index):
-        return self.data[index]
-
-    def __len__(self):
-        return len(self.data)
+def noise_images(count: int, size: int = 32) -> TensorDataset:
+    """``count`` images of noise, the red channel of those labelled 1 a little brighter and of those labelled 0 a
+    little darker; the same on every process."""
+    generator = torch.Generator().manual_seed(1234)
+    images = torch.randn(count, 3, size, size, generator=generator)
+    labels = torch.randint(0, 2, (count,), generator=generator)
+    images[:, 0] += (labels.float() * 2 - 1).view(-1, 1, 1) * 0.5
+    return TensorDataset(images, labels)
 
 
-# Define the model (as in the tutorial: the softmax before CrossEntropyLoss caps how low the loss goes)
-class Model(nn.Module):
-    def __init__(self, num_classes):
-        super(Model, self).__init__()
-        self.conv2d = nn.Conv2d(3, 16, 3)
-        self.fc = nn.Linear(30 * 30 * 16, num_classes)
-        self.softmax = nn.Softmax(dim=1)
+class SmallConvNet(nn.Module):
+    """One convolution, pooled over the image, then a linear read-out of two logits."""
 
-    def forward(self, x):
-        batch_size = x.shape[0]
-        x = self.conv2d(x)
-        x = x.reshape(batch_size, -1)
-        x = self.fc(x)
-        out = self.softmax(x)
-        return out
+    def __init__(self, channels: int = 16) -> None:
+        super().__init__()
+        self.features = nn.Conv2d(3, channels, kernel_size=3, padding=1)
+        self.head = nn.Linear(channels, 2)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        pooled = F.relu(self.features(images)).mean(dim=(2, 3))
+        return self.head(pooled)
 
 
-# ddpkit: the job in a function: its DDP model and process-group objects are freed when it returns,
-# not while the interpreter shuts down (where freeing them can abort the process).
-def main():
-    # ddpkit: rank, device and process group, destroyed however the block ends; the block is indented.
-    with ddpkit.distributed(device=config.device) as rt:  # ddpkit
-        # Instantiate models, datasets, loaders, and optimizers
-        torch.manual_seed(0)  # ddpkit: every rank must generate the same random data set
-        model = Model(config.num_classes)
-        dataset = RandomDataset(config.dataset_size)
-        # ddpkit: DistributedSampler + DataLoader; set_epoch and moving batches to rt.device are done for you
-        loader = ddpkit.train_loader(dataset, batch_size=config.batch_size, runtime=rt, seed=0, in_memory=True)
-        loss_func = nn.CrossEntropyLoss()
-        model = ddpkit.prepare_model(model, rt)  # ddpkit: to this rank's device, wrapped in DDP
-        optimizer = SGD(model.parameters(), lr=0.1, momentum=0.9)
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--strategy", choices=["ddp", "dp"], default="ddp", help="how to use several devices (ddp)")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples one process reads per step (32)")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--samples", type=int, default=256, help="size of the random data set (256)")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="auto: a GPU per process where there are enough, else the CPU")
+    args = parser.parse_args()
 
-        # Start training
-        for epoch in range(config.epochs):
-            for step, (images, labels) in enumerate(loader):  # ddpkit: batches arrive on rt.device
-                preds = model(images)
-                loss = loss_func(preds, labels)
-                optimizer.zero_grad()
-                loss.backward()  # (DDP all-reduces the gradients during this call)
-                optimizer.step()
-                ddpkit.print0(rt, f'Step: {step}, Loss: {loss.item()}')  # ddpkit: global rank 0 only
-            ddpkit.print0(rt, f'Epoch {epoch} Finished !')  # ddpkit: global rank 0 only
+    job = ddpkit.Job(args.strategy, device=args.device)
+    torch.manual_seed(0)  # the model's first weights: the same on every process
+    model = SmallConvNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    loader = DataLoader(noise_images(args.samples), batch_size=args.batch_size, shuffle=True)
+    model, optimizer, loader = job.prepare(model, optimizer, loader)
+    if job.is_main:
+        print(f"{args.strategy}: {job.world_size} process(es), a global batch of {args.batch_size * job.world_size}")
+    for epoch in range(args.epochs):
+        total, seen = 0.0, 0
+        for step, (images, labels) in enumerate(loader):
+            loss = F.cross_entropy(model(images), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            total, seen = total + loss.item() * len(labels), seen + len(labels)
+            if job.is_main:
+                print(f"epoch {epoch} step {step}: loss {loss.item():.4f} (this process's share)")
+        total, seen = job.sum(total, seen)
+        if job.is_main:
+            print(f"epoch {epoch}: mean loss {total / seen:.4f} over {int(seen)} samples")
 
 
-if __name__ == "__main__":  # ddpkit
+if __name__ == "__main__":
     main()

@@ -354,3 +354,43 @@ def test_the_python_floor_check_finds_newer_syntax(tmp_path):
     newer = tmp_path / "newer.py"
     newer.write_text("try:\n    pass\nexcept* ValueError:\n    pass\n")  # exception groups: Python 3.11
     assert sources_newer_than((3, 10), [newer]) != [] and sources_newer_than((3, 11), [newer]) == []
+
+
+# -- only our own text: other people's scripts stay in the corpus beside the repository ----------------------------------
+
+SHARED = REPO.parent / "shared"
+SHARED_LINES = SHARED / "tools" / "shared_lines.py"
+
+
+def shared_lines(tree: Path, *references: Path) -> subprocess.CompletedProcess:
+    """``../shared/tools/shared_lines.py``: each file of ``tree`` that shares more than 14 lines over 30 characters
+    with one of ``references``' files, or more than 20% of that file's lines, listed; exit status 1 if any."""
+    return subprocess.run([sys.executable, str(SHARED_LINES), str(tree), *map(str, references)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def needs_shared() -> None:
+    import pytest
+
+    if not (SHARED_LINES.is_file() and (SHARED / "corpus").is_dir() and (SHARED / "seeds").is_dir()):
+        pytest.skip(f"no {SHARED_LINES} with the corpus and seeds beside it: the shared folder beside the repository")
+
+
+def test_no_file_of_the_project_repeats_other_peoples_text():
+    needs_shared()
+    done = shared_lines(REPO, SHARED / "corpus", SHARED / "seeds")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_text_check_finds_a_planted_copy_and_a_planted_excerpt(tmp_path):
+    needs_shared()
+    original = SHARED / "corpus" / "pytorch-examples" / "imagenet" / "main.py"
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "borrowed.py").write_text(original.read_text())
+    long_lines = [line for line in original.read_text().splitlines() if len(line.strip()) > 30]
+    (tmp_path / "docs.md").write_text("# notes\n\n" + "\n".join(long_lines[100:115]) + "\n")  # 15 of its lines
+    (tmp_path / "ours.py").write_text("\n".join(long_lines[100:114]) + "\n")  # 14: the most a file may share
+    done = shared_lines(tmp_path, SHARED / "corpus", SHARED / "seeds")
+    assert done.returncode == 1
+    listed = sorted(line.split(":")[0] for line in done.stdout.splitlines())
+    assert listed == [str(tmp_path / "docs.md"), str(tmp_path / "examples" / "borrowed.py")], done.stdout
