@@ -484,6 +484,36 @@ def test_standing_aside_at_run_time_takes_out_every_hook_and_the_script_runs_on_
         assert (out / f"model{rank}.pt").exists()
 
 
+COPIES = """
+import torch
+from ddpkit import unwrap  # a library that distributes scripts, imported: --unchanged stands aside before the start
+
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(unwrap(model).parameters(), lr=0.1)
+for step in range(3):
+    optimizer.zero_grad()
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    optimizer.step()
+    print("step", step, "done")
+"""
+
+
+def test_a_script_that_stood_aside_and_would_train_a_copy_per_process_stops_before_its_first_step(tmp_path):
+    """--unchanged stood aside (the script imports a library that distributes scripts: Lightning's Trainer(devices=1)
+    is such a one-device script), and the script starts no process group: each process would train its own copy.
+    Copies are never what --unchanged asks for: every rank stops at the first step, in one line (before: N copies,
+    and a warning telling the user who typed --unchanged to use --unchanged)."""
+    (tmp_path / "copies.py").write_text(COPIES)
+    done = run_ddpkit("run", "--unchanged", "--nproc-per-node", "2", "copies.py", timeout=120, cwd=tmp_path)
+    assert done.returncode == 2, f"{done.stdout}\n{done.stderr}"
+    assert "step 0 done" not in done.stdout and "Traceback" not in done.stderr, done.stdout + done.stderr
+    assert done.stderr.count("--unchanged stood aside: copies.py distributes itself (it imports ddpkit)") == 1
+    assert re.search(r"ddpkit: error: --unchanged stood aside \(the script imports ddpkit\), and the script steps its "
+                     r"optimizer with no process group: each of the 2 processes would train its own copy",
+                     done.stderr), done.stderr
+    assert "`ddpkit run --unchanged` splits" not in done.stderr
+
+
 TRAINER = str(Path(__file__).with_name("unchanged_trainer_script.py"))
 
 

@@ -416,7 +416,9 @@ def _unchanged_argument(ns: argparse.Namespace) -> list[str]:
         logger.warning(f"--unchanged stood aside: {ns.script} distributes itself (it {named}), and runs as under ddpkit run"
                        + (f"; {TRAINER_BATCH}" if named.startswith("trains through") else ""))
     ns.unchanged = False
-    return []
+    from ddpkit.app.watched import STOOD_ASIDE
+
+    return [f"{STOOD_ASIDE}{named}"]  # (a script that then trains copies, with no group, is stopped: ``watched``)
 
 
 def _refuse_address(ns: argparse.Namespace) -> None:

@@ -19,7 +19,8 @@ itself; this module then stands aside. Under ``--unchanged`` ddpkit starts the g
 (``ddpkit.unchanged``) and watches it as it would the script's own.
 
 A script on several processes that steps an optimizer with no process group trains a copy of its model per process:
-it is told so once, with the way out (``--unchanged``).
+it is told so once, with the way out (``--unchanged``); where ``--unchanged`` was asked for and stood aside, it is
+stopped before that step, in one line.
 
 Once the script has returned (or called ``sys.exit``), the process ends as Python's exit would, but without the
 interpreter's teardown (``ddpkit.core.exits.leave``): a rank that did all its work is never reported failed because
@@ -42,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.core import exits, logs, process_group, progress, signals
-from ddpkit.core.errors import UsageError
+from ddpkit.core.errors import EXIT_USAGE, UsageError
 from ddpkit.core.logs import logger
 from ddpkit.watch import heartbeat
 from ddpkit.watch.activity import Activity
@@ -55,10 +56,12 @@ def main(argv: list[str]) -> None:
     """Run the script ``argv`` names (``SCRIPT ARGS`` or ``-m MODULE ARGS``) as ``python`` would, watched."""
     # Before the script, in either order: torchrun's legacy --local-rank=N (ddpkit run --local-rank-arg) and
     # ddpkit run --unchanged's setting.
-    unchanged_setting, local_rank = None, []
-    while argv and argv[0].startswith((UNCHANGED, "--local-rank=")):
+    unchanged_setting, stood_aside, local_rank = None, None, []
+    while argv and argv[0].startswith((UNCHANGED, STOOD_ASIDE, "--local-rank=")):
         if argv[0].startswith(UNCHANGED):
             unchanged_setting = argv.pop(0).partition("=")[2]
+        elif argv[0].startswith(STOOD_ASIDE):
+            stood_aside = argv.pop(0).partition("=")[2]
         else:
             local_rank = [argv.pop(0)]
     signals.end_with_parent_if_asked()  # a rank a Ray worker started ends with it
@@ -73,7 +76,7 @@ def main(argv: list[str]) -> None:
         unchanged.install(unchanged.Setting.decode(unchanged_setting))
         _unchanged = True
     if not _unchanged:
-        tell_of_copies()
+        tell_of_copies(stood_aside)
     threading.Thread(target=watch_when_up, name="ddpkit-watch", daemon=True).start()
     sys.argv = [target, *local_rank, *args]
     try:
@@ -92,6 +95,7 @@ def main(argv: list[str]) -> None:
 
 
 UNCHANGED = "--unchanged="  # the first argument under ``ddpkit run --unchanged``: ``ddpkit.unchanged.Setting``
+STOOD_ASIDE = "--unchanged-stood-aside="  # instead, where --unchanged stood aside before the start: what the script does
 _unchanged = False  # --unchanged is on in this process
 
 
@@ -110,25 +114,38 @@ def source_of(target: str, module: bool) -> str | None:
         return None
 
 
-def tell_of_copies() -> None:
+def tell_of_copies(stood_aside: str | None = None) -> None:
     """Under ``ddpkit run`` on several processes, a script that steps an optimizer with no process group trains the
-    same copy once per process: say so once, on the first step (rank 0), naming the way to split its batches."""
+    same copy once per process: say so once, on the first step (rank 0), naming the way to split its batches. Where
+    ``--unchanged`` was asked for and stood aside (``stood_aside``: what the script does, as the launcher read it: a
+    library it imports), copies are never what was asked: every rank stops there, before the step, in one line."""
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world_size < 2 or os.environ.get("RANK", "0") != "0":
+    if world_size < 2 or (stood_aside is None and os.environ.get("RANK", "0") != "0"):
         return
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     stepped = []
+    if stood_aside is not None:
+        exits.usage_errors_in_one_line()
 
     def first_step(optimizer, args, kwargs) -> None:
         # (Kept, not removed: removing it while torch goes through the hooks breaks the step when a hook follows it.)
         if stepped:
             return
         stepped.append(True)
-        if not up():
-            logger.warning(f"this script steps its optimizer with no process group: each of the {world_size} processes "
-                           "trains its own copy of the model on the same data. `ddpkit run --unchanged` splits its "
-                           "batches across them and averages their gradients, with no change to the script")
+        if up():
+            return
+        if stood_aside is not None:
+            if os.environ.get("RANK", "0") != "0":
+                exits.leave(EXIT_USAGE)  # (said once: rank 0's line; every rank stops before its step)
+            raise UsageError(f"--unchanged stood aside (the script {stood_aside}), and the script steps its optimizer "
+                             f"with no process group: each of the {world_size} processes would train its own copy on "
+                             "the same data. Run it on one process, or let its library distribute it (Lightning: "
+                             f"Trainer(devices={world_size}); Accelerate: Accelerator(cpu=True) on a CPU) under "
+                             "`ddpkit run`, without --unchanged")
+        logger.warning(f"this script steps its optimizer with no process group: each of the {world_size} processes "
+                       "trains its own copy of the model on the same data. `ddpkit run --unchanged` splits its "
+                       "batches across them and averages their gradients, with no change to the script")
 
     register_optimizer_step_pre_hook(first_step)
 
