@@ -514,6 +514,65 @@ def test_a_script_that_stood_aside_and_would_train_a_copy_per_process_stops_befo
     assert "`ddpkit run --unchanged` splits" not in done.stderr
 
 
+PREFETCHED = """
+import sys
+import torch, torch.nn as nn, torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from timm.data.loader import PrefetchLoader
+
+torch.set_default_dtype(torch.float64)
+torch.manual_seed(0)
+# Images as a decoder gives them (bytes: the wrapper normalises them), 29 in batches of 6: the last one 5 (3 + 2).
+images, labels = torch.randint(0, 256, (29, 3, 8, 8), dtype=torch.uint8), torch.randint(0, 4, (29,))
+def prefetched(shuffle):
+    return PrefetchLoader(DataLoader(TensorDataset(images, labels), batch_size=6, shuffle=shuffle),
+                          device=torch.device("cpu"), img_dtype=torch.float64)
+train, val = prefetched(True), prefetched(False)
+model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 4))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+for epoch in range(2):
+    model.train()
+    for x, y in train:
+        loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        print(f"epoch {epoch}: {len(x)} rows, loss {loss.item():.9f}")
+    model.eval()
+    with torch.no_grad():
+        correct = sum(int((model(x).argmax(1) == y).sum()) for x, y in val)
+    print(f"epoch {epoch}: {correct} of 29 right")
+model.train()  # a step on a batch of the script's own, after the passes: the same on every process, computed whole
+x, y = (torch.rand(7, 3, 8, 8) - 0.5) * 4, torch.randint(0, 4, (7,))
+loss = F.cross_entropy(model(x), y)
+optimizer.zero_grad()
+loss.backward()
+optimizer.step()
+print(f"epoch 2: its own batch, loss {loss.item():.9f}")
+torch.save(model.state_dict(), sys.argv[1])
+"""
+
+
+def test_a_loader_that_a_wrapper_fetches_ahead_trains_and_prints_as_on_one_process(tmp_path):
+    """timm's PrefetchLoader holds a batch ahead of the step, and hands out the pass's last one after its DataLoader
+    has ended (before: the run stopped there, in a message about a loss its model never returned). Its batches are
+    read whole and cut at the model: float64, 2 processes against 1, every printed line and the weights, with
+    BatchNorm and a short last batch. Then a step on a batch the script makes itself, the same on every process:
+    computed whole (before: refused, in the same message)."""
+    pytest.importorskip("timm")
+    (tmp_path / "prefetched.py").write_text(PREFETCHED)
+    outs, weights = [], []
+    for nproc in (1, 2):
+        done = run_ddpkit("run", "--unchanged", "--seed", "0", "--nproc-per-node", str(nproc), "prefetched.py",
+                          f"w{nproc}.pt", timeout=120, cwd=tmp_path)
+        assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+        outs.append(re.findall(r"^epoch \d: .*$", done.stdout, re.M))
+        weights.append(torch.load(tmp_path / f"w{nproc}.pt"))
+    assert outs[0] == outs[1] and len(outs[1]) == 13, outs
+    assert relative_difference(*weights) < 1e-9
+    assert done.stderr.count("a wrapper around a DataLoader fetches its batches ahead of the step") == 1
+
+
 TRAINER = str(Path(__file__).with_name("unchanged_trainer_script.py"))
 
 

@@ -214,7 +214,8 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int, 
                   coupled=setting.loss_reduction == "coupled")
     control = process_group.control_group(runtime)
     loaders = Loaders(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams,
-                      the_same_everywhere=lambda found: the_same_on_every_rank([fingerprint(found)], control))
+                      the_same_everywhere=lambda found: the_same_on_every_rank([fingerprint(found)], control),
+                      most_anywhere=lambda number: most_on_any_rank(number, control))
     loaders.install()
     undo.append(loaders.uninstall)
     if runtime.world_size > 1:
@@ -245,7 +246,8 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int, 
 
     models = Models(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams,
                     witness=loaders.witness, shard=shard, optimizers=optimizers, wait_for_rank_0=wait_for_rank_0,
-                    stand_aside=stand_aside, find_unused=setting.find_unused)
+                    stand_aside=stand_aside, find_unused=setting.find_unused,
+                    the_same_everywhere=lambda args: the_same_on_every_rank([fingerprint(args)], control))
     models.install()
     undo.append(models.uninstall)
     saving = SaveOnce(rank=runtime.rank, wait_for_rank_0=wait_for_rank_0, sharding=shard != "never")
@@ -254,6 +256,13 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int, 
     own_group = OwnGroup(rank=runtime.rank, stand_aside=stand_aside)
     own_group.install()
     undo.append(own_group.uninstall)
+
+
+def most_on_any_rank(number: int, group) -> int:
+    """``number``'s largest value over the ranks of ``group`` (one all-reduce)."""
+    values = torch.tensor([number], dtype=torch.int64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return int(values.item())
 
 
 def one_gpu_each(local_rank: int, local_world_size: int) -> bool:

@@ -32,6 +32,12 @@ NOT_SPLIT = ("--unchanged: this model's batches come from no DataLoader; it retu
              "they are split where they enter it, but it returns none now, and a loss computed outside it would meet "
              "targets that were not split: return the loss from every call, or give the script a DataLoader over a "
              "map-style data set, or run it without --unchanged")
+# A model first called on a DataLoader's batches, then trained on a batch that no pass handed out and that differs
+# across the ranks (a loader's share that could not be followed to the model): there is no one device's batch to cut.
+NOT_FOLLOWED = ("--unchanged: this model was first called on a DataLoader's batches, and now trains on a batch that "
+                "no DataLoader's pass handed out and that differs across the processes (a batch of a loader that "
+                "ddpkit could not follow to the model): give it its batches from the DataLoader, or from one wrapper "
+                "that fetches them ahead, or run it without --unchanged")
 
 
 class AtTheModel:
@@ -47,6 +53,8 @@ class AtTheModel:
         # Whether a model's calls on a loader's whole batch can be cut at the model, its outputs gathered (``learn``).
         self.cut_whole: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
         self._kept: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()  # a tried call's buffers
+        # Models whose first call, on batches no loader split, returned their loss: split at their calls from then on.
+        self.with_loss: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def split(self, args: tuple) -> tuple[tuple, Share]:
         """This rank's share of the batch in ``args``: each tensor argument cut along its first dimension. (With a

@@ -17,6 +17,13 @@ start (``Pass``; docs/unchanged.md, "Training or evaluation: the rule"):
   model in eval mode): every rank reads the whole batches to the end, as one process does, so that the script's own
   sums and counts are those of one process.
 
+A wrapper that fetches a loader's batches ahead of the step (timm's ``PrefetchLoader``, a prefetching thread) hands
+the model a batch other than the one handed out last, and the pass's last batch after the pass has ended: there is
+no following each batch to its model. Where a training pass's first training call finds more than one batch handed
+out on any rank (one all-reduce a pass), the loader is read whole by every rank from then on, every pass, and each
+batch is cut where it enters the model (exact; the reading is every rank's); such a pass, its loader done, stays the
+current one until another pass begins, for the last batch that the wrapper still holds: ``Pass.ahead``.
+
 A loader whose batches cannot be split by index, a stream's (an ``IterableDataset``) or one without a batch sampler
 (``batch_size=None``), is followed the same way, its batches whole on every rank: every rank reads the stream in the
 same order, and a model called to train on one of its batches computes this rank's share of it, its outputs gathered
@@ -105,15 +112,20 @@ class Pass:
     evaluated: bool = False
     own_streams: bool = False  # this rank's own random streams (``Streams.enter_pass``) are on for this pass
     own_batches: bool | None = None  # a stream's pass: whether each rank's batches are its own (None: not seen yet)
+    handed_out: int = 0  # batches handed out since the last training call (before the first: since the pass began)
+    ahead: bool = False  # its batches are fetched ahead of the step: all whole, cut at the models
+    drained: bool = False  # its loader has no more, but a batch it handed out may still be on its way to a model
 
 
 class Loaders:
     """Takes over the script's DataLoaders as they are iterated (``install``), and follows each pass."""
 
     def __init__(self, *, rank: int, world_size: int, batch: Batch, streams: Streams,
-                 the_same_everywhere: Callable[[object], bool] = lambda batch: True):
+                 the_same_everywhere: Callable[[object], bool] = lambda batch: True,
+                 most_anywhere: Callable[[int], int] = lambda number: number):
         self.rank = rank
         self.the_same_everywhere = the_same_everywhere  # whether a batch is the same on every rank (a collective)
+        self.most_anywhere = most_anywhere  # a number's largest value over the ranks (a collective)
         self.world_size = world_size
         self.batch = batch
         self.streams = streams
@@ -121,9 +133,11 @@ class Loaders:
         self._original_iter: Callable | None = None
         self._passes: list[Pass] = []  # the passes going on, the one that handed out a batch last at the end
         self._trained_before: weakref.WeakSet[SplitBatchSampler] = weakref.WeakSet()  # their last pass trained
+        self._fetched_ahead: weakref.WeakSet[SplitBatchSampler] = weakref.WeakSet()  # read whole, cut at the models
         self._taken: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # loaders whose batch sampler is wrapped
         self._warned = False
         self._said_own_batches = False
+        self._said_ahead = False
 
     def install(self) -> None:
         self._original_iter = DataLoader.__iter__
@@ -145,6 +159,7 @@ class Loaders:
             loader.__dict__["batch_sampler"] = split.batches
 
     def iterate(self, loader: DataLoader):
+        self._end_drained()  # a new pass: what the last one handed out has reached its model
         sampler = self.split_sampler(loader)
         if sampler is None:  # a stream's batches, whole on every rank: split at the models
             return self.follow(loader, Pass(None)) if self.world_size > 1 else self._original_iter(loader)
@@ -159,6 +174,8 @@ class Loaders:
         self.batch.loader_passes += 1
         if this.sampler is not None and this.sampler in self._trained_before:
             self._own_streams(this)
+        this.ahead = this.sampler is not None and this.sampler in self._fetched_ahead
+        ended = True
         try:
             for batch in self._original_iter(loader):
                 self._settle(this)
@@ -167,18 +184,34 @@ class Loaders:
                     self._say_own_batches(this)
                 this.share = None if this.sampler is None else this.sampler.shares.popleft()
                 this.trained, this.evaluated = False, False
+                this.handed_out += 1
                 self._make_current(this)
                 yield batch
+        except GeneratorExit:
+            ended = False  # the script left the loop (a break): nothing it handed out is still on its way
+            raise
         finally:
-            self.batch.loader_passes -= 1
-            if this in self._passes:
-                self._passes.remove(this)
-            if this.own_streams:
-                self.streams.leave_pass()
             if this.sampler is not None:
                 (self._trained_before.add if this.training else self._trained_before.discard)(this.sampler)
-            if self._passes:
-                self._make_current(self._passes[-1])  # an enclosing pass goes on with the batch it handed out
+            if this.own_streams:  # (between passes the streams are the shared ones again)
+                this.own_streams = False
+                self.streams.leave_pass()
+            if ended and this.ahead and this.training:
+                this.drained = True  # its last batch, held by the wrapper, is this pass's: until another pass begins
+                self._make_current(this)  # whole, as handed out (the call on the batch before cut that one)
+            else:
+                self._end(this)
+
+    def _end(self, this: Pass) -> None:
+        self.batch.loader_passes -= 1
+        if this in self._passes:
+            self._passes.remove(this)
+        if self._passes:
+            self._make_current(self._passes[-1])  # an enclosing pass goes on with the batch it handed out
+
+    def _end_drained(self) -> None:
+        for this in [this for this in self._passes if this.drained]:
+            self._end(this)
 
     def witness(self, *, training: bool) -> None:
         """One of the script's models was called (``unchanged.models``): in training (gradients on, training mode),
@@ -190,11 +223,27 @@ class Loaders:
             this.evaluated = True
             return
         this.trained = True
+        held, this.handed_out = this.handed_out, 0
         if not this.training:
             this.training = True
             if this.sampler is not None:  # (a stream's batches stay whole, and so do its streams: every rank reads it)
-                this.sampler.whole = self.batch.coupled  # the batches drawn from here on are split (but at the models)
+                this.ahead = this.ahead or self.fetched_ahead(this.sampler, held)
+                this.sampler.whole = self.batch.coupled or this.ahead  # split from here on (but at the models)
                 self._own_streams(this)
+
+    def fetched_ahead(self, sampler: SplitBatchSampler, held: int) -> bool:
+        """Whether a wrapper fetches ``sampler``'s loader's batches ahead of the step: more than one handed out before
+        the pass's first training call, on any rank (a thread's count may differ: one all-reduce decides for all).
+        Such a loader's batches are read whole and cut at the models from then on (see the module), said once."""
+        if self.world_size == 1 or self.most_anywhere(held) <= 1:
+            return False
+        self._fetched_ahead.add(sampler)
+        if self.rank == 0 and not self._said_ahead:
+            logger.warning("--unchanged: a wrapper around a DataLoader fetches its batches ahead of the step (timm's "
+                           "PrefetchLoader, a prefetching thread): every process reads that loader's batches whole, "
+                           "and each batch is cut where it enters the model (exact; the loading is every process's)")
+        self._said_ahead = True
+        return True
 
     def _settle(self, this: Pass) -> None:
         """What the batch handed out last showed, before the next is handed out: a split batch of a training pass

@@ -29,9 +29,10 @@ import torch.nn as nn
 from torch.nn.modules import module as module_hooks
 from torch.utils import _pytree as pytree
 
+from ddpkit.core.errors import UsageError
 from ddpkit.data.split_batches import share_sizes
 from ddpkit.unchanged.adoption import Adoption, is_trainable
-from ddpkit.unchanged.at_the_model import AtTheModel, call_keywords, returns_a_loss
+from ddpkit.unchanged.at_the_model import NOT_FOLLOWED, AtTheModel, call_keywords, returns_a_loss
 from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.divided import KEYWORDS_SEEN, Call, Evaluations
 from ddpkit.unchanged.gathered import ScaleGradient, gathered
@@ -47,9 +48,10 @@ class Models:
     def __init__(self, *, rank: int, world_size: int, batch: Batch, streams: Streams,
                  witness: Callable[..., None], shard: str = "never", optimizers=None,
                  wait_for_rank_0: Callable[[], None] = lambda: None, stand_aside: Callable[[], None] = lambda: None,
-                 find_unused: bool = False):
+                 find_unused: bool = False, the_same_everywhere: Callable[[object], bool] = lambda args: True):
         self.rank = rank
         self.witness = witness  # told of each call of a model: in training or not (``Loaders.witness``)
+        self.the_same_everywhere = the_same_everywhere  # whether a call's arguments are the same on every rank
         self.world_size = world_size
         self.batch = batch
         self.streams = streams
@@ -101,6 +103,12 @@ class Models:
         from_loader = self.batch.loader_passes > 0 and not self.batch.coupled
         # (One process: nothing to split. A model whose first call returned no loss: every call whole, below.)
         split = self.world_size > 1 and not from_loader and not first and not self.at_the_model.is_whole(module)
+        if split and not self.batch.coupled and module not in self.at_the_model.with_loss:
+            # First called on a loader's batches, now on one that no pass handed out: where it is the same on every
+            # rank (the script's own, from the shared streams), one device's computation, whole; else no way to it.
+            if not self.the_same_everywhere(args):
+                raise UsageError(NOT_FOLLOWED, said_elsewhere=self.rank != 0)
+            split = False
         share, whole_args, cut = None, args, None
         if split:
             args, share = self.at_the_model.split(args)
@@ -169,8 +177,11 @@ class Models:
         replica = self.adoption.replicas.get(module)
         if call.tried and replica is not None:
             replica.begin()
-        if not split and call.learning and self.world_size > 1 and not returns_a_loss(output):
-            self.at_the_model.computed_whole(module)
+        if not split and call.learning and self.world_size > 1:
+            if returns_a_loss(output):
+                self.at_the_model.with_loss.add(module)  # split at its calls from now on
+            else:
+                self.at_the_model.computed_whole(module)
         elif not split and self.batch.loader_passes and self.batch.whole and not self.batch.coupled \
                 and self.world_size > 1:
             self.at_the_model.learn(module, call.whole_args, kwargs, output)
