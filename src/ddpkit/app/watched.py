@@ -119,8 +119,8 @@ def tell_of_copies(stood_aside: str | None = None) -> None:
     same copy once per process: say so once, on the first step (rank 0), naming the way to split its batches. Where
     ``--unchanged`` was asked for and stood aside (``stood_aside``: what the script does, as the launcher read it: a
     library it imports), copies are never what was asked: every rank stops there, before the step, in one line."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world_size < 2 or (stood_aside is None and os.environ.get("RANK", "0") != "0"):
+    world_size, main = int(os.environ.get("WORLD_SIZE", "1") or 1), os.environ.get("RANK", "0") == "0"
+    if world_size < 2 or (stood_aside is None and not main):
         return
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -136,7 +136,7 @@ def tell_of_copies(stood_aside: str | None = None) -> None:
         if up():
             return
         if stood_aside is not None:
-            if os.environ.get("RANK", "0") != "0":
+            if not main:
                 exits.leave(EXIT_USAGE)  # (said once: rank 0's line; every rank stops before its step)
             raise UsageError(f"--unchanged stood aside (the script {stood_aside}), and the script steps its optimizer "
                              f"with no process group: each of the {world_size} processes would train its own copy on "

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import os
 import random
 
@@ -200,8 +201,7 @@ def install(setting: Setting) -> None:
 def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int, *, undo: list) -> None:
     """Every hook of --unchanged's; each one's ``uninstall`` goes into ``undo``, which standing aside at run time calls
     (a script found to distribute itself runs as under ``ddpkit run``, nothing of ours left in its way)."""
-    from ddpkit.unchanged.batches import Batch, Loaders, fingerprint
-    from ddpkit.unchanged.gathered import the_same_on_every_rank
+    from ddpkit.unchanged.batches import Batch, Loaders
     from ddpkit.unchanged.models import Models
     from ddpkit.unchanged.optimizers import Optimizers
     from ddpkit.unchanged.own_group import OwnGroup
@@ -213,8 +213,9 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int, 
     batch = Batch(world_size=runtime.world_size, summed=setting.loss_reduction == "sum",
                   coupled=setting.loss_reduction == "coupled")
     control = process_group.control_group(runtime)
+    the_same_everywhere = functools.partial(alike_on_every_rank, group=control)
     loaders = Loaders(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams,
-                      the_same_everywhere=lambda found: the_same_on_every_rank([fingerprint(found)], control),
+                      the_same_everywhere=the_same_everywhere,
                       most_anywhere=lambda number: most_on_any_rank(number, control))
     loaders.install()
     undo.append(loaders.uninstall)
@@ -247,7 +248,7 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int, 
     models = Models(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams,
                     witness=loaders.witness, shard=shard, optimizers=optimizers, wait_for_rank_0=wait_for_rank_0,
                     stand_aside=stand_aside, find_unused=setting.find_unused,
-                    the_same_everywhere=lambda args: the_same_on_every_rank([fingerprint(args)], control))
+                    the_same_everywhere=the_same_everywhere)
     models.install()
     undo.append(models.uninstall)
     saving = SaveOnce(rank=runtime.rank, wait_for_rank_0=wait_for_rank_0, sharding=shard != "never")
@@ -256,6 +257,15 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int, 
     own_group = OwnGroup(rank=runtime.rank, stand_aside=stand_aside)
     own_group.install()
     undo.append(own_group.uninstall)
+
+
+def alike_on_every_rank(found, group) -> bool:
+    """Whether ``found`` (a batch, or a call's arguments) is the same on every rank of ``group``: one all-reduce of its
+    fingerprint (``batches.fingerprint``)."""
+    from ddpkit.unchanged.batches import fingerprint
+    from ddpkit.unchanged.gathered import the_same_on_every_rank
+
+    return the_same_on_every_rank([fingerprint(found)], group)
 
 
 def most_on_any_rank(number: int, group) -> int:
