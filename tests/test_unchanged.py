@@ -254,10 +254,16 @@ def test_evaluations_written_every_way_count_every_sample_once_and_training_betw
     assert all(share < 0.6 * whole for share in shares) if KEYWORDS_SEEN else shares == [whole, whole], (whole, shares)
 
 
-def test_a_gans_noise_differs_across_ranks_and_rank_0_alone_writes_what_torch_save_writes(runs):
-    out, _, _ = runs["mean", 2]
+def test_a_gans_noise_is_one_devices_draw_and_rank_0_alone_writes_what_torch_save_writes(runs):
+    """The GAN's loop reads its batch's size to draw its noise: not proven on split batches, so its loader takes the
+    gathered way, and every rank draws the whole batch's noise from the shared streams, as one device does: the
+    generator's weights are one process's."""
+    (out, done, two), (one_out, _, one) = runs["mean", 2], runs["both", 1]
     draws = [path.read_text() for path in out.glob("draws-*.json")]  # the script's own files: one per rank
-    assert len(draws) == 2 and draws[0] != draws[1]
+    assert len(draws) == 2 and draws[0] == draws[1] == next(one_out.glob("draws-*.json")).read_text()
+    assert worst_relative_difference({"gan": one["weights"]["gan"]}, {"gan": two["weights"]["gan"]}) < 1e-12
+    assert done.stderr.count("a training step that is not proven exact on split batches (it reads the batch's size") \
+        == 1, done.stderr
     assert sorted(path.name for path in out.iterdir() if not path.name.startswith(("draws-", "rows-"))) == \
         ["best.pt", "log.csv", "mlruns", "result.pt", "tb", "whole.pt"]
 
@@ -573,6 +579,43 @@ def test_a_loader_that_a_wrapper_fetches_ahead_trains_and_prints_as_on_one_proce
     assert done.stderr.count("a wrapper around a DataLoader fetches its batches ahead of the step") == 1
 
 
+STEPS = str(Path(__file__).with_name("unchanged_steps_script.py"))
+
+
+def steps_run(tmp: Path, nproc: int, *flags: str) -> tuple[dict, list[str], str]:
+    """tests/unchanged_steps_script.py under ``--unchanged FLAGS`` on ``nproc`` processes: its weights, its printed
+    lines and its stderr."""
+    out = tmp / f"steps{nproc}{''.join(flags)}"
+    out.mkdir()
+    done = run_ddpkit("run", "--unchanged", "--seed", "3", *flags, "--nproc-per-node", str(nproc), STEPS, str(out),
+                      timeout=120, cwd=tmp)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    return torch.load(out / "result.pt"), re.findall(r"^\w+ \d: .*$", done.stdout, re.M), done.stderr
+
+
+def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
+    (weights_one, printed_one, _), (weights_two, printed_two, said) = one, two
+    assert printed_one == printed_two and len(printed_two) == 4 * 10 + 2, printed_two  # (10 steps a part, 2 epochs' lines)
+    for part, weights in weights_one.items():
+        assert relative_norm(weights, weights_two[part]) < 1e-9, part
+    assert said.count("a training step that is not proven exact on split batches") == 1, said
+
+
+@pytest.fixture(scope="module")
+def steps_one(tmp_path_factory) -> tuple:
+    return steps_run(tmp_path_factory.mktemp("steps"), 1)
+
+
+def test_steps_that_a_split_would_change_take_the_gathered_way_and_train_and_print_as_on_one_process(steps_one,
+                                                                                                    tmp_path):
+    """Each of these steps is silently different on split batches; none needs a flag: a contrastive loss over two
+    views by two calls of the encoder with a learned temperature, a summed loss with SGD, a masked mean written by
+    hand, a denoiser whose loop draws its noise and levels, and the classic loop that prints its epoch's loss from
+    ``loss.item() * inputs.size(0)`` and its accuracy from ``(preds == labels).sum()``. float64, 2 processes
+    against 1: every printed line and every weight, to 1e-9."""
+    assert_steps_as_on_one_process(steps_one, steps_run(tmp_path, 2))
+
+
 TRAINER = str(Path(__file__).with_name("unchanged_trainer_script.py"))
 
 
@@ -766,15 +809,15 @@ def test_the_nanogpt_original_cutting_its_batches_by_hand_trains_and_prints_as_o
 
 @pytest.mark.slow
 @pytest.mark.skipif(not torch_at_least("2.6"), reason="pytorch/examples' VAE uses torch.accelerator (torch>=2.6)")
-def test_the_vae_original_summing_its_loss_reaches_one_process_test_loss(data, tmp_path):
-    # Its noise (the reparameterisation) is each sample's own draw: the runs agree in what they reach, not bit for bit.
+def test_the_vae_original_summing_its_loss_reaches_one_process_test_loss_with_no_flag(data, tmp_path):
+    # Its summed loss takes the gathered way, found from its step. Its noise (the reparameterisation, inside the
+    # model) is each sample's own draw: the runs agree in what they reach, not bit for bit.
     # It reads MNIST from ../data and writes its images into results/, which must be there.
     (tmp_path / "data").symlink_to(data)
     args = ["--epochs", "1", "--batch-size", "64", "--log-interval", "100"]
     losses = []
     for nproc in (1, 2):
-        folder, out = original(tmp_path, "pytorch-examples/vae/main.py", nproc, *args,
-                               flags=["--loss-reduction", "sum"], folders=["results"])
+        folder, out = original(tmp_path, "pytorch-examples/vae/main.py", nproc, *args, folders=["results"])
         losses.append([float(value) for value in re.findall(r"====> Test set loss: (\S+)", out)])
         assert {path.name for path in (folder / "results").iterdir()} == {"sample_1.png", "reconstruction_1.png"}
     assert len(losses[1]) == 1 and losses[1][-1] == pytest.approx(losses[0][-1], rel=0.01), losses

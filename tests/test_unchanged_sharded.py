@@ -515,3 +515,12 @@ def test_an_averaged_model_over_buffers_too_is_refused_in_one_line_before_traini
     said = averaged_with_buffers([plain, over_buffers, model], [plain.module, over_buffers.module])
     assert said.startswith("--unchanged --shard: AveragedModel(..., use_buffers=True) averages the model's buffers")
     assert said.endswith("or run with --shard never") and "\n" not in said
+
+
+@pytest.mark.slow
+def test_steps_that_take_the_gathered_way_train_sharded_as_on_one_process(sharding_torch, tmp_path):
+    """tests/unchanged_steps_script.py under ``--shard always`` on 2 processes against 1: every printed line and every
+    weight to 1e-9 (the gathered way with FSDP2's averaging)."""
+    from test_unchanged import assert_steps_as_on_one_process, steps_run
+
+    assert_steps_as_on_one_process(steps_run(tmp_path, 1), steps_run(tmp_path, 2, "--shard", "always"))

@@ -154,12 +154,12 @@ def add_run_command(commands) -> None:
                      help="with --unchanged: the seed every process starts from, so that a run can be repeated and "
                           "1 and N processes compared (default: one drawn per run, and printed)")
     run.add_argument("--loss-reduction", choices=("mean", "sum", "coupled"), default=None,
-                     help="with --unchanged: how the script's loss reduces over its batch; `sum` for a loss summed "
-                          "over the samples (reduction='sum', as pytorch/examples' VAE), which --unchanged cannot "
-                          "tell from a mean; `coupled` for a loss that couples the samples (in-batch negatives: "
-                          "CLIP, SimCLR): every process loads the whole batch, each computes its share of the "
-                          "model's forward, and the outputs are gathered, so any loss is exact "
-                          "(default: mean, PyTorch's default)")
+                     help="with --unchanged: an override, needed only for batches that no DataLoader makes (cut by "
+                          "hand). A DataLoader's steps are decided from the step itself: split where the loss is "
+                          "proven a mean over rows, else gathered as DataParallel computes them (docs/unchanged.md). "
+                          "`sum`: the loss is summed over the samples; `coupled`: every process loads the whole batch, "
+                          "each computes its share of the model's forward, and the outputs are gathered, so any loss "
+                          "is exact (default: decided from the step)")
     run.add_argument("--find-unused-parameters", action="store_true", default=None,
                      help="with --unchanged: DDP looks for parameters left without a gradient at every step "
                           "(find_unused_parameters), for a model that uses all of its parameters at its first step and "

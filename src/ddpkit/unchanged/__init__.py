@@ -248,7 +248,7 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int, 
     models = Models(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams,
                     witness=loaders.witness, shard=shard, optimizers=optimizers, wait_for_rank_0=wait_for_rank_0,
                     stand_aside=stand_aside, find_unused=setting.find_unused,
-                    the_same_everywhere=the_same_everywhere)
+                    the_same_everywhere=the_same_everywhere, watching=lambda: loaders.watching)
     models.install()
     undo.append(models.uninstall)
     saving = SaveOnce(rank=runtime.rank, wait_for_rank_0=wait_for_rank_0, sharding=shard != "never")

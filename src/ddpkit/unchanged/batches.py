@@ -24,6 +24,13 @@ out on any rank (one all-reduce a pass), the loader is read whole by every rank 
 batch is cut where it enters the model (exact; the reading is every rank's); such a pass, its loader done, stays the
 current one until another pass begins, for the last batch that the wrapper still holds: ``Pass.ahead``.
 
+A training pass's batches are split only where the script's step is proven exact on shares (``step_rule``): a
+loader's first training step is taken whole, cut at the model, and watched; where the step is not proven (a loss that
+couples the rows, a sum, the batch's size read, a draw of the loop's), the loader's batches are read whole and cut at
+the models from then on, as a fetched-ahead loader's (``Pass.ahead``, the gathered way), and the loop's draws are
+then the shared streams' (each rank holds the whole batch, and draws for it as one device does). Decided once per
+loader, the same on every rank (one all-reduce); said once.
+
 A loader whose batches cannot be split by index, a stream's (an ``IterableDataset``) or one without a batch sampler
 (``batch_size=None``), is followed the same way, its batches whole on every rank: every rank reads the stream in the
 same order, and a model called to train on one of its batches computes this rank's share of it, its outputs gathered
@@ -47,6 +54,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from ddpkit.core.logs import logger
 from ddpkit.data.split_batches import Share, SharedStream, SplitBatchSampler
 from ddpkit.unchanged.randomness import Streams, derived_seed
+from ddpkit.unchanged.step_rule import StepWatch
 
 
 @dataclasses.dataclass
@@ -113,7 +121,9 @@ class Pass:
     own_streams: bool = False  # this rank's own random streams (``Streams.enter_pass``) are on for this pass
     own_batches: bool | None = None  # a stream's pass: whether each rank's batches are its own (None: not seen yet)
     handed_out: int = 0  # batches handed out since the last training call (before the first: since the pass began)
-    ahead: bool = False  # its batches are fetched ahead of the step: all whole, cut at the models
+    ahead: bool = False  # the gathered way: all its batches whole, cut at the models (fetched ahead, or not proven)
+    watch: StepWatch | None = None  # what the script does with the batch handed out last (``step_rule``)
+    evaluating: bool = False  # a batch was evaluated and none trained: not watched from then on
     drained: bool = False  # its loader has no more, but a batch it handed out may still be on its way to a model
 
 
@@ -134,10 +144,14 @@ class Loaders:
         self._passes: list[Pass] = []  # the passes going on, the one that handed out a batch last at the end
         self._trained_before: weakref.WeakSet[SplitBatchSampler] = weakref.WeakSet()  # their last pass trained
         self._fetched_ahead: weakref.WeakSet[SplitBatchSampler] = weakref.WeakSet()  # read whole, cut at the models
+        # Whether each loader's training steps take the gathered way (True) or the split way (False): ``step_rule``.
+        self._gathered: weakref.WeakKeyDictionary[SplitBatchSampler, bool] = weakref.WeakKeyDictionary()
+        self.watching: StepWatch | None = None  # the step being watched, if any (``unchanged.models`` sets it aside)
         self._taken: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # loaders whose batch sampler is wrapped
         self._warned = False
         self._said_own_batches = False
         self._said_ahead = False
+        self._said_gathered = False
 
     def install(self) -> None:
         self._original_iter = DataLoader.__iter__
@@ -172,9 +186,10 @@ class Loaders:
         last pass trained starts in this rank's own random streams (before the loader draws its workers' seeds);
         another enters them when the pass shows that it trains."""
         self.batch.loader_passes += 1
-        if this.sampler is not None and this.sampler in self._trained_before:
+        this.ahead = this.sampler is not None and (this.sampler in self._fetched_ahead
+                                                   or self._gathered.get(this.sampler, False))
+        if this.sampler is not None and this.sampler in self._trained_before and not this.ahead:
             self._own_streams(this)
-        this.ahead = this.sampler is not None and this.sampler in self._fetched_ahead
         ended = True
         try:
             for batch in self._original_iter(loader):
@@ -186,11 +201,14 @@ class Loaders:
                 this.trained, this.evaluated = False, False
                 this.handed_out += 1
                 self._make_current(this)
+                self._watch(this, batch)
                 yield batch
+                self._watched(this)  # (the script asks for the next batch: the step on this one is over)
         except GeneratorExit:
             ended = False  # the script left the loop (a break): nothing it handed out is still on its way
             raise
         finally:
+            self._watched(this, decide=False)  # (left early: no step was seen to its end)
             if this.sampler is not None:
                 (self._trained_before.add if this.training else self._trained_before.discard)(this.sampler)
             if this.own_streams:  # (between passes the streams are the shared ones again)
@@ -228,17 +246,65 @@ class Loaders:
             this.training = True
             if this.sampler is not None:  # (a stream's batches stay whole, and so do its streams: every rank reads it)
                 this.ahead = this.ahead or self.fetched_ahead(this.sampler, held)
-                this.sampler.whole = self.batch.coupled or this.ahead  # split from here on (but at the models)
-                self._own_streams(this)
+                if not this.ahead and self._gathered.get(this.sampler) is False or not self.watches():
+                    this.sampler.whole = self.batch.coupled or this.ahead  # split from here on (but at the models)
+                    if not this.ahead:
+                        self._own_streams(this)
+                # (Else whole, in the shared streams, until the step shows its way: ``_watched``.)
+
+    def watches(self) -> bool:
+        """Whether a loader's way is decided from its step (not where --loss-reduction sum or coupled says it)."""
+        return not (self.batch.summed or self.batch.coupled)
+
+    def _watch(self, this: Pass, batch) -> None:
+        """Watch what the script does with ``batch``, where the pass's loader has no way yet and the pass did not
+        evaluate (``step_rule``)."""
+        if (this.sampler is None or this.sampler in self._gathered or this.evaluating or not self.watches()
+                or this.sampler in self._fetched_ahead):
+            return
+        this.watch = self.watching = StepWatch()
+        this.watch.begin(batch)
+
+    def _watched(self, this: Pass, *, decide: bool = True) -> None:
+        """The step on the batch handed out last is over: where it trained, its loader's way is decided from it (a
+        collective: every rank is here, the script having asked for its next batch)."""
+        watch, this.watch = this.watch, None
+        if watch is None:
+            return
+        if self.watching is watch:
+            self.watching = None
+        reason = watch.end()
+        this.evaluating = this.evaluating or (watch.evaluated and not watch.trained and not this.training)
+        if not watch.trained or this.sampler is None or not decide:
+            return
+        gathered = self.most_anywhere(int(reason is not None)) > 0  # (the same on every rank)
+        logger.debug("--unchanged: a loader's training step "
+                     + (f"is not proven split: {reason}" if reason else "is proven split")
+                     + (" here, but not on another process" if gathered and not reason else ""))
+        self._gathered[this.sampler] = gathered
+        if gathered:
+            this.ahead = True
+            self._say_gathered(reason)
+        elif this.training and not this.ahead:
+            this.sampler.whole = False  # split from the next batch drawn
+            self._own_streams(this)
+
+    def _say_gathered(self, reason: str | None) -> None:
+        if self.rank == 0 and not self._said_gathered and self.world_size > 1:
+            logger.info("--unchanged: a training step that is not proven exact on split batches ("
+                        + (reason or "on another process") + "): every process reads each of that loader's batches "
+                        "whole and computes its share of the model's rows, the outputs gathered, so the script's loss "
+                        "and numbers are one device's (docs/unchanged.md, \"Split or gathered\")")
+        self._said_gathered = True
 
     def fetched_ahead(self, sampler: SplitBatchSampler, held: int) -> bool:
         """Whether a wrapper fetches ``sampler``'s loader's batches ahead of the step: more than one handed out before
         the pass's first training call, on any rank (a thread's count may differ: one all-reduce decides for all).
         Such a loader's batches are read whole and cut at the models from then on (see the module), said once."""
-        if self.world_size == 1 or self.most_anywhere(held) <= 1:
+        if self.most_anywhere(held) <= 1:  # (one process too: its random streams are then used as N processes use them)
             return False
         self._fetched_ahead.add(sampler)
-        if self.rank == 0 and not self._said_ahead:
+        if self.rank == 0 and not self._said_ahead and self.world_size > 1:
             logger.warning("--unchanged: a wrapper around a DataLoader fetches its batches ahead of the step (timm's "
                            "PrefetchLoader, a prefetching thread): every process reads that loader's batches whole, "
                            "and each batch is cut where it enters the model (exact; the loading is every process's)")

@@ -48,8 +48,10 @@ class Models:
     def __init__(self, *, rank: int, world_size: int, batch: Batch, streams: Streams,
                  witness: Callable[..., None], shard: str = "never", optimizers=None,
                  wait_for_rank_0: Callable[[], None] = lambda: None, stand_aside: Callable[[], None] = lambda: None,
-                 find_unused: bool = False, the_same_everywhere: Callable[[object], bool] = lambda args: True):
+                 find_unused: bool = False, the_same_everywhere: Callable[[object], bool] = lambda args: True,
+                 watching: Callable[[], object] = lambda: None):
         self.rank = rank
+        self.watching = watching  # the training step being watched (``step_rule.StepWatch``), or None
         self.witness = witness  # told of each call of a model: in training or not (``Loaders.witness``)
         self.the_same_everywhere = the_same_everywhere  # whether a call's arguments are the same on every rank
         self.world_size = world_size
@@ -92,6 +94,18 @@ class Models:
         self.depth += 1
         if self.depth != 1 or self.off:
             return None
+        watch = self.watching()
+        if watch is None:
+            return self._before(module, args)
+        watch.pause()  # (a model's code is not the script's loop: ``step_rule``)
+        calls = len(self._calls)
+        try:
+            return self._before(module, args)
+        finally:
+            if len(self._calls) == calls:
+                watch.resume()  # not a model (a loss module): its code is the script's step
+
+    def _before(self, module: nn.Module, args: tuple):
         if not (module.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()):
             return self.evaluating(module, args)
         first = False
@@ -160,6 +174,15 @@ class Models:
         self.depth -= 1
         if self.depth != 0 or not self._calls or self._calls[-1].module is not module:
             return None
+        call = self._calls[-1]
+        result = self._after(module, args, kwargs, output)
+        watch = self.watching()
+        if watch is not None and output is not RAISED:
+            watch.outputs(output if result is None else result, training=not call.evaluating)
+            watch.resume()
+        return result
+
+    def _after(self, module: nn.Module, args: tuple, kwargs: dict, output=RAISED):
         call = self._calls.pop()
         if output is RAISED:  # the call raised (torch then calls this hook without its keywords): unwound only
             if call.share is not None and not call.evaluating:

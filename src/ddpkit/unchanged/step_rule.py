@@ -1,0 +1,296 @@
+"""Split or gathered: which way a loader's training steps take, decided from what the script's first step does with
+its batch (``ddpkit run --unchanged``).
+
+Two ways give one device's step. **Gathered** (DataParallel's): every process holds the whole batch, each model call
+computes this process's rows of it, and its outputs are gathered, with their gradients, into the whole batch's on
+every process; the script's own code after the model (its loss, its printed numbers, its draws) then runs on the
+whole batch everywhere, as on one device. That is exact whatever the code does, and costs every process the whole
+batch's loading and the code after the model. **Split**: the loader hands each process its share, and the script's
+code runs on shares; that is exact only where the code is a mean over rows that ddpkit accounts for.
+
+A loader's first training step is taken the gathered way, and watched (``StepWatch``, a ``TorchFunctionMode`` on the
+script's code alone: it is set aside while a model's call runs). The step is **proven split** when everything that
+the script computes from the batch and from the models' outputs, outside the models, is
+
+- **row-wise**: elementwise arithmetic and functions of rows against constants (a Python number, a tensor of the
+  script's own with no row dimension), conversions and moves, indexing and reductions along other dimensions than the
+  rows', ``cat``/``stack`` along another dimension;
+- **a mean that ddpkit accounts for** on the split way: a loss of ``torch.nn.functional`` with ``reduction="mean"``
+  (``counted``: its value is then the whole batch's), or a plain ``.mean()`` over everything (its gradient is weighed
+  by the share; its value is the share's, so the script must not read it), then sums and constant multiples of such;
+- and the backward starts from such a mean.
+
+Anything else is not proven, and the loader's steps take the gathered way from then on (said once, with the first
+reason seen): a product of rows with each other (``z @ z.t()``), a sum over the batch, a division by a count the
+script computed, a ``cat`` of rows, sorting, any read of the batch's size or of its values (``inputs.size(0)``,
+``(preds == labels).sum()``, ``.item()`` of a share's mean), a random draw (diffusion's noise and timesteps), a tensor
+that trains read outside a model (a learned temperature), a function not in the lists here. Unknown is gathered: the
+lists prove, they never guess.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode
+from torch.utils import _pytree as pytree
+
+ROWS, LOSS, MEAN = "rows", "loss", "mean"  # kinds of tracked tensors: a batch's rows, a mean valued whole, a share's
+# Functions of one tensor's elements (and Tensor methods of the same names, in place or not).
+ELEMENTWISE = frozenset("""abs absolute acos arccos acosh asin asinh atan atanh ceil clamp clamp_min clamp_max clip
+cos cosh deg2rad digamma erf erfc erfinv exp exp2 expm1 fix floor frac lgamma log log10 log1p log2 logit nan_to_num
+neg negative positive rad2deg reciprocal relu relu6 round rsqrt sigmoid sign sgn sin sinc sinh sqrt square tan tanh
+trunc elu selu celu gelu silu mish softplus softsign hardtanh hardsigmoid hardswish leaky_relu logsigmoid tanhshrink
+threshold float double half bfloat16 to cuda cpu contiguous detach clone type type_as requires_grad_ detach_
+__neg__ __pos__ __abs__ __invert__ pow __pow__ __rpow__ float_power fill_ zero_ xlogy zeros_like ones_like full_like
+empty_like""".split())
+# Elementwise functions of two or more tensors (broadcast): row-wise where their rows are the same rows.
+BINARY = frozenset("""add sub subtract mul multiply div divide true_divide floor_divide remainder fmod atan2 maximum
+minimum fmax fmin hypot lerp addcmul addcdiv where masked_fill copysign logaddexp logaddexp2 __add__ __radd__ __iadd__
+__sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__ __rtruediv__ __itruediv__ __div__ __rdiv__
+__floordiv__ __mod__ binary_cross_entropy_with_logits_none""".split())
+# Functions along a dimension (``dim``, their second positional argument or keyword): row-wise along any but 0.
+ALONG = {"softmax": 1, "log_softmax": 1, "normalize": 2, "sum": 1, "mean": 1, "amax": 1, "amin": 1, "logsumexp": 1,
+         "cumsum": 1, "cumprod": 1, "norm": 2, "gather": 1, "squeeze": 1, "unsqueeze": 1, "flatten": 1,
+         "cat": 1, "concat": 1, "concatenate": 1, "stack": 1, "prod": 1, "var": 1, "std": 1}
+# Losses whose mean ddpkit accounts for on a split batch (``counted``); ``reduction="none"`` gives rows.
+LOSSES = frozenset({"cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+                    "binary_cross_entropy", "binary_cross_entropy_with_logits"})
+DRAWS = frozenset("""rand randn randint randperm rand_like randn_like randint_like normal bernoulli multinomial poisson
+normal_ uniform_ bernoulli_ random_ exponential_ geometric_ cauchy_ log_normal_ dropout dropout1d dropout2d
+dropout3d alpha_dropout feature_alpha_dropout""".split())
+# A tensor's properties that are not its values: their reads tell nothing of the batch's rows (``data`` is the tensor
+# itself; ``shape`` is the batch's size, and ``T``, ``mT``, ``H``, ``mH`` turn its rows into columns).
+NOT_NEUTRAL_PROPERTIES = frozenset({"shape", "T", "mT", "H", "mH", "real", "imag"})
+# Methods that tell nothing of the values (hooks that libraries put on outputs, the memory's layout).
+NEUTRAL_METHODS = frozenset({"register_hook", "retain_grad", "register_post_accumulate_grad_hook", "data_ptr",
+                             "untyped_storage", "storage_offset", "stride", "is_contiguous", "element_size",
+                             "get_device", "dim", "ndimension", "is_floating_point", "is_complex", "__hash__",
+                             "requires_grad_", "record_stream", "_is_view", "is_shared", "is_pinned"})
+READS_OF_A_MEAN = frozenset({"item", "__float__", "__format__", "__repr__", "__str__", "tolist", "numpy", "cpu",
+                             "__int__", "__bool__", "__index__"})
+
+
+class Unproven(Exception):
+    """What the step did that is not proven exact on the split way (the message: the first such thing)."""
+
+
+class StepWatch(TorchFunctionMode):
+    """Follows the tensors of one training step through the script's code (see the module): ``begin`` with the
+    batch handed out, ``outputs`` of each model call (``pause``/``resume`` around it), ``end`` for the verdict."""
+
+    def __init__(self):
+        super().__init__()
+        self.kinds: dict[int, tuple[weakref.ref, str]] = {}
+        self.reason: str | None = None  # the first thing not proven
+        self.backward = False  # a backward from a mean that ddpkit accounts for was seen
+        self.trained = False  # a model was called to train while watching
+        self.evaluated = False  # a model was called without training while watching
+        self.rows = 0
+        self.on = False
+
+    # -- the window -------------------------------------------------------------------------------------------------
+
+    def begin(self, batch) -> None:
+        """A batch handed out: its tensors whose first dimension is the batch's (the most common one) are its rows."""
+        tensors = [leaf for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+        sizes = [tensor.size(0) for tensor in tensors]
+        if sizes:
+            self.rows = max(set(sizes), key=sizes.count)
+            for tensor in tensors:
+                if tensor.size(0) == self.rows:
+                    self.mark(tensor, ROWS)
+        self.resume()
+
+    def pause(self) -> bool:
+        """Out of torch's function modes while a model runs (its code is not the script's loop; a compiled model sees
+        no mode of ours). False where another mode was pushed above ours: the step is then not proven."""
+        if not self.on:
+            return True
+        if _get_current_function_mode() is not self:
+            self.unproven("another torch function mode was entered during the step")
+            return False
+        self.__exit__(None, None, None)
+        self.on = False
+        return True
+
+    def resume(self) -> None:
+        if not self.on:
+            self.__enter__()
+            self.on = True
+
+    def outputs(self, output, *, training: bool) -> None:
+        """A model's call returned ``output``: its tensors with the batch's rows are rows, a loss it returned (one
+        element, requiring grad) a mean valued whole (``at_the_model.whole_batch_losses`` makes it so)."""
+        self.trained = self.trained or training
+        self.evaluated = self.evaluated or not training
+        for leaf in pytree.tree_leaves(output):
+            if isinstance(leaf, torch.Tensor):
+                if leaf.dim() > 0 and leaf.size(0) == self.rows:
+                    self.mark(leaf, ROWS)
+                elif leaf.numel() == 1 and leaf.requires_grad:
+                    self.mark(leaf, LOSS)
+
+    def end(self) -> str | None:
+        """The verdict once the step is over: None where it is proven split, else what was not proven."""
+        self.pause()
+        if self.reason is None and not self.backward:
+            self.unproven("no backward from a mean of the batch was seen")
+        self.kinds.clear()
+        return self.reason
+
+    # -- what each function does to the kinds ----------------------------------------------------------------------
+
+    def mark(self, tensor: torch.Tensor, kind: str) -> None:
+        key = id(tensor)
+        self.kinds[key] = (weakref.ref(tensor, lambda _: self.kinds.pop(key, None)), kind)
+
+    def kind(self, value) -> str | None:
+        held = self.kinds.get(id(value)) if isinstance(value, torch.Tensor) else None
+        return held[1] if held is not None and held[0]() is value else None
+
+    def unproven(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if self.reason is None:
+            try:
+                kind = self.follow(func, args, kwargs, result)
+            except Unproven as why:
+                self.unproven(str(why))
+            except Exception as error:  # (a call whose arguments the rules do not read: not proven, and said so)
+                self.unproven(f"{getattr(func, '__name__', func)} was called in a way the rules do not read "
+                              f"({type(error).__name__}: {error})")
+            else:
+                if kind is not None:
+                    for leaf in pytree.tree_leaves(result):
+                        if isinstance(leaf, torch.Tensor):
+                            self.mark(leaf, kind)
+        return result
+
+    def follow(self, func, args: tuple, kwargs: dict, result) -> str | None:
+        """The kind of ``result`` (None: untracked), or ``Unproven``."""
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # a property of a tensor: func is the property's getter
+            name = getattr(getattr(func, "__self__", None), "__name__", "")
+            if name == "data":
+                return self.kind(args[0])
+            if name not in NOT_NEUTRAL_PROPERTIES:
+                return None
+        if name in NEUTRAL_METHODS:
+            return None
+        if name in DRAWS:
+            raise Unproven(f"it draws at random outside the model ({name})")
+        leaves = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        kinds = [self.kind(leaf) for leaf in leaves]
+        tracked = [kind for kind in kinds if kind is not None]
+        if not tracked:
+            return None
+        if any(kind is None and leaf.requires_grad for leaf, kind in zip(leaves, kinds)):
+            raise Unproven(f"a tensor that trains is used outside the model, with the batch's ({name})")
+        if name in ("backward", "grad"):
+            if set(tracked) <= {LOSS, MEAN}:
+                self.backward = True
+                return None
+            raise Unproven("its backward starts from something other than a mean over the batch")
+        if ROWS in tracked:
+            if LOSS in tracked or MEAN in tracked:
+                raise Unproven(f"it combines the batch's rows with a mean ({name})")
+            return self.of_rows(name, func, args, kwargs, leaves, kinds, result)
+        return self.of_means(name, tracked, leaves, kinds)
+
+    def of_rows(self, name, func, args, kwargs, leaves, kinds, result) -> str:
+        if name in LOSSES:
+            reduction = kwargs.get("reduction", "mean")
+            if kwargs.get("size_average") is not None or kwargs.get("reduce") is not None:
+                raise Unproven(f"{name} with the legacy size_average or reduce")
+            if reduction == "mean":
+                return LOSS
+            if reduction == "none":
+                return self.rows_of(result, name)
+            raise Unproven(f"{name} with reduction={reduction!r} (a sum over the batch)")
+        if name == "mean" and _dim(args, kwargs, 1) is None:
+            return MEAN
+        # Other tensors used with rows: constants that do not reach across rows (no dimension of their own matched
+        # to the rows', or one of size 1).
+        rows_rank = max(leaf.dim() for leaf, kind in zip(leaves, kinds) if kind == ROWS)
+        for leaf, kind in zip(leaves, kinds):
+            if kind is None and leaf.dim() == rows_rank and leaf.size(0) != 1:
+                raise Unproven(f"{name} of the batch's rows with a tensor of as many dimensions")
+        in_place = name[:-1] if name.endswith("_") and not name.startswith("_") else name
+        if in_place in ELEMENTWISE or in_place in BINARY:
+            return self.rows_of(result, name)
+        if name in ALONG:
+            dim = _dim(args, kwargs, ALONG[name])
+            if dim is None and name in ("normalize", "squeeze"):
+                return self.rows_of(result, name)  # (normalize: along dimension 1; squeeze: rows_of checks)
+            if dim is not None and 0 not in _dims(dim if isinstance(dim, (tuple, list)) else [dim], _rank(args)):
+                return self.rows_of(result, name)
+            if name == "sum":
+                raise Unproven("it sums over the batch")
+        if name == "__getitem__" and _keeps_rows(args[1]):
+            return self.rows_of(result, name)
+        if name in ("transpose", "swapaxes", "swapdims") and 0 not in _dims(
+                [*args[1:3], *(kwargs.get(key) for key in ("dim0", "dim1", "axis0", "axis1"))], args[0].dim()):
+            return self.rows_of(result, name)
+        if name in ("size", "shape", "__len__", "numel", "nelement") or name in READS_OF_A_MEAN:
+            if name == "size" and len(args) > 1 and args[1] not in (0, -args[0].dim()):
+                return None  # the size of another dimension than the rows'
+            raise Unproven(f"it reads the batch's {'size' if name != 'item' else 'values'} ({name})")
+        raise Unproven(f"it computes {name} over the batch's rows")
+
+    def rows_of(self, result, name: str) -> str:
+        tensors = [leaf for leaf in pytree.tree_leaves(result) if isinstance(leaf, torch.Tensor)]
+        if tensors and all(tensor.dim() > 0 and tensor.size(0) == self.rows for tensor in tensors):
+            return ROWS
+        raise Unproven(f"{name} leaves the batch's rows")
+
+    def of_means(self, name, tracked, leaves, kinds) -> str | None:
+        if name in READS_OF_A_MEAN:
+            if MEAN in tracked:
+                raise Unproven(f"it reads a mean that its share computed ({name})")
+            return None
+        if name in ("add", "sub", "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__neg__",
+                    "neg", "detach", "clone", "to", "float", "double", "half", "bfloat16", "cuda", "contiguous",
+                    "add_", "sub_"):
+            return MEAN if MEAN in tracked else LOSS
+        if name in ("mul", "div", "__mul__", "__rmul__", "__imul__", "__truediv__", "__itruediv__", "mul_", "div_",
+                    "true_divide") and len(tracked) == 1:
+            others = [leaf for leaf, kind in zip(leaves, kinds) if kind is None]
+            if name in ("div", "__truediv__", "__itruediv__", "div_", "true_divide") and kinds[0] is None:
+                raise Unproven(f"it divides by a mean of the batch ({name})")
+            if all(other.numel() == 1 for other in others):
+                return MEAN if MEAN in tracked else LOSS
+        raise Unproven(f"it computes {name} of a mean over the batch")
+
+
+def _rank(args: tuple) -> int:
+    first = args[0] if args else None
+    if isinstance(first, (list, tuple)) and first:
+        first = first[0]
+    return first.dim() if isinstance(first, torch.Tensor) else 0
+
+
+def _dim(args: tuple, kwargs: dict, position: int):
+    for key in ("dim", "axis", "start_dim"):
+        if key in kwargs:
+            return kwargs[key]
+    value = args[position] if len(args) > position else None
+    return value if isinstance(value, (int, tuple, list)) and not isinstance(value, bool) else None
+
+
+def _dims(values, rank: int) -> set[int]:
+    return {value % rank for value in values if isinstance(value, int)} if rank else set()
+
+
+def _keeps_rows(index) -> bool:
+    """Whether indexing with ``index`` keeps every row in order (a full slice first, or an Ellipsis before the rest)."""
+    first = index[0] if isinstance(index, tuple) and index else index
+    if first is Ellipsis:
+        return not isinstance(index, tuple) or all(part is None or isinstance(part, (slice, int))
+                                                   for part in index[1:])
+    return isinstance(first, slice) and first == slice(None) and isinstance(index, tuple)

@@ -1,0 +1,151 @@
+"""Training steps whose split would not be one device's, which tests/test_unchanged.py runs under ``ddpkit run
+--unchanged`` on 1 and 2 processes, in float64, with no flag: 2 processes must train and print as 1.
+
+    python tests/unchanged_steps_script.py OUT [PART ...]
+
+- **contrastive**: SimCLR's NT-Xent over two noisy views of each sample, the encoder called once per view, and a
+  learned temperature read outside the model (every row's loss depends on every other row);
+- **summed**: ``F.mse_loss(..., reduction="sum")`` plus a summed BCE, with SGD;
+- **masked**: a tagger over padded sequences, its mean written by hand (``(loss * mask).sum() / mask.sum()``);
+- **denoise**: a denoiser whose loop draws each batch's noise and noise levels (``torch.randn_like``, ``torch.rand``);
+- **numbers**: the classic fine-tuning loop, printing its epoch's loss from ``loss.item() * inputs.size(0)`` and its
+  accuracy from ``(preds == labels).sum()``.
+
+Each part trains 2 epochs over 29 samples in shuffled batches of 6 (the last one 5), prints one line per step and per
+epoch, and writes OUT/result.pt: each part's weights (a flat dictionary of tensors).
+"""
+
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers"]
+torch.set_default_dtype(torch.float64)
+torch.manual_seed(0)
+result = {}
+
+
+def loader(*tensors):
+    return DataLoader(TensorDataset(*tensors), batch_size=6, shuffle=True)
+
+
+def contrastive():
+    x = torch.randn(29, 8)
+    encoder = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    log_temperature = nn.Parameter(torch.tensor(-1.0))
+    optimizer = torch.optim.Adam([*encoder.parameters(), log_temperature], lr=1e-2)
+    for epoch in range(2):
+        for (batch,) in loader(x):
+            a = F.normalize(encoder(batch + 0.1 * torch.randn_like(batch)), dim=1)
+            b = F.normalize(encoder(batch + 0.1 * torch.randn_like(batch)), dim=1)
+            z = torch.cat([a, b])
+            similarity = z @ z.t() / log_temperature.exp()
+            similarity = similarity.masked_fill(torch.eye(len(z), dtype=torch.bool), float("-inf"))
+            n = len(batch)
+            positives = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
+            loss = F.cross_entropy(similarity, positives)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            print(f"contrastive {epoch}: loss {loss.item():.12f}")
+    return {**encoder.state_dict(), "temperature": log_temperature.detach()}
+
+
+def summed():
+    x, y, z = torch.randn(29, 8), torch.randn(29, 2), torch.randint(0, 2, (29, 1)).double()
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for epoch in range(2):
+        for batch, target, flag in loader(x, y, z):
+            output = model(batch)
+            loss = F.mse_loss(output[:, :2], target, reduction="sum") + F.binary_cross_entropy_with_logits(
+                output[:, 2:], flag, reduction="sum")
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            print(f"summed {epoch}: loss {loss.item():.12f}")
+    return model.state_dict()
+
+
+class Tagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(11, 8)
+        self.rnn = nn.GRU(8, 8, batch_first=True)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, tokens):
+        return self.head(self.rnn(self.embedding(tokens))[0])
+
+
+def masked():
+    lengths = torch.randint(1, 7, (29,))
+    mask = (torch.arange(6)[None, :] < lengths[:, None]).double()
+    tokens, tags = torch.randint(1, 11, (29, 6)) * mask.long(), torch.randint(0, 5, (29, 6))
+    model = Tagger()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for epoch in range(2):
+        for batch, target, kept in loader(tokens, tags, mask):
+            logits = model(batch)
+            loss = F.cross_entropy(logits.transpose(1, 2), target, reduction="none")
+            loss = (loss * kept).sum() / kept.sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            print(f"masked {epoch}: loss {loss.item():.12f}")
+    return model.state_dict()
+
+
+class Denoiser(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(9, 32), nn.SiLU(), nn.Linear(32, 8))
+
+    def forward(self, noisy, level):
+        return self.net(torch.cat([noisy, level[:, None]], dim=1))
+
+
+def denoise():
+    x = torch.randn(29, 8)
+    model = Denoiser()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for epoch in range(2):
+        for (batch,) in loader(x):
+            noise = torch.randn_like(batch)
+            level = torch.rand(len(batch))
+            noisy = (1 - level[:, None]).sqrt() * batch + level[:, None].sqrt() * noise
+            loss = F.mse_loss(model(noisy, level), noise)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            print(f"denoise {epoch}: loss {loss.item():.12f}")
+    return model.state_dict()
+
+
+def numbers():
+    x, y = torch.randn(29, 8), torch.randint(0, 3, (29,))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for epoch in range(2):
+        running_loss, running_corrects = 0.0, 0
+        for inputs, labels in loader(x, y):
+            optimizer.zero_grad()
+            outputs = model(inputs)
+            _, preds = torch.max(outputs, 1)
+            loss = criterion(outputs, labels)
+            loss.backward()
+            optimizer.step()
+            running_loss += loss.item() * inputs.size(0)
+            running_corrects += torch.sum(preds == labels.data)
+        print(f"numbers {epoch}: loss {running_loss / 29:.12f} acc {running_corrects.double() / 29:.12f}")
+    return model.state_dict()
+
+
+for part in parts:
+    result[part] = globals()[part]()
+    torch.save(result, os.path.join(out, "result.pt"))
