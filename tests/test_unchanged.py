@@ -595,9 +595,15 @@ def steps_run(tmp: Path, nproc: int, *flags: str) -> tuple[dict, list[str], str]
 
 def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     (weights_one, printed_one, _), (weights_two, printed_two, said) = one, two
-    assert printed_one == printed_two and len(printed_two) == 4 * 10 + 2, printed_two  # (10 steps a part, 2 epochs' lines)
+    # (10 steps a part, and 2 epochs' lines of two parts)
+    assert printed_one == printed_two and len(printed_two) == 5 * 10 + 2 * 2, printed_two
     for part, weights in weights_one.items():
-        assert relative_norm(weights, weights_two[part]) < 1e-9, part
+        if part != "rows":
+            assert relative_norm(weights, weights_two[part]) < 1e-9, part
+    # A model called by keyword is cut at the model: rank 0 computes 3 rows of each batch of 6 (and of the last, 5),
+    # but at its first call, which is whole (it shows the way).
+    rows = weights_two["rows"]["keywords"]
+    assert weights_one["rows"]["keywords"].max() == 6 and rows[0] == 6 and rows[1:].max() == 3, rows
     assert said.count("a training step that is not proven exact on split batches") == 1, said
 
 
@@ -611,8 +617,10 @@ def test_steps_that_a_split_would_change_take_the_gathered_way_and_train_and_pri
     """Each of these steps is silently different on split batches; none needs a flag: a contrastive loss over two
     views by two calls of the encoder with a learned temperature, a summed loss with SGD, a masked mean written by
     hand, a denoiser whose loop draws its noise and levels, and the classic loop that prints its epoch's loss from
-    ``loss.item() * inputs.size(0)`` and its accuracy from ``(preds == labels).sum()``. float64, 2 processes
-    against 1: every printed line and every weight, to 1e-9."""
+    ``loss.item() * inputs.size(0)`` and its accuracy from ``(preds == labels).sum()``, and a model that writes a
+    running mean of its inputs into a buffer in its training forward; and a model called by keyword, whose calls
+    are cut at the model all the same. float64, 2 processes against 1: every printed line, every weight and the
+    buffer, to 1e-9."""
     assert_steps_as_on_one_process(steps_one, steps_run(tmp_path, 2))
 
 

@@ -9,7 +9,11 @@
 - **masked**: a tagger over padded sequences, its mean written by hand (``(loss * mask).sum() / mask.sum()``);
 - **denoise**: a denoiser whose loop draws each batch's noise and noise levels (``torch.randn_like``, ``torch.rand``);
 - **numbers**: the classic fine-tuning loop, printing its epoch's loss from ``loss.item() * inputs.size(0)`` and its
-  accuracy from ``(preds == labels).sum()``.
+  accuracy from ``(preds == labels).sum()``;
+- **buffers**: a model that keeps a running mean of its inputs in a buffer, written in its training forward, and
+  centres them with it (as observation normalisers do), under a plain cross-entropy;
+- **keywords**: a model called with its tensors by keyword (``model(**batch)``), returning a dict, its epoch's
+  accuracy counted from its logits: the rows of each of its calls go into OUT/result.pt's ``rows``.
 
 Each part trains 2 epochs over 29 samples in shuffled batches of 6 (the last one 5), prints one line per step and per
 epoch, and writes OUT/result.pt: each part's weights (a flat dictionary of tensors).
@@ -23,10 +27,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers"]
+out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
+                                            "keywords"]
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
 result = {}
+
+
+def step(optimizer, loss, name=None):
+    """A training step, as every part takes it; its loss printed under ``name``."""
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    if name is not None:
+        print(f"{name}: loss {loss.item():.12f}")
 
 
 def loader(*tensors):
@@ -48,10 +62,7 @@ def contrastive():
             n = len(batch)
             positives = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
             loss = F.cross_entropy(similarity, positives)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            print(f"contrastive {epoch}: loss {loss.item():.12f}")
+            step(optimizer, loss, f"contrastive {epoch}")
     return {**encoder.state_dict(), "temperature": log_temperature.detach()}
 
 
@@ -64,10 +75,7 @@ def summed():
             output = model(batch)
             loss = F.mse_loss(output[:, :2], target, reduction="sum") + F.binary_cross_entropy_with_logits(
                 output[:, 2:], flag, reduction="sum")
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            print(f"summed {epoch}: loss {loss.item():.12f}")
+            step(optimizer, loss, f"summed {epoch}")
     return model.state_dict()
 
 
@@ -93,10 +101,7 @@ def masked():
             logits = model(batch)
             loss = F.cross_entropy(logits.transpose(1, 2), target, reduction="none")
             loss = (loss * kept).sum() / kept.sum()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            print(f"masked {epoch}: loss {loss.item():.12f}")
+            step(optimizer, loss, f"masked {epoch}")
     return model.state_dict()
 
 
@@ -119,10 +124,7 @@ def denoise():
             level = torch.rand(len(batch))
             noisy = (1 - level[:, None]).sqrt() * batch + level[:, None].sqrt() * noise
             loss = F.mse_loss(model(noisy, level), noise)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            print(f"denoise {epoch}: loss {loss.item():.12f}")
+            step(optimizer, loss, f"denoise {epoch}")
     return model.state_dict()
 
 
@@ -143,6 +145,58 @@ def numbers():
             running_loss += loss.item() * inputs.size(0)
             running_corrects += torch.sum(preds == labels.data)
         print(f"numbers {epoch}: loss {running_loss / 29:.12f} acc {running_corrects.double() / 29:.12f}")
+    return model.state_dict()
+
+
+class Centred(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(8))
+        self.net = nn.Linear(8, 3)
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return self.net(x - self.mean)
+
+
+def buffers():
+    x, y = torch.randn(29, 8) + 2, torch.randint(0, 3, (29,))
+    model = Centred()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(2):
+        for inputs, labels in loader(x, y):
+            loss = F.cross_entropy(model(inputs), labels)
+            step(optimizer, loss, f"buffers {epoch}")
+    return model.state_dict()
+
+
+class ByKeyword(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(8, 3)
+        self.rows = []
+
+    def forward(self, inputs, scale):
+        if self.training:
+            self.rows.append(len(inputs))
+        return {"logits": self.net(inputs) * scale}
+
+
+def keywords():
+    x, y = torch.randn(29, 8), torch.randint(0, 3, (29,))
+    model = ByKeyword()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(2):
+        right = 0
+        for inputs, labels in loader(x, y):
+            batch = {"inputs": inputs, "scale": torch.ones(len(inputs), 1)}
+            logits = model(**batch)["logits"]
+            step(optimizer, F.cross_entropy(logits, labels))
+            right += int((logits.argmax(1) == labels).sum())
+        print(f"keywords {epoch}: {right} right")
+    result["rows"] = {"keywords": torch.tensor(model.rows)}
     return model.state_dict()
 
 

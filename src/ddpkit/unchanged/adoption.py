@@ -5,7 +5,7 @@ of a model found already, and the script's own DDP or FSDP (then --unchanged sta
 
 Each model object also gets what one device's script may need of it on N processes: its ``save_pretrained`` ends
 when rank 0 has written (``saved_then_read``), and a ``num_items_in_batch`` given to its call is the whole batch's
-(a pre-hook of its own, ``at_the_model.AtTheModel.items_of_the_batch``). Both are the object's, left out of its
+(a pre-hook of its own, ``at_the_model.AtTheModel.keywords_and_items``). Both are the object's, left out of its
 copies (``in_place.keep_plain``).
 """
 
@@ -40,7 +40,7 @@ class Adoption:
         self.optimizers = optimizers  # ``optimizers.Optimizers``, recorded where models may be sharded
         self.wait_for_rank_0 = wait_for_rank_0  # a barrier: after a library's save, which rank 0 alone writes
         self.stand_aside = stand_aside  # takes out every hook of --unchanged's
-        self.items_hook = items_hook  # each model's pre-hook for a count of items given to its call
+        self.items_hook = items_hook  # each model's pre-hook: keyword tensors cut, a count of items given to its call
         self.found: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.passed: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # called at the top, not models (no parameters)
         self.sharded: weakref.WeakSet[nn.Module] = weakref.WeakSet()

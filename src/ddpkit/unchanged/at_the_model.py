@@ -55,6 +55,8 @@ class AtTheModel:
         self._kept: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()  # a tried call's buffers
         # Models whose first call, on batches no loader split, returned their loss: split at their calls from then on.
         self.with_loss: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        # Models whose training call wrote buffers of their own (not BatchNorm's): computed whole on a whole batch.
+        self.writes_buffers: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def split(self, args: tuple) -> tuple[tuple, Share]:
         """This rank's share of the batch in ``args``: each tensor argument cut along its first dimension. (With a
@@ -117,6 +119,19 @@ class AtTheModel:
         items = total.to(items.dtype) if isinstance(items, torch.Tensor) else type(items)(total.item())
         return args, {**kwargs, "num_items_in_batch": items}
 
+    def writes_buffers_in_training(self, module: nn.Module) -> None:
+        """``module``'s first training call changed buffers of its own (a running mean of its inputs, an EMA
+        codebook, a normaliser's statistics), which a share would change otherwise than the whole batch: its calls on
+        a loader's batches are computed whole on every process from then on, its loader's batches whole (the gathered
+        way: ``step_rule``), so that its buffers are one device's. Said once."""
+        if module in self.writes_buffers:
+            return
+        self.writes_buffers.add(module)
+        if self.rank == 0 and self.world_size > 1:
+            logger.warning(f"--unchanged: {class_name(module)} writes buffers of its own in training (not BatchNorm's "
+                           "statistics): every process computes its calls on the whole batch, so that they are one "
+                           "device's (exact, and no faster for that model)")
+
     def is_whole(self, module: nn.Module) -> bool:
         return module in self.whole
 
@@ -127,9 +142,8 @@ class AtTheModel:
         dataclass of them): they are then gathered. Decided at its first such call."""
         if module in self.cut_whole:
             return
-        rows = rows_of(args)
-        keywords = any(isinstance(value, torch.Tensor) for value in kwargs.values())
-        self.cut_whole[module] = rows is not None and not keywords and batch_shaped(output, rows)
+        rows = rows_of((*args, *kwargs.values()))
+        self.cut_whole[module] = rows is not None and batch_shaped(output, rows) and module not in self.writes_buffers
         if not self.cut_whole[module]:
             self._said_whole(module)
 
@@ -147,7 +161,7 @@ class AtTheModel:
         yet that they can be gathered: cut where its call gives no tensor by keyword (read from torch's frame that
         calls the hooks: none, where it cannot be read). Its buffers are kept, so that ``cut_as_tried`` can undo the
         call if its outputs turn out not to be one row per sample."""
-        cut = self._cut(module, args)
+        cut = self._cut(module, args, keywords=False)
         if cut is not None:
             self._kept[module] = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
         return cut
@@ -156,7 +170,8 @@ class AtTheModel:
         """Whether a tried first call's ``output`` (``split_first``) can be gathered (one row per sample, on every
         rank): the model's calls are cut from then on. If not, what the call changed is undone (its buffers, BatchNorm's
         running statistics, as they were; the batch whole again) and the model is computed whole, as before."""
-        decided = torch.tensor([float(batch_shaped(output, rows))], device=next(module.parameters()).device)
+        decided = torch.tensor([float(batch_shaped(output, rows) and module not in self.writes_buffers)],
+                               device=next(module.parameters()).device)
         dist.all_reduce(decided, op=dist.ReduceOp.MIN)
         kept = self._kept.pop(module)
         self.cut_whole[module] = bool(decided.item())
@@ -174,13 +189,34 @@ class AtTheModel:
         batch its own)."""
         return self._cut(module, args) if self.cut_whole.get(module) else None
 
-    def _cut(self, module: nn.Module, args: tuple) -> tuple[tuple, Share] | None:
-        rows = None if self.batch.own_batches else rows_of(args)
-        if rows is None or rows < self.world_size or not _no_keyword_tensors(module):
+    def _cut(self, module: nn.Module, args: tuple, *, keywords: bool = True) -> tuple[tuple, Share] | None:
+        """The call's positional tensors cut here; its keyword tensors (``model(**batch)``) by the model's own
+        pre-hook (``keywords_and_items``), which PyTorch gives the keywords that a global pre-hook does not get.
+        ``keywords``: whether that pre-hook is on the model for this call (not at its first: PyTorch reads a call's
+        hooks before the global pre-hooks adopt the model; a first call by keyword is whole, and ``learn``s)."""
+        given = call_keywords(module)
+        if given is None or self.batch.own_batches or not keywords and any(
+                isinstance(value, torch.Tensor) for value in given.values()):
+            return None
+        rows = rows_of((*args, *given.values()))
+        if rows is None or rows < self.world_size:
             return None
         share = share_of(range(rows), self.rank, self.world_size)
         self.batch.set(share.weight, gathered=True)
         return rows_of_share(args, share), share
+
+    def keywords_and_items(self, module: nn.Module, args: tuple, kwargs: dict):
+        """A model's own forward pre-hook: the keyword tensors of a call cut at the model cut alike (this rank's
+        rows), then a count of items given to it made the whole batch's (``items_of_the_batch``)."""
+        call = self.current_call()
+        if call is not None and call.module is module and call.gathered and call.share is not None \
+                and any(isinstance(value, torch.Tensor) for value in kwargs.values()):
+            names = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor) and value.dim() > 0]
+            cut = rows_of_share(tuple(kwargs[name] for name in names), call.share)
+            kwargs = {**kwargs, **dict(zip(names, cut))}
+            changed = self.items_of_the_batch(module, args, kwargs)
+            return (args, kwargs) if changed is None else changed
+        return self.items_of_the_batch(module, args, kwargs)
 
 
 def is_a_loss(leaf) -> bool:
@@ -190,13 +226,6 @@ def is_a_loss(leaf) -> bool:
 
 def returns_a_loss(output) -> bool:
     return any(is_a_loss(leaf) for leaf in pytree.tree_leaves(output))
-
-
-def _no_keyword_tensors(module: nn.Module) -> bool:
-    """Whether ``module``'s call going on gives no tensor by keyword (which the hooks cannot cut), as far as can be
-    read (``call_keywords``; False where it cannot)."""
-    keywords = call_keywords(module)
-    return keywords is not None and not any(isinstance(value, torch.Tensor) for value in keywords.values())
 
 
 def call_keywords(module: nn.Module) -> dict | None:

@@ -44,6 +44,7 @@ class Call:
     items_counted: bool = False  # given the batch's count of items (``num_items_in_batch``): its loss a part of a sum
     gathered: bool = False  # a loader's whole batch cut at the model, its outputs gathered (``AtTheModel.split_whole``)
     tried: bool = False  # a model's first call, cut before its outputs showed they can be gathered (``split_first``)
+    buffers: list | None = None  # a model's first training call: its buffers (but BatchNorm's) as they were before it
     keywords: dict = dataclasses.field(default_factory=dict)  # a tried call's own (to compute it again, whole)
 
 

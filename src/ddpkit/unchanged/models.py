@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from ddpkit.core.errors import UsageError
 from ddpkit.data.split_batches import share_sizes
-from ddpkit.unchanged.adoption import Adoption, is_trainable
+from ddpkit.unchanged.adoption import Adoption, class_name, is_trainable
 from ddpkit.unchanged.at_the_model import NOT_FOLLOWED, AtTheModel, call_keywords, returns_a_loss
 from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.divided import KEYWORDS_SEEN, Call, Evaluations
@@ -64,7 +64,7 @@ class Models:
                                        current_call=lambda: self._calls[-1] if self._calls else None)
         self.adoption = Adoption(rank=rank, world_size=world_size, batch=batch, shard=shard, optimizers=optimizers,
                                  wait_for_rank_0=wait_for_rank_0, stand_aside=stand_aside,
-                                 items_hook=self.at_the_model.items_of_the_batch, find_unused=find_unused)
+                                 items_hook=self.at_the_model.keywords_and_items, find_unused=find_unused)
         self.evaluations = Evaluations(rank=rank, world_size=world_size)
 
     def install(self) -> None:
@@ -142,6 +142,7 @@ class Models:
             self.streams.enter_forward()  # each rank's rows draw their own dropout, as rows of one batch do
         tried = first and cut is not None
         self._calls.append(Call(module, whole_args, share=share, gathered=cut is not None, tried=tried,
+                                buffers=own_buffers(module) if first else None,
                                 keywords=call_keywords(module) if tried else {},
                                 learning=first and not self.batch.loader_passes and not self.batch.coupled))
         # What leaves through its inputs (to a model that made them: a GAN's generator) is unweighted again: the
@@ -179,6 +180,8 @@ class Models:
         watch = self.watching()
         if watch is not None and output is not RAISED:
             watch.outputs(output if result is None else result, training=not call.evaluating)
+            if module in self.at_the_model.writes_buffers:
+                watch.unproven(f"{class_name(module)} writes buffers of its own in a training call")
             watch.resume()
         return result
 
@@ -194,6 +197,8 @@ class Models:
         split = share is not None
         if split:
             self.streams.leave_forward()
+        if call.buffers is not None and any(not torch.equal(buffer, value) for buffer, value in call.buffers):
+            self.at_the_model.writes_buffers_in_training(module)
         if call.tried and not self.at_the_model.cut_as_tried(module, len(share.indices), output):
             # Again, whole (``cut_as_tried`` undid what the cut call did), with the keywords it was given.
             return module(*call.whole_args, **call.keywords)
@@ -243,6 +248,14 @@ class Models:
         as DDP reduces its gradients: ``in_place.weighted_all_reduce``; FSDP has no such hook on every torch.) The
         gradient leaving the call through its inputs is divided by it again (``before``)."""
         return self.world_size * self.batch.current_weight()
+
+
+def own_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``module``'s buffers but BatchNorm's (which are kept over the whole batch: ``sync_bn``), each with a copy of
+    its value, to tell whether a training call writes them."""
+    norms = {id(buffer) for part in module.modules() if isinstance(part, nn.modules.batchnorm._BatchNorm)
+             for buffer in part.buffers()}
+    return [(buffer, buffer.detach().clone()) for buffer in module.buffers() if id(buffer) not in norms]
 
 
 def _scaled_gradients(tree, scale: float):
