@@ -596,7 +596,7 @@ def steps_run(tmp: Path, nproc: int, *flags: str) -> tuple[dict, list[str], str]
 def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     (weights_one, printed_one, _), (weights_two, printed_two, said) = one, two
     # (10 steps a part, and 2 epochs' lines of two parts)
-    assert printed_one == printed_two and len(printed_two) == 5 * 10 + 2 * 2, printed_two
+    assert printed_one == printed_two and len(printed_two) == 7 * 10 + 2 * 2, printed_two
     for part, weights in weights_one.items():
         if part != "rows":
             assert relative_norm(weights, weights_two[part]) < 1e-9, part
@@ -616,11 +616,13 @@ def test_steps_that_a_split_would_change_take_the_gathered_way_and_train_and_pri
                                                                                                     tmp_path):
     """Each of these steps is silently different on split batches; none needs a flag: a contrastive loss over two
     views by two calls of the encoder with a learned temperature, a summed loss with SGD, a masked mean written by
-    hand, a denoiser whose loop draws its noise and levels, and the classic loop that prints its epoch's loss from
-    ``loss.item() * inputs.size(0)`` and its accuracy from ``(preds == labels).sum()``, and a model that writes a
-    running mean of its inputs into a buffer in its training forward; and a model called by keyword, whose calls
-    are cut at the model all the same. float64, 2 processes against 1: every printed line, every weight and the
-    buffer, to 1e-9."""
+    hand, a denoiser whose loop draws its noise and levels, the classic loop that prints its epoch's loss from
+    ``loss.item() * inputs.size(0)`` and its accuracy from ``(preds == labels).sum()``, a model that writes a
+    running mean of its inputs into a buffer in its training forward, a model called by keyword (its calls cut at
+    the model all the same), a loss term that only the batches with a rare class have (a head left without a
+    gradient in the other steps, as on one device: no exit, no flag), and a summed term that the second epoch adds to
+    a loader whose first epoch was split (its way decided again at each pass). float64, 2 processes against 1: every
+    printed line, every weight and the buffer, to 1e-9."""
     assert_steps_as_on_one_process(steps_one, steps_run(tmp_path, 2))
 
 

@@ -13,7 +13,11 @@
 - **buffers**: a model that keeps a running mean of its inputs in a buffer, written in its training forward, and
   centres them with it (as observation normalisers do), under a plain cross-entropy;
 - **keywords**: a model called with its tensors by keyword (``model(**batch)``), returning a dict, its epoch's
-  accuracy counted from its logits: the rows of each of its calls go into OUT/result.pt's ``rows``.
+  accuracy counted from its logits: the rows of each of its calls go into OUT/result.pt's ``rows``;
+- **auxiliary**: a model with a second head whose loss term is added only when the batch holds the rare class (two
+  samples of 29): the other steps leave that head without a gradient, and SGD with momentum skips it, as on one
+  device;
+- **later**: one loader over both epochs, a plain mean in the first, a summed penalty added in the second.
 
 Each part trains 2 epochs over 29 samples in shuffled batches of 6 (the last one 5), prints one line per step and per
 epoch, and writes OUT/result.pt: each part's weights (a flat dictionary of tensors).
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
-                                            "keywords"]
+                                            "keywords", "auxiliary", "later"]
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
 result = {}
@@ -197,6 +201,47 @@ def keywords():
             right += int((logits.argmax(1) == labels).sum())
         print(f"keywords {epoch}: {right} right")
     result["rows"] = {"keywords": torch.tensor(model.rows)}
+    return model.state_dict()
+
+
+class WithAuxiliary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.head, self.auxiliary = nn.Linear(8, 16), nn.Linear(16, 3), nn.Linear(16, 1)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.trunk(x))
+        return self.head(hidden), self.auxiliary(hidden)
+
+
+def auxiliary():
+    x, y = torch.randn(29, 8), torch.randint(0, 2, (29,))
+    y[[3, 17]] = 2  # the rare class
+    model = WithAuxiliary()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for epoch in range(2):
+        for inputs, labels in loader(x, y):
+            logits, extra = model(inputs)
+            loss = F.cross_entropy(logits, labels)
+            rare = labels == 2
+            if rare.any():
+                loss = loss + F.binary_cross_entropy_with_logits(extra[:, 0], rare.double())
+            step(optimizer, loss, f"auxiliary {epoch}")
+    return model.state_dict()
+
+
+def later():
+    x, y = torch.randn(29, 8), torch.randn(29, 2)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    train = loader(x, y)
+    for epoch in range(2):
+        for inputs, targets in train:
+            output = model(inputs)
+            loss = F.mse_loss(output, targets)
+            if epoch == 1:
+                loss = loss + 0.01 * (output ** 2).sum()
+            step(optimizer, loss, f"later {epoch}")
     return model.state_dict()
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
 from ddpkit.core.errors import UsageError
@@ -68,16 +69,31 @@ class Replica:
         self.trains: tuple[bool, ...] = ()  # which parameters required a gradient when ``ddp`` was built
         self.mode = ""  # how ``ddp`` was built: ``MODES``
         self.needed = -1  # during a probe: the index in ``MODES`` of what its calls' graphs need so far
+        # Trained on whole batches cut at the model (``ddpkit.unchanged``'s gathered way): a step may leave outputs
+        # unused (a loss term that some batches have), which DDP meets only when it looks for unused parameters.
+        self.outputs_may_go_unused = False
+        # Then, a backward's parameters that an unused output left without a gradient (DDP zero-fills those it
+        # reduces; one device leaves them None), and those that got one: ``untouched_again``.
+        self.untouched: set[int] = set()
+        self.received: set[int] = set()
         self.reduced = False  # the reducer's last backward pass reduced its last bucket
 
-    def before(self, args: tuple, *, begin: bool = True) -> None:
+    def before(self, args: tuple, *, begin: bool = True, unused: bool = False) -> None:
         """A training call begins (gradients on, the module in training mode). ``begin``: DDP's forward with it (else
-        ``begin`` is called once the forward showed it is one: DDP is built here all the same, as it broadcasts)."""
+        ``begin`` is called once the forward showed it is one: DDP is built here all the same, as it broadcasts).
+        ``unused``: the call's outputs are gathered from a whole batch (the same on every rank), and a step may leave
+        some of them unused: DDP looks for unused parameters from then on (built again once, where it did not)."""
         trains = self.trainable()
+        if unused and not self.outputs_may_go_unused:
+            self.outputs_may_go_unused = True
+            self.follow_gradients()
+            if self.ddp is not None and self.needed < 0 and self.mode == "plain":
+                self.build(trains, "unused parameters", synced=True)
+        self.untouched_again()
         if self.ddp is not None and self.trains != trains:
             self.ddp = None  # a probe again, over the parameters that train now
         elif self.needed >= 0 and self.reduced:  # the probe's step is over: the reducer it showed is needed
-            mode, self.needed = MODES[self.needed], -1
+            mode, self.needed = MODES[max(self.needed, int(self.outputs_may_go_unused))], -1
             if mode != self.mode:
                 self.build(trains, mode, synced=True)
         if self.ddp is None:
@@ -112,6 +128,29 @@ class Replica:
             self.needed = max(self.needed, MODES.index(self.needs(output)))
         return self.ddp._post_forward(output)
 
+    def follow_gradients(self) -> None:
+        """Note, for each parameter, whether a backward gave it a gradient or left it as it was: where a step left a
+        parameter without one, DDP's reducer writes it zeros all the same, which ``untouched_again`` takes back before
+        the next forward or optimizer step. (Each parameter's own post-accumulate hook, which PyTorch calls before
+        DDP's reducer writes, and which a copy of the parameter does not carry; one optimizer step pre-hook.)"""
+        for parameter in self.parameters:
+            parameter.register_post_accumulate_grad_hook(self._accumulated)
+        _UNTOUCHED.add(self)
+        if not _STEP_HOOK:
+            _STEP_HOOK.append(register_optimizer_step_pre_hook(_untouched_again_everywhere))
+
+    def _accumulated(self, parameter: torch.Tensor) -> None:
+        (self.received if parameter.grad is not None else self.untouched).add(id(parameter))
+
+    def untouched_again(self) -> None:
+        """The parameters that the last backward passes left without a gradient, and that none gave one to, without
+        one again (as on one device: an optimizer skips them)."""
+        for parameter in self.parameters:
+            if id(parameter) in self.untouched and id(parameter) not in self.received:
+                parameter.grad = None
+        self.untouched.clear()
+        self.received.clear()
+
     def trainable(self) -> tuple[bool, ...]:
         return tuple(parameter.requires_grad for parameter in self.parameters)
 
@@ -135,7 +174,7 @@ class Replica:
     def needs(self, output) -> str:
         """What ``output``'s graph needs of DDP on every rank (``MODES``): the most that any rank's needs."""
         reached, reentrant = graph_of(output)
-        unused = self.find_unused or any(train and id(parameter) not in reached
+        unused = self.find_unused or self.outputs_may_go_unused or any(train and id(parameter) not in reached
                                          for train, parameter in zip(self.trains, self.parameters))
         mode = 2 if reentrant else 1 if unused else 0
         decided = torch.tensor([mode], device=self.parameters[0].device)
@@ -144,6 +183,13 @@ class Replica:
 
 
 MODES = ("plain", "unused parameters", "static graph")
+_UNTOUCHED: weakref.WeakSet = weakref.WeakSet()  # replicas that follow which parameters a backward left untouched
+_STEP_HOOK: list = []  # the optimizer step pre-hook that takes their zeros back, once registered
+
+
+def _untouched_again_everywhere(optimizer, args, kwargs) -> None:
+    for replica in list(_UNTOUCHED):
+        replica.untouched_again()
 INIT_SYNC = "init_sync" in inspect.signature(DistributedDataParallel).parameters  # (torch 2.5 and later)
 
 

@@ -28,8 +28,9 @@ A training pass's batches are split only where the script's step is proven exact
 loader's first training step is taken whole, cut at the model, and watched; where the step is not proven (a loss that
 couples the rows, a sum, the batch's size read, a draw of the loop's), the loader's batches are read whole and cut at
 the models from then on, as a fetched-ahead loader's (``Pass.ahead``, the gathered way), and the loop's draws are
-then the shared streams' (each rank holds the whole batch, and draws for it as one device does). Decided once per
-loader, the same on every rank (one all-reduce); said once.
+then the shared streams' (each rank holds the whole batch, and draws for it as one device does). Decided again at
+each training pass's first step while the loader is split (a gathered loader stays so), the same on every rank (one
+all-reduce); said once.
 
 A loader whose batches cannot be split by index, a stream's (an ``IterableDataset``) or one without a batch sampler
 (``batch_size=None``), is followed the same way, its batches whole on every rank: every rank reads the stream in the
@@ -71,6 +72,7 @@ class Batch:
     gathered: bool = False  # a model's outputs on this batch were gathered from its shares (``unchanged.models``)
     own_batches: bool = False  # each rank's batch is its own (a stream that splits itself): DDP's average, no split
     stream: bool = False  # the batch comes from a loader whose batches cannot be split by index (a stream's)
+    gathered_way: bool = False  # its loader takes the gathered way: whole batches, cut at the models (``step_rule``)
     # Losses whose value is the whole batch's already (``counted``): a model that returns one needs no more. (By
     # identity: a tensor's ``==`` is elementwise.)
     _valued_whole: dict = dataclasses.field(default_factory=dict)
@@ -124,6 +126,7 @@ class Pass:
     ahead: bool = False  # the gathered way: all its batches whole, cut at the models (fetched ahead, or not proven)
     watch: StepWatch | None = None  # what the script does with the batch handed out last (``step_rule``)
     evaluating: bool = False  # a batch was evaluated and none trained: not watched from then on
+    watched: bool = False  # its first training step was watched, and the loader's way decided from it
     drained: bool = False  # its loader has no more, but a batch it handed out may still be on its way to a model
 
 
@@ -190,6 +193,7 @@ class Loaders:
                                                    or self._gathered.get(this.sampler, False))
         if this.sampler is not None and this.sampler in self._trained_before and not this.ahead:
             self._own_streams(this)
+        self.batch.gathered_way = this.ahead or this.sampler is None
         ended = True
         try:
             for batch in self._original_iter(loader):
@@ -246,11 +250,11 @@ class Loaders:
             this.training = True
             if this.sampler is not None:  # (a stream's batches stay whole, and so do its streams: every rank reads it)
                 this.ahead = this.ahead or self.fetched_ahead(this.sampler, held)
-                if not this.ahead and self._gathered.get(this.sampler) is False or not self.watches():
+                if not self.watches():
                     this.sampler.whole = self.batch.coupled or this.ahead  # split from here on (but at the models)
                     if not this.ahead:
                         self._own_streams(this)
-                # (Else whole, in the shared streams, until the step shows its way: ``_watched``.)
+                # (Else whole until the step shows its way, each pass's first step: ``_watched``.)
 
     def watches(self) -> bool:
         """Whether a loader's way is decided from its step (not where --loss-reduction sum or coupled says it)."""
@@ -259,8 +263,8 @@ class Loaders:
     def _watch(self, this: Pass, batch) -> None:
         """Watch what the script does with ``batch``, where the pass's loader has no way yet and the pass did not
         evaluate (``step_rule``)."""
-        if (this.sampler is None or this.sampler in self._gathered or this.evaluating or not self.watches()
-                or this.sampler in self._fetched_ahead):
+        if (this.sampler is None or self._gathered.get(this.sampler) or this.evaluating or not self.watches()
+                or this.sampler in self._fetched_ahead or this.watched):
             return
         this.watch = self.watching = StepWatch()
         this.watch.begin(batch)
@@ -277,13 +281,14 @@ class Loaders:
         this.evaluating = this.evaluating or (watch.evaluated and not watch.trained and not this.training)
         if not watch.trained or this.sampler is None or not decide:
             return
+        this.watched = True  # (each pass's first training step: the way is decided again from it)
         gathered = self.most_anywhere(int(reason is not None)) > 0  # (the same on every rank)
         logger.debug("--unchanged: a loader's training step "
                      + (f"is not proven split: {reason}" if reason else "is proven split")
                      + (" here, but not on another process" if gathered and not reason else ""))
         self._gathered[this.sampler] = gathered
         if gathered:
-            this.ahead = True
+            this.ahead = self.batch.gathered_way = this.sampler.whole = True
             self._say_gathered(reason)
         elif this.training and not this.ahead:
             this.sampler.whole = False  # split from the next batch drawn
@@ -329,6 +334,7 @@ class Loaders:
             self._passes.remove(this)
         self._passes.append(this)
         self.batch.stream = this.sampler is None
+        self.batch.gathered_way = this.ahead or this.sampler is None
         if this.sampler is None:
             self.batch.set_whole()
             self.batch.own_batches = bool(this.own_batches)

@@ -103,10 +103,13 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:
         ctx.start, ctx.size, ctx.rows = sum(sizes[:rank]), sizes[rank], tensor.size(0)
+        ctx.set_materialize_grads(False)  # (an output the loss did not use stays without a gradient, as on one device)
         return _gather(tensor, sizes)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor | None):
+        if grad is None:
+            return None, None, None
         if ctx.size == 0:  # a stand-in: its row is in no one's batch
             return grad.new_zeros((ctx.rows, *grad.shape[1:])), None, None
         return grad[ctx.start:ctx.start + ctx.size], None, None
@@ -119,8 +122,9 @@ class ScaleGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
+        ctx.set_materialize_grads(False)  # (no gradient stays none: an output that the loss did not use)
         return tensor.detach()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
+    def backward(ctx, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+        return None if grad is None else grad * ctx.scale, None

@@ -22,6 +22,7 @@ import site
 import sys
 import sysconfig
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -66,6 +67,7 @@ class Models:
                                  wait_for_rank_0=wait_for_rank_0, stand_aside=stand_aside,
                                  items_hook=self.at_the_model.keywords_and_items, find_unused=find_unused)
         self.evaluations = Evaluations(rank=rank, world_size=world_size)
+        self.several_outputs: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models that return several tensors
 
     def install(self) -> None:
         # torch warns a script that compiles a module that global hooks fire once more around the compiled module:
@@ -158,7 +160,10 @@ class Models:
             return _scaled_gradients(args, inputs / factor if factor else 0.0)
         replica = self.adoption.replicas.get(module)
         if replica is not None:  # (a tried call's DDP forward begins in ``after``, once it is one)
-            replica.before(args, begin=not self._calls[-1].tried)
+            # (A model of several outputs on the gathered way: a step may leave one of them unused, a loss term that
+            # some batches have, which DDP meets only where it looks for unused parameters.)
+            replica.before(args, begin=not self._calls[-1].tried,
+                           unused=self.batch.gathered_way and module in self.several_outputs)
         return _scaled_gradients(args, inputs) if share is not None else None
 
     def evaluating(self, module: nn.Module, args: tuple):
@@ -202,6 +207,8 @@ class Models:
         if call.tried and not self.at_the_model.cut_as_tried(module, len(share.indices), output):
             # Again, whole (``cut_as_tried`` undid what the cut call did), with the keywords it was given.
             return module(*call.whole_args, **call.keywords)
+        if sum(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in pytree.tree_leaves(output)) > 1:
+            self.several_outputs.add(module)
         replica = self.adoption.replicas.get(module)
         if call.tried and replica is not None:
             replica.begin()

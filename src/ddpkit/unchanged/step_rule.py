@@ -8,9 +8,10 @@ whole batch everywhere, as on one device. That is exact whatever the code does, 
 batch's loading and the code after the model. **Split**: the loader hands each process its share, and the script's
 code runs on shares; that is exact only where the code is a mean over rows that ddpkit accounts for.
 
-A loader's first training step is taken the gathered way, and watched (``StepWatch``, a ``TorchFunctionMode`` on the
-script's code alone: it is set aside while a model's call runs). The step is **proven split** when everything that
-the script computes from the batch and from the models' outputs, outside the models, is
+Each training pass's first step (whole, as a pass's first batch is) is taken the gathered way and watched
+(``StepWatch``, a ``TorchFunctionMode`` on the script's code alone: it is set aside while a model's call runs), while
+the loader is not gathered already. The step is **proven split** when everything that the script computes from the
+batch and from the models' outputs, outside the models, is
 
 - **row-wise**: elementwise arithmetic and functions of rows against constants (a Python number, a tensor of the
   script's own with no row dimension), conversions and moves, indexing and reductions along other dimensions than the
