@@ -601,9 +601,12 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
         if part != "rows":
             assert relative_norm(weights, weights_two[part]) < 1e-9, part
     # A model called by keyword is cut at the model: rank 0 computes 3 rows of each batch of 6 (and of the last, 5),
-    # but at its first call, which is whole (it shows the way).
+    # but at its first call, which is whole (it shows the way). On a torch whose global forward hooks are not given
+    # a call's keywords (torch 2.4: ``KEYWORDS_SEEN``), its calls are whole, and exact all the same.
+    from ddpkit.unchanged.divided import KEYWORDS_SEEN
+
     rows = weights_two["rows"]["keywords"]
-    assert weights_one["rows"]["keywords"].max() == 6 and rows[0] == 6 and rows[1:].max() == 3, rows
+    assert weights_one["rows"]["keywords"].max() == 6 and rows[0] == 6 and rows[1:].max() == (3 if KEYWORDS_SEEN else 6)
     assert said.count("a training step that is not proven exact on split batches") == 1, said
 
 
