@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from conftest import CORPUS, needs_corpus, public_scripts_data, run_command, run_ddpkit
 from ddpkit.core.version import torch_at_least
@@ -179,6 +181,67 @@ def test_a_counted_mean_leaves_torchscript_compiling_torchs_own_loss():
     finally:
         means.uninstall()
     assert F.cross_entropy is original
+
+
+def watched(batch, step) -> str | None:
+    """What ``StepWatch`` finds of ``step(batch)`` (a training step's code after the model), in this process: None
+    where the step is proven split, else the reason."""
+    from ddpkit.unchanged.step_rule import StepWatch
+
+    watch = StepWatch()
+    watch.begin(batch)
+    try:
+        step(batch, watch)
+    finally:
+        reason = watch.end()
+    return reason
+
+
+def test_the_step_rule_proves_a_mean_over_rows_and_nothing_that_reads_or_couples_the_batch():
+    from collections import UserDict
+
+    model = nn.Linear(4, 3)
+
+    def through_model(x, watch):  # (the model's call, set aside as the hooks set it aside)
+        watch.pause()
+        output = model(x)
+        watch.outputs(output, training=True)
+        watch.resume()
+        return output
+
+    def mean(batch, watch):
+        F.cross_entropy(through_model(batch["x"], watch), batch["y"].to(torch.int64)).div(2).backward()
+
+    def size_read(batch, watch):
+        loss = F.cross_entropy(through_model(batch["x"], watch), batch["y"])
+        loss.backward()
+        return loss.item() * batch["x"].size(0)
+
+    def summed(batch, watch):
+        F.mse_loss(through_model(batch["x"], watch), torch.zeros(6, 3), reduction="sum").backward()
+
+    def coupled(batch, watch):
+        z = through_model(batch["x"], watch)
+        F.cross_entropy(z @ z.t(), batch["y"]).backward()
+
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    assert watched({"x": x, "y": y}, mean) is None
+    # A mapping of a library's own (transformers' BatchEncoding is a UserDict): its tensors are followed all the same.
+    assert watched(UserDict(x=x, y=y), size_read) == "it reads the batch's size (size)"
+    assert watched({"x": x, "y": y}, summed) == "mse_loss with reduction='sum' (a sum over the batch)"
+    assert watched({"x": x, "y": y}, coupled).startswith("it computes ")
+    assert watched(object(), lambda batch, watch: None).startswith("its batch holds no tensor")
+
+
+def test_a_model_needs_ddp_to_look_for_unused_parameters_only_where_its_outputs_are_computed_from_none_other():
+    from ddpkit.unchanged.models import independent_outputs
+
+    trunk, head, auxiliary = nn.Linear(4, 8), nn.Linear(8, 3), nn.Linear(8, 1)
+    hidden = trunk(torch.randn(5, 4))
+    logits = head(hidden)
+    assert independent_outputs((logits, auxiliary(hidden))) == 2  # a step may use one and not the other
+    assert independent_outputs({"loss": F.cross_entropy(logits, torch.zeros(5, dtype=torch.int64)),
+                                "logits": logits}) == 1  # transformers' loss, computed from its logits
 
 
 # -- real runs on 1 and 2 processes ------------------------------------------------------------------------------------
@@ -603,8 +666,6 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # A model called by keyword is cut at the model: rank 0 computes 3 rows of each batch of 6 (and of the last, 5),
     # but at its first call, which is whole (it shows the way). On a torch whose global forward hooks are not given
     # a call's keywords (torch 2.4: ``KEYWORDS_SEEN``), its calls are whole, and exact all the same.
-    from ddpkit.unchanged.divided import KEYWORDS_SEEN
-
     rows = weights_two["rows"]["keywords"]
     assert weights_one["rows"]["keywords"].max() == 6 and rows[0] == 6 and rows[1:].max() == (3 if KEYWORDS_SEEN else 6)
     assert said.count("a training step that is not proven exact on split batches") == 1, said

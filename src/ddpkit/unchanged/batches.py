@@ -170,6 +170,9 @@ class Loaders:
         its end), ``DataLoader.__iter__`` PyTorch's."""
         if self._original_iter is not None:
             DataLoader.__iter__ = self._original_iter
+        if self.watching is not None:  # (a step being watched: its torch function mode out of the way)
+            self.watching.end()
+            self.watching = None
         for loader in list(self._taken):
             split = loader.batch_sampler
             split.whole = True

@@ -67,7 +67,10 @@ class Models:
                                  wait_for_rank_0=wait_for_rank_0, stand_aside=stand_aside,
                                  items_hook=self.at_the_model.keywords_and_items, find_unused=find_unused)
         self.evaluations = Evaluations(rank=rank, world_size=world_size)
-        self.several_outputs: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models that return several tensors
+        # Models that return several outputs, none computed from another (a head and an auxiliary head; not a loss
+        # computed from the logits it returns with them): a step may leave one unused. Decided at a first call.
+        self.several_outputs: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._outputs_seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def install(self) -> None:
         # torch warns a script that compiles a module that global hooks fire once more around the compiled module:
@@ -207,8 +210,10 @@ class Models:
         if call.tried and not self.at_the_model.cut_as_tried(module, len(share.indices), output):
             # Again, whole (``cut_as_tried`` undid what the cut call did), with the keywords it was given.
             return module(*call.whole_args, **call.keywords)
-        if sum(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in pytree.tree_leaves(output)) > 1:
-            self.several_outputs.add(module)
+        if module not in self._outputs_seen:
+            self._outputs_seen.add(module)
+            if independent_outputs(output) > 1:
+                self.several_outputs.add(module)
         replica = self.adoption.replicas.get(module)
         if call.tried and replica is not None:
             replica.begin()
@@ -255,6 +260,27 @@ class Models:
         as DDP reduces its gradients: ``in_place.weighted_all_reduce``; FSDP has no such hook on every torch.) The
         gradient leaving the call through its inputs is divided by it again (``before``)."""
         return self.world_size * self.batch.current_weight()
+
+
+def independent_outputs(output) -> int:
+    """How many of ``output``'s tensors that require grad are computed from none of the others (one walk of each
+    one's autograd graph, once per model): transformers' loss, computed from the logits returned with it, is not."""
+    tensors = [leaf for leaf in pytree.tree_leaves(output)
+               if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None]
+    if len(tensors) < 2:
+        return len(tensors)
+    nodes = {tensor.grad_fn for tensor in tensors}
+    under: set = set()  # the outputs' nodes that another output's graph reaches
+    for tensor in tensors:
+        seen, stack = {tensor.grad_fn}, [tensor.grad_fn]
+        while stack:
+            for following, _ in stack.pop().next_functions:
+                if following is not None and following not in seen:
+                    seen.add(following)
+                    stack.append(following)
+                    if following in nodes:
+                        under.add(following)
+    return len(nodes - under)
 
 
 def own_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -31,7 +31,9 @@ lists prove, they never guess.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
+from collections.abc import Mapping
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
@@ -94,14 +96,17 @@ class StepWatch(TorchFunctionMode):
     # -- the window -------------------------------------------------------------------------------------------------
 
     def begin(self, batch) -> None:
-        """A batch handed out: its tensors whose first dimension is the batch's (the most common one) are its rows."""
-        tensors = [leaf for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+        """A batch handed out: its tensors whose first dimension is the batch's (the most common one) are its rows. A
+        batch whose tensors cannot be found (a container of a kind not read here) proves nothing."""
+        tensors = [tensor for tensor in tensors_in(batch) if tensor.dim() > 0]
         sizes = [tensor.size(0) for tensor in tensors]
         if sizes:
             self.rows = max(set(sizes), key=sizes.count)
             for tensor in tensors:
                 if tensor.size(0) == self.rows:
                     self.mark(tensor, ROWS)
+        else:
+            self.unproven(f"its batch holds no tensor that could be followed (a {type(batch).__name__})")
         self.resume()
 
     def pause(self) -> bool:
@@ -126,12 +131,14 @@ class StepWatch(TorchFunctionMode):
         element, requiring grad) a mean valued whole (``at_the_model.whole_batch_losses`` makes it so)."""
         self.trained = self.trained or training
         self.evaluated = self.evaluated or not training
-        for leaf in pytree.tree_leaves(output):
-            if isinstance(leaf, torch.Tensor):
-                if leaf.dim() > 0 and leaf.size(0) == self.rows:
-                    self.mark(leaf, ROWS)
-                elif leaf.numel() == 1 and leaf.requires_grad:
-                    self.mark(leaf, LOSS)
+        found = tensors_in(output)
+        for leaf in found:
+            if leaf.dim() > 0 and leaf.size(0) == self.rows:
+                self.mark(leaf, ROWS)
+            elif leaf.numel() == 1 and leaf.requires_grad:
+                self.mark(leaf, LOSS)
+        if not found and output is not None:
+            self.unproven(f"a model returned no tensor that could be followed (a {type(output).__name__})")
 
     def end(self) -> str | None:
         """The verdict once the step is over: None where it is proven split, else what was not proven."""
@@ -267,6 +274,24 @@ class StepWatch(TorchFunctionMode):
             if all(other.numel() == 1 for other in others):
                 return MEAN if MEAN in tracked else LOSS
         raise Unproven(f"it computes {name} of a mean over the batch")
+
+
+def tensors_in(value, depth: int = 0) -> list[torch.Tensor]:  # (pytree knows no UserDict: BatchEncoding)
+    """The tensors in ``value``: itself, or inside mappings of any kind (a dict, transformers' ``BatchEncoding`` and
+    ``ModelOutput``), lists, tuples and dataclasses, at any depth."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth > 8:
+        return []
+    if isinstance(value, Mapping):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, field.name) for field in dataclasses.fields(value)]
+    else:
+        return []
+    return [tensor for item in items for tensor in tensors_in(item, depth + 1)]
 
 
 def _rank(args: tuple) -> int:
