@@ -145,6 +145,9 @@ class Replica:
     def untouched_again(self) -> None:
         """The parameters that the last backward passes left without a gradient, and that none gave one to, without
         one again (as on one device: an optimizer skips them)."""
+        if not self.untouched:
+            self.received.clear()
+            return
         for parameter in self.parameters:
             if id(parameter) in self.untouched and id(parameter) not in self.received:
                 parameter.grad = None
@@ -183,6 +186,7 @@ class Replica:
 
 
 MODES = ("plain", "unused parameters", "static graph")
+INIT_SYNC = "init_sync" in inspect.signature(DistributedDataParallel).parameters  # (torch 2.5 and later)
 _UNTOUCHED: weakref.WeakSet = weakref.WeakSet()  # replicas that follow which parameters a backward left untouched
 _STEP_HOOK: list = []  # the optimizer step pre-hook that takes their zeros back, once registered
 
@@ -190,7 +194,6 @@ _STEP_HOOK: list = []  # the optimizer step pre-hook that takes their zeros back
 def _untouched_again_everywhere(optimizer, args, kwargs) -> None:
     for replica in list(_UNTOUCHED):
         replica.untouched_again()
-INIT_SYNC = "init_sync" in inspect.signature(DistributedDataParallel).parameters  # (torch 2.5 and later)
 
 
 def graph_of(output) -> tuple[set[int], bool]:
