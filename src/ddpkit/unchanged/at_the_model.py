@@ -209,14 +209,12 @@ class AtTheModel:
         """A model's own forward pre-hook: the keyword tensors of a call cut at the model cut alike (this rank's
         rows), then a count of items given to it made the whole batch's (``items_of_the_batch``)."""
         call = self.current_call()
-        if call is not None and call.module is module and call.gathered and call.share is not None \
-                and any(isinstance(value, torch.Tensor) for value in kwargs.values()):
-            names = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor) and value.dim() > 0]
-            cut = rows_of_share(tuple(kwargs[name] for name in names), call.share)
-            kwargs = {**kwargs, **dict(zip(names, cut))}
-            changed = self.items_of_the_batch(module, args, kwargs)
-            return (args, kwargs) if changed is None else changed
-        return self.items_of_the_batch(module, args, kwargs)
+        names = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor) and value.dim() > 0]
+        cut = call is not None and call.module is module and call.gathered and call.share is not None and names
+        if cut:
+            kwargs = {**kwargs, **dict(zip(names, rows_of_share(tuple(kwargs[name] for name in names), call.share)))}
+        changed = self.items_of_the_batch(module, args, kwargs)
+        return changed if changed is not None else (args, kwargs) if cut else None
 
 
 def is_a_loss(leaf) -> bool:

@@ -196,7 +196,6 @@ class Loaders:
                                                    or self._gathered.get(this.sampler, False))
         if this.sampler is not None and this.sampler in self._trained_before and not this.ahead:
             self._own_streams(this)
-        self.batch.gathered_way = this.ahead or this.sampler is None
         ended = True
         try:
             for batch in self._original_iter(loader):
@@ -266,8 +265,7 @@ class Loaders:
     def _watch(self, this: Pass, batch) -> None:
         """Watch what the script does with ``batch``, where the pass's loader has no way yet and the pass did not
         evaluate (``step_rule``)."""
-        if (this.sampler is None or self._gathered.get(this.sampler) or this.evaluating or not self.watches()
-                or this.sampler in self._fetched_ahead or this.watched):
+        if this.sampler is None or this.ahead or this.evaluating or this.watched or not self.watches():
             return
         this.watch = self.watching = StepWatch()
         this.watch.begin(batch)
@@ -291,7 +289,7 @@ class Loaders:
                      + (" here, but not on another process" if gathered and not reason else ""))
         self._gathered[this.sampler] = gathered
         if gathered:
-            this.ahead = self.batch.gathered_way = this.sampler.whole = True
+            this.ahead = this.sampler.whole = True  # (the batch's ``gathered_way`` from its next hand-out)
             self._say_gathered(reason)
         elif this.training and not this.ahead:
             this.sampler.whole = False  # split from the next batch drawn

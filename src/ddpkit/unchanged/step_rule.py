@@ -45,14 +45,14 @@ ELEMENTWISE = frozenset("""abs absolute acos arccos acosh asin asinh atan atanh 
 cos cosh deg2rad digamma erf erfc erfinv exp exp2 expm1 fix floor frac lgamma log log10 log1p log2 logit nan_to_num
 neg negative positive rad2deg reciprocal relu relu6 round rsqrt sigmoid sign sgn sin sinc sinh sqrt square tan tanh
 trunc elu selu celu gelu silu mish softplus softsign hardtanh hardsigmoid hardswish leaky_relu logsigmoid tanhshrink
-threshold float double half bfloat16 to cuda cpu contiguous detach clone type type_as requires_grad_ detach_
+threshold float double half bfloat16 to cuda cpu contiguous detach clone type type_as
 __neg__ __pos__ __abs__ __invert__ pow __pow__ __rpow__ float_power fill_ zero_ xlogy zeros_like ones_like full_like
 empty_like""".split())
 # Elementwise functions of two or more tensors (broadcast): row-wise where their rows are the same rows.
 BINARY = frozenset("""add sub subtract mul multiply div divide true_divide floor_divide remainder fmod atan2 maximum
 minimum fmax fmin hypot lerp addcmul addcdiv where masked_fill copysign logaddexp logaddexp2 __add__ __radd__ __iadd__
 __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__ __rtruediv__ __itruediv__ __div__ __rdiv__
-__floordiv__ __mod__ binary_cross_entropy_with_logits_none""".split())
+__floordiv__ __mod__""".split())
 # Functions along a dimension (``dim``, their second positional argument or keyword): row-wise along any but 0.
 ALONG = {"softmax": 1, "log_softmax": 1, "normalize": 2, "sum": 1, "mean": 1, "amax": 1, "amin": 1, "logsumexp": 1,
          "cumsum": 1, "cumprod": 1, "norm": 2, "gather": 1, "squeeze": 1, "unsqueeze": 1, "flatten": 1,
@@ -208,10 +208,10 @@ class StepWatch(TorchFunctionMode):
         if ROWS in tracked:
             if LOSS in tracked or MEAN in tracked:
                 raise Unproven(f"it combines the batch's rows with a mean ({name})")
-            return self.of_rows(name, func, args, kwargs, leaves, kinds, result)
+            return self.of_rows(name, args, kwargs, leaves, kinds, result)
         return self.of_means(name, tracked, leaves, kinds)
 
-    def of_rows(self, name, func, args, kwargs, leaves, kinds, result) -> str:
+    def of_rows(self, name, args, kwargs, leaves, kinds, result) -> str:
         if name in LOSSES:
             reduction = kwargs.get("reduction", "mean")
             if kwargs.get("size_average") is not None or kwargs.get("reduce") is not None:
@@ -276,7 +276,9 @@ class StepWatch(TorchFunctionMode):
         raise Unproven(f"it computes {name} of a mean over the batch")
 
 
-def tensors_in(value, depth: int = 0) -> list[torch.Tensor]:  # (pytree knows no UserDict: BatchEncoding)
+def tensors_in(value, depth: int = 0) -> list[torch.Tensor]:
+    # (Not pytree's leaves, which miss a UserDict such as BatchEncoding; not ``gathered.map_tensors``, which rebuilds
+    # each container and reads dicts only, as the gather must.)
     """The tensors in ``value``: itself, or inside mappings of any kind (a dict, transformers' ``BatchEncoding`` and
     ``ModelOutput``), lists, tuples and dataclasses, at any depth."""
     if isinstance(value, torch.Tensor):
