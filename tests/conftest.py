@@ -7,6 +7,7 @@ import fcntl
 import io
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import NoReturn
+from typing import Callable, NoReturn, TypeVar
 
 import pytest
 import torch
@@ -85,6 +86,8 @@ def _locked(path: Path, mode: int):
 # --no-loadscope-reorder). By its own default it orders them by their number of tests, which starts a module of few
 # but long tests (one shared multi-process run, a minute under the suite's load) among the last, to end the suite
 # alone. These modules, the longest in a `--durations` run of the suite, go first; the rest by their number of tests.
+# (All modules ordered by their recorded times, the longest first, ran .ci/run's one session in 9:08, where this order
+# had run it in 7:41 half an hour before on the same machine: no better, and it was not kept.)
 LONGEST_FIRST = ("test_replica_groups_machines.py", "test_own_script.py", "test_bench.py", "test_library_loop.py",
                  "test_replica_groups_job.py", "test_public_scripts.py", "test_replica_groups.py")
 
@@ -102,6 +105,56 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=order)  # stable: each module's tests keep their order
 
 
+def _run_files() -> Path | None:
+    """The prefix of the files the xdist workers of this pytest run share (their locks, ``once_per_run``'s
+    results), or None in one process."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    return None if run is None else Path(tempfile.gettempdir()) / f"ddpkit-tests-{run}"
+
+
+Made = TypeVar("Made")
+_made_here: dict[str, object] = {}
+
+
+def once_per_run(name: str, make: Callable[[], Made]) -> Made:
+    """``make()``, called once per pytest run whatever the number of its xdist workers: a session fixture runs once
+    per worker, so a run that several modules read (a reference, a trained model), on workers of their own, would be
+    trained once by each. The first worker to ask makes it, the others wait for it and read its pickled result (the
+    folders it names are the first worker's, read only); where ``make`` fails, each worker that asks tries again
+    (and fails as well, saying why)."""
+    if name in _made_here:
+        return _made_here[name]
+    files = _run_files()
+    if files is None:
+        made = _made_here[name] = make()
+        return made
+    kept = files.with_name(f"{files.name}-{name}.pickle")
+    with _locked(kept.with_suffix(".lock"), fcntl.LOCK_EX):
+        if kept.exists():
+            made = pickle.loads(kept.read_bytes())
+        else:
+            made = make()
+            kept.with_suffix(".partial").write_bytes(pickle.dumps(made))
+            kept.with_suffix(".partial").rename(kept)
+    _made_here[name] = made
+    return made
+
+
+def pytest_configure(config):
+    """The controller of an xdist run names the run (xdist's own ``--testrunuid``, which it hands to its workers as
+    ``PYTEST_XDIST_TESTRUNUID``), so that it knows the files they share."""
+    if not hasattr(config, "workerinput") and getattr(config.option, "testrunuid", "") is None:
+        config.option.testrunuid = uuid.uuid4().hex
+
+
+def pytest_unconfigure(config):
+    """The controller of an xdist run, after its workers have ended: the files they shared go."""
+    run = getattr(config.option, "testrunuid", None)
+    if run and not hasattr(config, "workerinput"):
+        for path in Path(tempfile.gettempdir()).glob(f"ddpkit-tests-{run}*"):
+            path.unlink(missing_ok=True)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Under pytest-xdist's workers, a test marked ``alone`` has the machine to itself, its fixtures' runs
@@ -110,11 +163,10 @@ def pytest_runtest_protocol(item, nextitem):
     Every test holds the machine's lock shared, an ``alone`` test exclusively; both pass a turnstile first, so a
     waiting ``alone`` test is not starved by the other worker's next tests. In one process nothing is locked.
     """
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:
+    base = _run_files()
+    if base is None:
         yield
         return
-    base = Path(tempfile.gettempdir()) / f"ddpkit-tests-{run}"
     turnstile, machine = base.with_suffix(".turnstile"), base.with_suffix(".machine")
     if item.get_closest_marker("alone") is not None:
         with _locked(turnstile, fcntl.LOCK_EX), _locked(machine, fcntl.LOCK_EX):
@@ -275,18 +327,22 @@ DIGITS_CONVNET = ["--data", "digits", "--model", "convnet", "--optimizer", "sgd"
 
 @pytest.fixture(scope="session")
 def ddp_digits(tmp_path_factory):
-    """One 2-process DDP run of DIGITS_CONVNET that several modules compare against: (folder, state, rows, result).
+    """One 2-process DDP run of DIGITS_CONVNET that several modules compare against: (folder, state, rows, result),
+    run once per pytest run (``once_per_run``).
 
     It checkpoints every 5 steps, compares the replicas' weights at every step (which a healthy run passes),
     and sets NCCL variables (which gloo ignores) to show they are said once and recorded.
     """
-    folder = tmp_path_factory.mktemp("ddp_digits")
-    result = run_ddpkit("train", *DIGITS_CONVNET, "--nproc-per-node", "2", "--no-progress", "--output-dir", str(folder),
-                        "--checkpoint-every", "5", "--keep-checkpoints", "10", "--check-replicas", "1",
-                        "--nccl", "NCCL_ALGO=Ring", "--nccl", "no-ib", "--nccl", "NCCL_ALGO=Tree")
-    assert result.returncode == 0, result.stdout + result.stderr
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return folder, torch.load(folder / "model.pt", weights_only=True), rows, result
+    def make() -> tuple:
+        folder = tmp_path_factory.mktemp("ddp_digits")
+        result = run_ddpkit("train", *DIGITS_CONVNET, "--nproc-per-node", "2", "--no-progress", "--output-dir",
+                            str(folder), "--checkpoint-every", "5", "--keep-checkpoints", "10", "--check-replicas", "1",
+                            "--nccl", "NCCL_ALGO=Ring", "--nccl", "no-ib", "--nccl", "NCCL_ALGO=Tree")
+        assert result.returncode == 0, result.stdout + result.stderr
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        return folder, torch.load(folder / "model.pt", weights_only=True), rows, result
+
+    return once_per_run("ddp_digits", make)
 
 
 @pytest.fixture(scope="session")
@@ -295,13 +351,17 @@ def default_run(tmp_path_factory):
     GPUs) for 2 epochs, at --debug, which changes what is said, not what is trained: (result, folder).
 
     test_train_multiprocess reads its output and files; test_resume compares its model with the same run
-    checkpointed and resumed. Cold (``fresh``), as a user starts the main job: the launcher and each rank import
-    torch after ddpkit, which a warm rank (tests/warm_ranks.py) has done before it.
+    checkpointed and resumed: run once per pytest run (``once_per_run``). Cold (``fresh``), as a user starts the main
+    job: the launcher and each rank import torch after ddpkit, which a warm rank (tests/warm_ranks.py) has done before
+    it.
     """
-    folder = tmp_path_factory.mktemp("default")
-    result = run_ddpkit("train", "--epochs", "2", "--debug", "--output-dir", str(folder), fresh=True)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result, folder
+    def make() -> tuple:
+        folder = tmp_path_factory.mktemp("default")
+        result = run_ddpkit("train", "--epochs", "2", "--debug", "--output-dir", str(folder), fresh=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result, folder
+
+    return once_per_run("default_run", make)
 
 
 CORPUS = REPO.parent / "shared" / "corpus"  # other people's scripts, byte for byte, beside the repository

@@ -394,3 +394,37 @@ def test_the_text_check_finds_a_planted_copy_and_a_planted_excerpt(tmp_path):
     assert done.returncode == 1
     listed = sorted(line.split(":")[0] for line in done.stdout.splitlines())
     assert listed == [str(tmp_path / "docs.md"), str(tmp_path / "examples" / "borrowed.py")], done.stdout
+
+
+def _suite_times():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("suite_times", REPO / "benchmarks" / "suite_times.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_suites_record_reads_junit_names_a_module_grown_by_over_20_s_and_draws_every_row(tmp_path):
+    import xml.etree.ElementTree as ElementTree
+
+    times = _suite_times()
+    junit = tmp_path / "session.xml"
+    junit.write_text('<testsuites><testsuite><testcase classname="tests.test_a" name="x" time="30.5"/>'
+                     '<testcase classname="tests.test_a" name="y" time="1.5"><skipped/></testcase>'
+                     '<testcase classname="tests.test_b" name="z" time="4"><failure/></testcase>'
+                     '</testsuite></testsuites>')
+    modules, counts = times.read_junit(junit)
+    assert modules == {"tests/test_a.py": 32.0, "tests/test_b.py": 4.0}
+    assert counts == {"passed": 1, "failed": 1, "skipped": 1}
+    said = times.grown(modules, {"tests/test_a.py": 11.0, "tests/test_b.py": 4.0})
+    assert said == ["suite time: tests/test_a.py grew by 21 s against the last recorded run (11 s to 32 s)"]
+    assert times.grown(modules, {"tests/test_a.py": 12.0}) == []  # 20 s more is not more than 20
+    assert (times.clock(405), times.seconds_of("6:45"), times.seconds_of("405")) == ("6:45", 405.0, 405.0)
+    # The record of runs draws as an SVG: a line for each part that has values, the budgets across.
+    rows = times.read_runs()
+    assert len(rows) > 50 and all(row["date"] and row["commit"] is not None for row in rows)
+    drawn = ElementTree.fromstring(times.draw(rows))
+    lines = drawn.findall("{http://www.w3.org/2000/svg}polyline")
+    assert len(lines) >= 4
+    assert (REPO / "docs" / "suite-times.svg").read_text() == times.draw(rows)  # drawn from the rows as they are

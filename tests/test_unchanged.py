@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import CORPUS, needs_corpus, public_scripts_data, run_command, run_ddpkit
+from conftest import CORPUS, needs_corpus, once_per_run, public_scripts_data, run_command, run_ddpkit
 from ddpkit.core.version import torch_at_least
 from ddpkit.data.split_batches import SharedStream, share_of
 from ddpkit.unchanged import Setting, stands_aside
@@ -256,15 +256,26 @@ def unchanged(tmp: Path, nproc: int, mode: str, *flags: str, expect: int = 0, sc
     return out, done
 
 
+@pytest.fixture(scope="session")
+def one_process_both(tmp_path_factory) -> tuple:
+    """The script on one process, in float64, once per pytest run (``once_per_run``): the reference of this module's
+    2-process runs and of tests/test_unchanged_sharded.py's. One process reads every batch whole: how a loss reduces
+    does not matter there, and ``--shard`` has nothing to shard, so one run is the reference for every 2-process
+    run. In float64: the same computation gives the same weights to 1e-12, where float32's rounding, grown by
+    training, would leave 1e-5 (the public originals below, in float32) and hide a difference of method."""
+    def make() -> tuple:
+        out, done = unchanged(tmp_path_factory.mktemp("unchanged-one"), 1, "both", "--seed", "5",
+                              script_args=["float64"])
+        return out, done, torch.load(out / "result.pt", weights_only=True)
+
+    return once_per_run("unchanged_one_process_both", make)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def runs(tmp_path_factory, one_process_both) -> dict:
     tmp = tmp_path_factory.mktemp("unchanged")
-    found = {}
-    # One process reads every batch whole: how a loss reduces does not matter there, so one run is the reference for
-    # both of the 2-process runs.
-    # In float64: the same computation gives the same weights to 1e-12, where float32's rounding, grown by training,
-    # would leave 1e-5 (the public originals below, in float32) and hide a difference of method.
-    for nproc, mode, flags in ((1, "both", []), (2, "mean", []), (2, "sum", ["--loss-reduction", "sum"]),
+    found = {("both", 1): one_process_both}
+    for nproc, mode, flags in ((2, "mean", []), (2, "sum", ["--loss-reduction", "sum"]),
                                (2, "coupled", ["--loss-reduction", "coupled"])):
         out, done = unchanged(tmp, nproc, mode, "--seed", "5", *flags, script_args=["float64"])
         found[mode, nproc] = out, done, torch.load(out / "result.pt", weights_only=True)
@@ -449,11 +460,13 @@ def assert_counted_means_as_on_one_process(one: dict, two: dict) -> None:
         assert two["printed"][name] == pytest.approx(one["printed"][name], rel=tolerance), name
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def counted_one(tmp_path_factory) -> dict:
+    """The counted script on one process, once per pytest run (``once_per_run``): the reference of the 2-process runs
+    here and sharded (tests/test_unchanged_sharded.py; on one process ``--shard`` has nothing to shard)."""
     # (Not on the floor's run, which has no transformers: a loss's count does not depend on torch's release.)
     pytest.importorskip("transformers", reason="the counted script's models are transformers'")
-    return counted_run(tmp_path_factory.mktemp("counted"), 1)
+    return once_per_run("counted_one", lambda: counted_run(tmp_path_factory.mktemp("counted"), 1))
 
 
 @pytest.mark.slow  # (35 s of a worker: the default suite has no room; CI runs it with the slow ones)
@@ -671,9 +684,10 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     assert said.count("a training step that is not proven exact on split batches") == 1, said
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def steps_one(tmp_path_factory) -> tuple:
-    return steps_run(tmp_path_factory.mktemp("steps"), 1)
+    """The steps script on one process, once per pytest run (``once_per_run``): the reference here and sharded."""
+    return once_per_run("steps_one", lambda: steps_run(tmp_path_factory.mktemp("steps"), 1))
 
 
 def test_steps_that_a_split_would_change_take_the_gathered_way_and_train_and_print_as_on_one_process(steps_one,
@@ -860,19 +874,31 @@ def test_the_imagenet_original_with_batch_norm_trains_on_two_processes_as_on_one
     assert (two / "model_best.pth.tar").is_file()  # copied by every rank from the file rank 0 wrote first
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sharding", [[], ["--shard", "always"]], ids=["replica", "sharded"])
-def test_the_nanogpt_original_cutting_its_batches_by_hand_trains_and_prints_as_on_one_process(data, tmp_path, sharding):
-    # nanoGPT distributes itself where a launcher's RANK is set: under --unchanged it finds none, and takes its one-device
-    # way. Its batches are drawn by hand (no DataLoader) and cut at the model. Sharded too: AdamW's two parameter groups
-    # built before the first call, tied weights, a checkpoint with the optimizer's state dict.
+def nanogpt(tmp: Path, data: Path, nproc: int, flags=()) -> tuple[Path, str]:
+    """nanoGPT's train.py, as its authors wrote it, on ``nproc`` processes: a small model, 10 iterations."""
     args = ["--dataset=chargpt", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=8",
             "--gradient_accumulation_steps=4", "--eval_interval=5", "--eval_iters=2", "--log_interval=5",
             "--warmup_iters=2", "--lr_decay_iters=30", "--learning_rate=3e-3", "--min_lr=3e-4", "--compile=False",
             "--dtype=float32", "--device=cpu", "--out_dir=gpt", "--max_iters=10"]
     links = [("configurator.py", CORPUS / "nanogpt" / "configurator.py"), ("data/chargpt", data / "chargpt")]
-    (one, one_out), (two, two_out) = [original(tmp_path, "nanogpt/train.py", nproc, *args, flags=sharding, links=links)
-                                      for nproc in (1, 2)]
+    return original(tmp, "nanogpt/train.py", nproc, *args, flags=flags, links=links)
+
+
+@pytest.fixture(scope="module")
+def nanogpt_one(data, tmp_path_factory) -> tuple[Path, str]:
+    """nanoGPT on one process: the reference of its runs replicated and sharded (on one process, --shard has nothing
+    to shard)."""
+    return nanogpt(tmp_path_factory.mktemp("nanogpt"), data, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", [[], ["--shard", "always"]], ids=["replica", "sharded"])
+def test_the_nanogpt_original_cutting_its_batches_by_hand_trains_and_prints_as_on_one_process(data, nanogpt_one,
+                                                                                              tmp_path, sharding):
+    # nanoGPT distributes itself where a launcher's RANK is set: under --unchanged it finds none, and takes its one-device
+    # way. Its batches are drawn by hand (no DataLoader) and cut at the model. Sharded too: AdamW's two parameter groups
+    # built before the first call, tied weights, a checkpoint with the optimizer's state dict.
+    (one, one_out), (two, two_out) = nanogpt_one, nanogpt(tmp_path, data, 2, sharding)
     weights = [torch.load(folder / "gpt" / "ckpt.pt", weights_only=False)["model"] for folder in (one, two)]
     assert relative_difference(*weights) < 1e-5
     printed = r"(step \d+: train loss \S+, val loss \S+|iter \d+: loss \S+)"

@@ -23,6 +23,7 @@ from ddpkit.core.errors import UsageError
 from ddpkit.strategies.sharded_in_place import repeated_blocks
 from ddpkit.unchanged import Setting, layouts
 from ddpkit.unchanged.layouts import SHARD_IN_PLACE
+from test_unchanged import counted_one, one_process_both, steps_one  # noqa: F401 (references shared, once per run)
 
 SCRIPT = str(Path(__file__).with_name("unchanged_sharded_script.py"))
 
@@ -251,15 +252,15 @@ print("modules:", sorted(name for name in sys.modules if name.startswith("ddpkit
 
 
 @pytest.fixture(scope="module")
-def shared_script_runs(tmp_path_factory, sharding_torch) -> dict:
+def shared_script_runs(tmp_path_factory, sharding_torch, one_process_both) -> dict:
     """tests/unchanged_script.py (BatchNorm, uneven batches, accumulation, clipping, a GAN, stand-ins, evaluations,
-    summed losses, a batch cut by hand, a coupled loss, whole models saved and copied), on 1 process and sharded on 2
-    in each mode, in float64."""
+    summed losses, a batch cut by hand, a coupled loss, whole models saved and copied), on 1 process (the reference
+    tests/test_unchanged.py's runs share) and sharded on 2 in each mode, in float64."""
     from test_unchanged import unchanged
 
     tmp = tmp_path_factory.mktemp("shared-script")
-    found = {}
-    for nproc, mode, flags in ((1, "both", []), (2, "mean", ["--shard", "always"]),
+    found = {"both": one_process_both}
+    for nproc, mode, flags in ((2, "mean", ["--shard", "always"]),
                                (2, "sum", ["--shard", "always", "--loss-reduction", "sum"]),
                                (2, "coupled", ["--shard", "always", "--loss-reduction", "coupled"])):
         out, done = unchanged(tmp, nproc, mode, "--seed", "5", *flags, script_args=["float64"])
@@ -321,72 +322,84 @@ from ddpkit.unchanged.optimizers import Optimizers
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.set_default_dtype(torch.float64)
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
-alone = copy.deepcopy(model)  # one device's, trained on the whole batch in this process
 optimizers = Optimizers(rank=rank)
 optimizers.install()
-optimizer, alone_optimizer = torch.optim.Adam(model.parameters(), lr=0.01), torch.optim.Adam(alone.parameters(), lr=0.01)
-layout = sys.argv[1]
-if rank == 1:  # rank 0's values are the model's, however it is sharded
+for layout in sys.argv[1:]:  # each layout a model of its own, in one launch
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    alone = copy.deepcopy(model)  # one device's, trained on the whole batch in this process
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    alone_optimizer = torch.optim.Adam(alone.parameters(), lr=0.01)
+    if rank == 1:  # rank 0's values are the model's, however it is sharded
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+    if layout == "arriving":  # on its way to the device (the CPU here): made there from rank 0's rows alone
+        moved = shard_on_the_way(model, torch.device("cpu"), reshard_after_forward=True, weight=lambda: 0.5)
+    else:
+        moved = shard_in_place(model, reshard_after_forward=layout == "full", weight=lambda: 0.5)
+    optimizers.repoint(moved, "Sequential")
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    for step in range(3):
+        output = model(x[4 * rank:4 * rank + 4])  # this rank's half; FSDP averages the halves' gradients
+        whole_after_forward = not isinstance(model[2].weight, DTensor)
+        F.cross_entropy(output, y[4 * rank:4 * rank + 4]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        F.cross_entropy(alone(x), y).backward()
+        alone_optimizer.step()
+        alone_optimizer.zero_grad()
+    try:  # an optimizer built over the sharded parameters that does not step each element alone: at its first step
+        torch.optim.LBFGS(model.parameters()).step(lambda: 0.0)
+    except Exception as error:
+        print(f"rank {rank}: {layout}: {type(error).__name__}: {error}")
+    # A whole state dict is rank 0's alone; the others hold stand-ins of one element each, and load it from rank 0.
+    state, moments, expected = model.state_dict(), optimizer.state_dict(), alone.state_dict()
+    held = sorted({value.untyped_storage().nbytes() // value.element_size() for value in
+                   [*state.values(), *(value for each in moments["state"].values() for value in each.values()
+                                       if value.dim())]
+                   if value.numel() > 1})
+    worst = max((state[key] - expected[key]).abs().max().item() for key in expected) if rank == 0 else 0.0
     with torch.no_grad():
-        model[0].weight.add_(1.0)
-if layout == "arriving":  # on its way to the device (the CPU here): made there from rank 0's rows alone
-    moved = shard_on_the_way(model, torch.device("cpu"), reshard_after_forward=True, weight=lambda: 0.5)
-else:
-    moved = shard_in_place(model, reshard_after_forward=layout == "full", weight=lambda: 0.5)
-optimizers.repoint(moved, "Sequential")
-x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
-for step in range(3):
-    output = model(x[4 * rank:4 * rank + 4])  # this rank's half; FSDP averages the halves' gradients
-    whole_after_forward = not isinstance(model[2].weight, DTensor)
-    F.cross_entropy(output, y[4 * rank:4 * rank + 4]).backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    F.cross_entropy(alone(x), y).backward()
-    alone_optimizer.step()
-    alone_optimizer.zero_grad()
-try:  # an optimizer built over the sharded parameters that does not step each element alone: at its first step
-    torch.optim.LBFGS(model.parameters()).step(lambda: 0.0)
-except Exception as error:
-    print(f"rank {rank}: {type(error).__name__}: {error}")
-# A whole state dict is rank 0's alone; the others hold stand-ins of one element each, and load it from rank 0.
-state, moments, expected = model.state_dict(), optimizer.state_dict(), alone.state_dict()
-held = sorted({value.untyped_storage().nbytes() // value.element_size() for value in
-               [*state.values(), *(value for each in moments["state"].values() for value in each.values() if value.dim())]
-               if value.numel() > 1})
-worst = max((state[key] - expected[key]).abs().max().item() for key in expected) if rank == 0 else 0.0
-with torch.no_grad():
-    for parameter in model.parameters():
-        parameter.to_local().zero_()
-model.load_state_dict(state)
-optimizer.load_state_dict(moments)
-reloaded = model.state_dict()
-if rank == 0:
-    worst = max(worst, *((reloaded[key] - expected[key]).abs().max().item() for key in expected))
-print(f"rank {rank}: {layout} whole after forward {whole_after_forward}, sharded between steps "
-      f"{isinstance(model[2].weight, DTensor)}, worst {worst:.1e}, held {held}")
+        for parameter in model.parameters():
+            parameter.to_local().zero_()
+    model.load_state_dict(state)
+    optimizer.load_state_dict(moments)
+    reloaded = model.state_dict()
+    if rank == 0:
+        worst = max(worst, *((reloaded[key] - expected[key]).abs().max().item() for key in expected))
+    print(f"rank {rank}: {layout} whole after forward {whole_after_forward}, sharded between steps "
+          f"{isinstance(model[2].weight, DTensor)}, worst {worst:.1e}, held {held}")
 dist.destroy_process_group()
 """
+LAYOUTS = ("zero2", "full", "arriving")
+
+
+@pytest.fixture(scope="module")
+def layouts_run(tmp_path_factory, sharding_torch) -> str:
+    """The ZeRO-2, fully sharded and on-the-way layouts, each a model of its own, in one 2-process launch: its
+    output."""
+    folder = tmp_path_factory.mktemp("zero2")
+    script = folder / "zero2.py"
+    script.write_text(ZERO2)
+    done = run_ddpkit("run", "--nproc-per-node", "2", str(script), *LAYOUTS, timeout=120, cwd=folder)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, whole_during_step", [("zero2", True), ("full", False), ("arriving", False)])
 def test_zero2_full_and_on_the_way_layouts_train_as_one_device_from_rank_0s_values(
-        tmp_path, layout, whole_during_step, sharding_torch):
-    script = tmp_path / "zero2.py"
-    script.write_text(ZERO2)
-    done = run_ddpkit("run", "--nproc-per-node", "2", str(script), layout, timeout=120, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
+        layouts_run, layout, whole_during_step):
     found = re.findall(rf"rank (\d): {layout} whole after forward (\w+), sharded between steps (\w+), worst (\S+), "
-                       r"held (.*)", done.stdout)
-    assert len(found) == 2, done.stdout
+                       r"held (.*)", layouts_run)
+    assert len(found) == 2, layouts_run
     for rank, whole, sharded, worst, held in found:
         assert (whole, sharded) == (str(whole_during_step), "True") and float(worst) < 1e-12
         # Rank 0 holds the whole state dicts (model and optimizer), rank 1 one element for each tensor, and loads
         # rank 0's values.
-        assert (held == "[1]") == (rank == "1"), done.stdout
-    assert done.stdout.count("UsageError: --unchanged --shard: LBFGS steps a sharded model's parameters") == 2
+        assert (held == "[1]") == (rank == "1"), layouts_run
+    said = f"{layout}: UsageError: --unchanged --shard: LBFGS steps a sharded model's parameters"
+    assert layouts_run.count(said) == 2, layouts_run
 
 
 def test_an_optimizers_state_not_shaped_as_its_parameter_cannot_be_sharded_and_is_refused_in_one_line():
@@ -403,13 +416,12 @@ def test_an_optimizers_state_not_shaped_as_its_parameter_cannot_be_sharded_and_i
 
 
 @pytest.mark.slow
-def test_means_over_counted_items_train_and_print_sharded_as_on_one_process(tmp_path, sharding_torch):
+def test_means_over_counted_items_train_and_print_sharded_as_on_one_process(tmp_path, sharding_torch, counted_one):
     """tests/unchanged_counted_script.py (a transformers LM on padded batches, with and without num_items_in_batch; a
     loss with ignore_index in the script; class weights) with --shard always on 2 processes against 1."""
     from test_unchanged import assert_counted_means_as_on_one_process, counted_run
 
-    pytest.importorskip("transformers", reason="the counted script's models are transformers'")
-    assert_counted_means_as_on_one_process(counted_run(tmp_path, 1), counted_run(tmp_path, 2, "--shard", "always"))
+    assert_counted_means_as_on_one_process(counted_one, counted_run(tmp_path, 2, "--shard", "always"))
 
 
 @pytest.mark.slow
@@ -518,9 +530,9 @@ def test_an_averaged_model_over_buffers_too_is_refused_in_one_line_before_traini
 
 
 @pytest.mark.slow
-def test_steps_that_take_the_gathered_way_train_sharded_as_on_one_process(sharding_torch, tmp_path):
+def test_steps_that_take_the_gathered_way_train_sharded_as_on_one_process(sharding_torch, tmp_path, steps_one):
     """tests/unchanged_steps_script.py under ``--shard always`` on 2 processes against 1: every printed line and every
     weight to 1e-9 (the gathered way with FSDP2's averaging)."""
     from test_unchanged import assert_steps_as_on_one_process, steps_run
 
-    assert_steps_as_on_one_process(steps_run(tmp_path, 1), steps_run(tmp_path, 2, "--shard", "always"))
+    assert_steps_as_on_one_process(steps_one, steps_run(tmp_path, 2, "--shard", "always"))
