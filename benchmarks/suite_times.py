@@ -133,9 +133,9 @@ SERIES = [("ci_s", "whole .ci/run", "#1f77b4"), ("readme_b_s", "README (b), inst
           ("session_s", "one session: default, slow and ray", "#ff7f0e"), ("floor_s", "the floor's part", "#8c564b")]
 
 
-def draw(rows: list[dict[str, str]], width: int = 900, height: int = 360) -> str:
+def draw(rows: list[dict[str, str]], width: int = 980, height: int = 360) -> str:
     """An SVG of each part's minutes against the runs, in order, the budgets dashed across."""
-    left, right, top, bottom = 48, 250, 16, 40
+    left, right, top, bottom = 48, 310, 16, 40
     plot_w, plot_h = width - left - right, height - top - bottom
     values = [float(row[key]) for row in rows for key, *_ in SERIES if row.get(key)]
     top_minutes = max([*(value / 60 for value in values), *(budget / 60 for budget in BUDGETS.values())]) + 1
