@@ -167,11 +167,12 @@ def draw(rows: list[dict[str, str]], width: int = 980, height: int = 360) -> str
         parts.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="1.5"/>')
         parts.extend(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="2" fill="{colour}"/>' for px, py in points)
     legend = [(name, colour, False) for key, name, colour in SERIES if any(row.get(key) for row in rows)]
+    named = {key: (name, colour) for key, name, colour in SERIES}
     for key, budget in BUDGETS.items():
-        colour = dict((k, c) for k, _, c in SERIES)[key]
+        name, colour = named[key]
         parts.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{y(budget):.1f}" y2="{y(budget):.1f}" '
                      f'stroke="{colour}" stroke-dasharray="6 4"/>')
-        legend.append((f"budget of {dict((k, n) for k, n, _ in SERIES)[key]}: {clock(budget)}", colour, True))
+        legend.append((f"budget of {name}: {clock(budget)}", colour, True))
     for index, (name, colour, dashed) in enumerate(legend):
         ly = top + 14 + 18 * index
         dash = ' stroke-dasharray="6 4"' if dashed else ""

@@ -105,10 +105,10 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=order)  # stable: each module's tests keep their order
 
 
-def _run_files() -> Path | None:
-    """The prefix of the files the xdist workers of this pytest run share (their locks, ``once_per_run``'s
-    results), or None in one process."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+def _run_files(run: str | None = None) -> Path | None:
+    """The prefix of the files the xdist workers of pytest run ``run`` (by default this worker's) share (their locks,
+    ``once_per_run``'s results), or None in one process."""
+    run = run or os.environ.get("PYTEST_XDIST_TESTRUNUID")
     return None if run is None else Path(tempfile.gettempdir()) / f"ddpkit-tests-{run}"
 
 
@@ -151,7 +151,8 @@ def pytest_unconfigure(config):
     """The controller of an xdist run, after its workers have ended: the files they shared go."""
     run = getattr(config.option, "testrunuid", None)
     if run and not hasattr(config, "workerinput"):
-        for path in Path(tempfile.gettempdir()).glob(f"ddpkit-tests-{run}*"):
+        files = _run_files(run)
+        for path in files.parent.glob(f"{files.name}*"):
             path.unlink(missing_ok=True)
 
 
