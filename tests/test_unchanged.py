@@ -671,8 +671,9 @@ def steps_run(tmp: Path, nproc: int, *flags: str) -> tuple[dict, list[str], str]
 
 def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     (weights_one, printed_one, _), (weights_two, printed_two, said) = one, two
-    # (10 steps a part, and 2 epochs' lines of two parts)
-    assert printed_one == printed_two and len(printed_two) == 7 * 10 + 2 * 2, printed_two
+    # (10 steps a part, 2 epochs' lines of two parts, and 2 of each epoch's metrics where torchmetrics is installed)
+    lines = 1 + 7 * 10 + 2 * 2 + 4 * ("metrics" in weights_one)
+    assert printed_one == printed_two and len(printed_two) == lines, printed_two
     for part, weights in weights_one.items():
         if part != "rows":
             assert relative_norm(weights, weights_two[part]) < 1e-9, part
@@ -681,6 +682,10 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # a call's keywords (torch 2.4: ``KEYWORDS_SEEN``), its calls are whole, and exact all the same.
     rows = weights_two["rows"]["keywords"]
     assert weights_one["rows"]["keywords"].max() == 6 and rows[0] == 6 and rows[1:].max() == (3 if KEYWORDS_SEEN else 6)
+    # The script finds no process group (its first line: "group 0: False"), nor does a model's code on a whole batch;
+    # the code inside a call that computes this process's rows alone finds it, as a model's code under DDP does.
+    assert printed_two[0] == "group 0: False" and not weights_one["rows"]["groups"].any()
+    assert weights_two["rows"]["groups"].tolist() == (rows < 6).tolist()
     assert said.count("a training step that is not proven exact on split batches") == 1, said
 
 
@@ -698,9 +703,10 @@ def test_steps_that_a_split_would_change_take_the_gathered_way_and_train_and_pri
     ``loss.item() * inputs.size(0)`` and its accuracy from ``(preds == labels).sum()``, a model that writes a
     running mean of its inputs into a buffer in its training forward, a model called by keyword (its calls cut at
     the model all the same), a loss term that only the batches with a rare class have (a head left without a
-    gradient in the other steps, as on one device: no exit, no flag), and a summed term that the second epoch adds to
-    a loader whose first epoch was split (its way decided again at each pass). float64, 2 processes against 1: every
-    printed line, every weight and the buffer, to 1e-9."""
+    gradient in the other steps, as on one device: no exit, no flag), a summed term that the second epoch adds to
+    a loader whose first epoch was split (its way decided again at each pass), and torchmetrics' sums, means and
+    concatenations in training and in evaluation (which sync over any process group they find: the script started
+    none). float64, 2 processes against 1: every printed line, every weight and the buffer, to 1e-9."""
     assert_steps_as_on_one_process(steps_one, steps_run(tmp_path, 2))
 
 

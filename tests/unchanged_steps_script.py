@@ -13,16 +13,22 @@
 - **buffers**: a model that keeps a running mean of its inputs in a buffer, written in its training forward, and
   centres them with it (as observation normalisers do), under a plain cross-entropy;
 - **keywords**: a model called with its tensors by keyword (``model(**batch)``), returning a dict, its epoch's
-  accuracy counted from its logits: the rows of each of its calls go into OUT/result.pt's ``rows``;
+  accuracy counted from its logits: the rows of each of its calls go into OUT/result.pt's ``rows``, and whether its
+  forward found a process group (``torch.distributed.is_initialized()``) into ``groups``;
 - **auxiliary**: a model with a second head whose loss term is added only when the batch holds the rare class (two
   samples of 29): the other steps leave that head without a gradient, and SGD with momentum skips it, as on one
   device;
-- **later**: one loader over both epochs, a plain mean in the first, a summed penalty added in the second.
+- **later**: one loader over both epochs, a plain mean in the first, a summed penalty added in the second;
+- **metrics** (where torchmetrics is installed): torchmetrics in training and in evaluation, a sum of the samples
+  seen, a weighted mean of the loss, an accuracy and a concatenation of the scores; torchmetrics reads
+  ``torch.distributed`` and syncs over any process group it finds, and this script started none.
 
 Each part trains 2 epochs over 29 samples in shuffled batches of 6 (the last one 5), prints one line per step and per
-epoch, and writes OUT/result.pt: each part's weights (a flat dictionary of tensors).
+epoch, and writes OUT/result.pt: each part's weights (a flat dictionary of tensors). First, the script prints whether
+it finds a process group: it started none.
 """
 
+import importlib.util
 import os
 import sys
 
@@ -32,10 +38,12 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
-                                            "keywords", "auxiliary", "later"]
+                                            "keywords", "auxiliary", "later"] + (
+    ["metrics"] if importlib.util.find_spec("torchmetrics") else [])
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
 result = {}
+print(f"group 0: {torch.distributed.is_available() and torch.distributed.is_initialized()}")
 
 
 def step(optimizer, loss, name=None):
@@ -180,11 +188,12 @@ class ByKeyword(nn.Module):
     def __init__(self):
         super().__init__()
         self.net = nn.Linear(8, 3)
-        self.rows = []
+        self.rows, self.groups = [], []
 
     def forward(self, inputs, scale):
         if self.training:
             self.rows.append(len(inputs))
+            self.groups.append(torch.distributed.is_available() and torch.distributed.is_initialized())
         return {"logits": self.net(inputs) * scale}
 
 
@@ -200,7 +209,7 @@ def keywords():
             step(optimizer, F.cross_entropy(logits, labels))
             right += int((logits.argmax(1) == labels).sum())
         print(f"keywords {epoch}: {right} right")
-    result["rows"] = {"keywords": torch.tensor(model.rows)}
+    result["rows"] = {"keywords": torch.tensor(model.rows), "groups": torch.tensor(model.groups)}
     return model.state_dict()
 
 
@@ -242,6 +251,37 @@ def later():
             if epoch == 1:
                 loss = loss + 0.01 * (output ** 2).sum()
             step(optimizer, loss, f"later {epoch}")
+    return model.state_dict()
+
+
+def metrics():
+    import torchmetrics
+
+    x, y = torch.randn(29, 8), torch.randint(0, 3, (29,))
+    held_out = DataLoader(TensorDataset(torch.randn(13, 8), torch.randint(0, 3, (13,))), batch_size=5)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen, mean_loss = torchmetrics.SumMetric(), torchmetrics.MeanMetric()
+    accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")
+    scores, tested = torchmetrics.CatMetric(), torchmetrics.SumMetric()
+    for epoch in range(2):
+        model.train()
+        for inputs, labels in loader(x, y):
+            logits = model(inputs)
+            loss = F.cross_entropy(logits, labels)
+            step(optimizer, loss)
+            seen.update(torch.ones(len(inputs)))
+            mean_loss.update(loss.detach(), weight=len(inputs))
+            accuracy.update(logits.detach(), labels)
+        print(f"metrics {epoch}: seen {seen.compute():.0f} loss {mean_loss.compute():.12f} "
+              f"acc {accuracy.compute():.12f}")
+        model.eval()
+        with torch.no_grad():
+            for inputs, _ in held_out:
+                scores.update(model(inputs).softmax(1)[:, 0])
+                tested.update(len(inputs))
+        scored = scores.compute()
+        print(f"metrics {epoch}: tested {tested.compute():.0f} scores {len(scored)} sum {scored.sum():.12f}")
     return model.state_dict()
 
 

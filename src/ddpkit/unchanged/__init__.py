@@ -5,7 +5,8 @@
 What ddpkit puts into the script's processes, all of it here, before the script's first line (``install``):
 
 - each process sees one device: its own GPU as ``cuda:0`` (CUDA_VISIBLE_DEVICES), or the CPU;
-- the process group, started by ddpkit;
+- the process group, started by ddpkit, which the script and the libraries it calls do not find
+  (``torch.distributed.is_initialized()``: ``own_group``), but inside a model's call on a share of its batch;
 - the same seeds on every rank, then streams of each rank's own once training begins (``randomness``);
 - the script's DataLoaders, each batch split across the ranks (``batches``, ``ddpkit.data.split_batches``);
 - its models, each a DDP replica in place when first called to train, gradients weighted by share
@@ -254,7 +255,7 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int, 
     saving = SaveOnce(rank=runtime.rank, wait_for_rank_0=wait_for_rank_0, sharding=shard != "never")
     saving.install()
     undo.append(saving.uninstall)
-    own_group = OwnGroup(rank=runtime.rank, stand_aside=stand_aside)
+    own_group = OwnGroup(rank=runtime.rank, stand_aside=stand_aside, holds_a_share=models.holds_a_share)
     own_group.install()
     undo.append(own_group.uninstall)
 

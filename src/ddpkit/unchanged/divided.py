@@ -46,6 +46,7 @@ class Call:
     tried: bool = False  # a model's first call, cut before its outputs showed they can be gathered (``split_first``)
     buffers: list | None = None  # a model's first training call: its buffers (but BatchNorm's) as they were before it
     keywords: dict = dataclasses.field(default_factory=dict)  # a tried call's own (to compute it again, whole)
+    of_a_split_batch: bool = False  # a training call on this rank's share of a batch that its loader split
 
 
 class Evaluations:

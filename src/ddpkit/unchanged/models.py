@@ -149,7 +149,8 @@ class Models:
         self._calls.append(Call(module, whole_args, share=share, gathered=cut is not None, tried=tried,
                                 buffers=own_buffers(module) if first else None,
                                 keywords=call_keywords(module) if tried else {},
-                                learning=first and not self.batch.loader_passes and not self.batch.coupled))
+                                learning=first and not self.batch.loader_passes and not self.batch.coupled,
+                                of_a_split_batch=from_loader and not self.batch.whole and self.world_size > 1))
         # What leaves through its inputs (to a model that made them: a GAN's generator) is unweighted again: the
         # weight of gathered outputs (``after``), and a sharded model's.
         inputs = self.batch.current_weight() if cut is not None else 1.0
@@ -253,6 +254,13 @@ class Models:
         if replica is not None:
             return replica.after(output)  # DDP's forward ends with the output the script gets
         return output if split else None
+
+    def holds_a_share(self) -> bool:
+        """Whether a model's call is open that computes only this rank's rows of its batch, the other ranks the rest
+        (cut at the model, divided in an evaluation, or on a share that its loader split): the code inside it finds
+        the process group (``own_group``), as a model's code under DDP does."""
+        call = self._calls[-1] if self._calls else None
+        return call is not None and (call.share is not None or call.of_a_split_batch)
 
     def sharded_weight(self) -> float:
         """What the gradient of a sharded model's call is multiplied by, inside it: FSDP averages the ranks'

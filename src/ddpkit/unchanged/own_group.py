@@ -16,6 +16,15 @@ backend that ddpkit chose for the device), as under ``ddpkit run``. (A second gr
 started: its peers would read the first one's addresses.) A call for another world or another backend is refused in
 one line. On a GPU machine each process still sees its one GPU (``CUDA_VISIBLE_DEVICES`` is read once, before the
 script's first line).
+
+Until the script starts a group of its own, it and the libraries it calls find none: where code
+outside torch and ddpkit asks ``torch.distributed.is_initialized()``, the answer is False, as on one device
+(``OwnGroup``). torchmetrics, for one, syncs its metrics' states over any group it finds: over ddpkit's, where each
+process holds the whole evaluation (or, on the gathered way, the whole batch), its sums and concatenations would
+count every sample once per process. torch's own code, and ddpkit's, read the group as it is; so does the code inside
+a model's call that computes only this process's rows of the batch, the other processes the rest (``holds_a_share``):
+a model that gathers its rows across the group when it finds one (FLAVA's contrastive loss in transformers) then
+does so, as under DDP.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -53,25 +63,43 @@ class Hidden:
         return {**os.environ, **self.kept}
 
 
-class OwnGroup:
-    """``torch.distributed.init_process_group``, replaced while --unchanged runs the script (no hook exists for it):
-    the script's call stands --unchanged aside (``stand_aside``: every hook out, the variables back) and leaves it
-    ddpkit's group, where that is the group the call asks for; any other is refused in one line."""
+# The packages whose code reads the process group as it is (``OwnGroup``): the group is theirs to run.
+READ_AS_IT_IS = ("torch", "ddpkit")
 
-    def __init__(self, *, rank: int, stand_aside: Callable[[], None]) -> None:
+
+class OwnGroup:
+    """``torch.distributed.init_process_group`` and ``torch.distributed.is_initialized``, replaced while --unchanged
+    runs the script (no hook exists for either). The script's call of the first stands --unchanged aside
+    (``stand_aside``: every hook out, the variables back) and leaves it ddpkit's group, where that is the group the
+    call asks for; any other is refused in one line. Until then the second answers False to any code but torch's and
+    ddpkit's (``group_seen``), outside a model's call on a share of its batch (``holds_a_share``): the script, and the
+    libraries it calls, find no group, as on one device."""
+
+    def __init__(self, *, rank: int, stand_aside: Callable[[], None],
+                 holds_a_share: Callable[[], bool] = lambda: False) -> None:
         self.rank = rank
         self.stand_aside = stand_aside
+        self.holds_a_share = holds_a_share
         self.original = distributed_c10d.init_process_group
+        self.original_is_initialized = dist.is_initialized
 
     def install(self) -> None:
         @functools.wraps(self.original)
         def init_process_group(*args, **kwargs):
             return self.called(*args, **kwargs)
 
+        original_is_initialized, holds_a_share = self.original_is_initialized, self.holds_a_share
+
+        @functools.wraps(original_is_initialized)
+        def is_initialized() -> bool:
+            return original_is_initialized() and (group_seen(sys._getframe(1)) or holds_a_share())
+
         dist.init_process_group = distributed_c10d.init_process_group = init_process_group
+        dist.is_initialized = is_initialized
 
     def uninstall(self) -> None:
         dist.init_process_group = distributed_c10d.init_process_group = self.original
+        dist.is_initialized = self.original_is_initialized
 
     def called(self, *args, **kwargs) -> None:
         asked = inspect.signature(self.original).bind(*args, **kwargs).arguments
@@ -84,6 +112,17 @@ class OwnGroup:
         if refused is not None:
             raise UsageError(f"--unchanged: the script starts a process group of its own {refused}: run it under "
                              "`ddpkit run` without --unchanged")
+
+
+def group_seen(frame) -> bool:
+    """Whether the code that asks, in ``frame`` (the innermost caller outside Python's standard library, which only
+    passes a call on), reads the process group as it is: torch's and ddpkit's (``READ_AS_IT_IS``)."""
+    while frame is not None:
+        package = frame.f_globals.get("__name__", "").partition(".")[0]
+        if package and package not in sys.stdlib_module_names:
+            return package in READ_AS_IT_IS
+        frame = frame.f_back
+    return False
 
 
 def other_group(asked: dict, *, backend: str, world_size: int, rank: int) -> str | None:
