@@ -685,7 +685,7 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # The script finds no process group (its first line: "group 0: False"), nor does a model's code on a whole batch;
     # the code inside a call that computes this process's rows alone finds it, as a model's code under DDP does.
     assert printed_two[0] == "group 0: False" and not weights_one["rows"]["groups"].any()
-    assert weights_two["rows"]["groups"].tolist() == (rows < 6).tolist()
+    assert weights_two["rows"]["groups"].tolist() == (rows < weights_one["rows"]["keywords"]).tolist()
     assert said.count("a training step that is not proven exact on split batches") == 1, said
 
 
