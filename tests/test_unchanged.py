@@ -671,8 +671,9 @@ def steps_run(tmp: Path, nproc: int, *flags: str) -> tuple[dict, list[str], str]
 
 def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     (weights_one, printed_one, _), (weights_two, printed_two, said) = one, two
-    # (10 steps a part, 2 epochs' lines of two parts, and 2 of each epoch's metrics where torchmetrics is installed)
-    lines = 1 + 7 * 10 + 2 * 2 + 4 * ("metrics" in weights_one)
+    # (whether it finds a group, 10 steps a part, 2 epochs' lines of two parts, a call that raised, and 2 of each
+    # epoch's metrics where torchmetrics is installed)
+    lines = 1 + 7 * 10 + 2 * 2 + 1 + 4 * ("metrics" in weights_one)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     for part, weights in weights_one.items():
         if part != "rows":

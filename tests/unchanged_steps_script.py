@@ -17,7 +17,7 @@
   forward found a process group (``torch.distributed.is_initialized()``) into ``groups``;
 - **auxiliary**: a model with a second head whose loss term is added only when the batch holds the rare class (two
   samples of 29): the other steps leave that head without a gradient, and SGD with momentum skips it, as on one
-  device;
+  device; then a call that raises, caught by the script;
 - **later**: one loader over both epochs, a plain mean in the first, a summed penalty added in the second;
 - **metrics** (where torchmetrics is installed): torchmetrics in training and in evaluation, a sum of the samples
   seen, a weighted mean of the loss, an accuracy and a concatenation of the scores; torchmetrics reads
@@ -236,6 +236,11 @@ def auxiliary():
             if rare.any():
                 loss = loss + F.binary_cross_entropy_with_logits(extra[:, 0], rare.double())
             step(optimizer, loss, f"auxiliary {epoch}")
+    try:  # a call that raises (a wrong shape), caught: the script goes on, with no DDP forward left going on
+        model(torch.randn(2, 7))
+    except RuntimeError as error:
+        active = torch.nn.parallel.DistributedDataParallel._active_ddp_module
+        print(f"auxiliary 1: {type(error).__name__} caught, a DDP forward left going on: {active is not None}")
     return model.state_dict()
 
 

@@ -121,12 +121,17 @@ class Replica:
 
     def after(self, output):
         """The call's ``output``, as DDP's forward returns it."""
-        DistributedDataParallel._active_ddp_module = None
+        self.unwound()
         if self.ddp is None:
             return output
         if self.needed >= 0:
             self.needed = max(self.needed, MODES.index(self.needs(output)))
         return self.ddp._post_forward(output)
+
+    @staticmethod
+    def unwound() -> None:
+        """The call is over, or raised: no DDP forward goes on (as DDP's own forward clears it, in a ``finally``)."""
+        DistributedDataParallel._active_ddp_module = None
 
     def follow_gradients(self) -> None:
         """Note, for each parameter, whether a backward gave it a gradient or left it as it was: where a step left a

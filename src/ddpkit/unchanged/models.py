@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from ddpkit.core.errors import UsageError
 from ddpkit.data.split_batches import share_sizes
+from ddpkit.strategies.in_place import Replica
 from ddpkit.unchanged.adoption import Adoption, class_name, is_trainable
 from ddpkit.unchanged.at_the_model import NOT_FOLLOWED, AtTheModel, call_keywords, returns_a_loss
 from ddpkit.unchanged.batches import Batch
@@ -199,6 +200,8 @@ class Models:
         if output is RAISED:  # the call raised (torch then calls this hook without its keywords): unwound only
             if call.share is not None and not call.evaluating:
                 self.streams.leave_forward()
+            if module in self.adoption.replicas:
+                Replica.unwound()
             return None
         if call.evaluating:
             return self.evaluations.finish(call, kwargs, output)
