@@ -671,9 +671,9 @@ def steps_run(tmp: Path, nproc: int, *flags: str) -> tuple[dict, list[str], str]
 
 def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     (weights_one, printed_one, _), (weights_two, printed_two, said) = one, two
-    # (whether it finds a group, 10 steps a part, 2 epochs' lines of two parts, a call that raised, and 2 of each
+    # (whether it finds a group, 10 steps a model, 2 epochs' lines of two parts, a call that raised, and 2 of each
     # epoch's metrics where torchmetrics is installed)
-    lines = 1 + 7 * 10 + 2 * 2 + 1 + 4 * ("metrics" in weights_one)
+    lines = 1 + 9 * 10 + 2 * 2 + 1 + 4 * ("metrics" in weights_one)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     for part, weights in weights_one.items():
         if part != "rows":
@@ -687,6 +687,13 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # the code inside a call that computes this process's rows alone finds it, as a model's code under DDP does.
     assert printed_two[0] == "group 0: False" and not weights_one["rows"]["groups"].any()
     assert weights_two["rows"]["groups"].tolist() == (rows < weights_one["rows"]["keywords"]).tolist()
+    # A loss that a model computes across its batch's rows is computed whole; a mean over rows (counted) is split.
+    # (A replica's first call is tried on a share, 3 rows, and made again whole where it returns a loss; a sharded
+    # one's is whole. Each pass's first step is whole: it shows the way. Rank 0's share of 5 rows is 3.)
+    towers, tagger = weights_two["rows"]["towers"].tolist(), weights_two["rows"]["tagger"].tolist()
+    assert towers[-10:] == weights_one["rows"]["towers"].tolist() and towers[:-10] in ([], [3]), towers
+    assert tagger[-10:] == [6, 3, 3, 3, 3] * 2 and tagger[:-10] in ([], [3]), tagger
+    assert said.count("returns a loss that is not shown to be a mean or a sum over the rows of its batch") == 1
     assert said.count("a training step that is not proven exact on split batches") == 1, said
 
 

@@ -19,6 +19,9 @@
   samples of 29): the other steps leave that head without a gradient, and SGD with momentum skips it, as on one
   device; then a call that raises, caught by the script;
 - **later**: one loader over both epochs, a plain mean in the first, a summed penalty added in the second;
+- **inside**: losses a model computes inside its forward: two towers returning an in-batch contrastive loss (its
+  rows' losses depend on each other: computed whole), then a tagger returning its mean over the tags that are not
+  padding (``ignore_index``: split, counted); the rows of each training call go into ``rows``;
 - **metrics** (where torchmetrics is installed): torchmetrics in training and in evaluation, a sum of the samples
   seen, a weighted mean of the loss, an accuracy and a concatenation of the scores; torchmetrics reads
   ``torch.distributed`` and syncs over any process group it finds, and this script started none.
@@ -38,7 +41,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
-                                            "keywords", "auxiliary", "later"] + (
+                                            "keywords", "auxiliary", "later", "inside"] + (
     ["metrics"] if importlib.util.find_spec("torchmetrics") else [])
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
@@ -257,6 +260,50 @@ def later():
                 loss = loss + 0.01 * (output ** 2).sum()
             step(optimizer, loss, f"later {epoch}")
     return model.state_dict()
+
+
+class TwoTowers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.left, self.right = nn.Linear(8, 4), nn.Linear(8, 4)
+        self.rows = []
+
+    def forward(self, x, y):
+        if self.training:
+            self.rows.append(len(x))
+        similarity = F.normalize(self.left(x), dim=1) @ F.normalize(self.right(y), dim=1).t() / 0.1
+        labels = torch.arange(len(x))
+        return (F.cross_entropy(similarity, labels) + F.cross_entropy(similarity.t(), labels)) / 2
+
+
+class PaddedTagger(Tagger):
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    def forward(self, tokens, tags):
+        if self.training:
+            self.rows.append(len(tokens))
+        return F.cross_entropy(super().forward(tokens).transpose(1, 2), tags, ignore_index=-100)
+
+
+def inside():
+    x, y = torch.randn(29, 8), torch.randn(29, 8)
+    towers = TwoTowers()
+    optimizer = torch.optim.SGD(towers.parameters(), lr=0.1)
+    for epoch in range(2):
+        for left, right in loader(x, y):
+            step(optimizer, towers(left, right), f"inside {epoch}")
+    lengths = torch.randint(1, 7, (29,))
+    tokens = torch.randint(1, 11, (29, 6))
+    tags = torch.randint(0, 5, (29, 6)).masked_fill(torch.arange(6)[None, :] >= lengths[:, None], -100)
+    tagger = PaddedTagger()
+    optimizer = torch.optim.Adam(tagger.parameters(), lr=1e-2)
+    for epoch in range(2):
+        for batch, target in loader(tokens, tags):
+            step(optimizer, tagger(batch, target), f"inside {epoch}")
+    result.setdefault("rows", {}).update(towers=torch.tensor(towers.rows), tagger=torch.tensor(tagger.rows))
+    return {**{f"towers.{k}": v for k, v in towers.state_dict().items()}, **tagger.state_dict()}
 
 
 def metrics():

@@ -57,6 +57,11 @@ class AtTheModel:
         self.with_loss: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # Models whose training call wrote buffers of their own (not BatchNorm's): computed whole on a whole batch.
         self.writes_buffers: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        # Models whose first call on a loader's whole batch returned a loss, computed both ways (``check_losses``),
+        # and those whose loss is computed across the rows of its batch, or could not be shown not to be: computed
+        # whole on a whole batch, as ``writes_buffers``.
+        self.checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.couples_rows: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def split(self, args: tuple) -> tuple[tuple, Share]:
         """This rank's share of the batch in ``args``: each tensor argument cut along its first dimension. (With a
@@ -131,6 +136,79 @@ class AtTheModel:
             logger.warning(f"--unchanged: {class_name(module)} writes buffers of its own in training (not BatchNorm's "
                            "statistics): every process computes its calls on the whole batch, so that they are one "
                            "device's (exact, and no faster for that model)")
+
+    def check_losses(self, module: nn.Module, args: tuple, given: dict) -> None:
+        """A model that returned a loss at its first training call on a loader's whole batch (``args`` and keywords
+        ``given``): whether that loss is one that a split keeps, a mean or a sum over its rows (counted or not), or one
+        computed across them (an in-batch contrastive loss, a load-balancing term), which a model's code shows nowhere
+        that the step's watch sees (``step_rule`` follows the script's code, not the model's). Computed both ways:
+        the whole batch, then this rank's share made the batch's as the split way makes it (``counted``,
+        ``whole_batch_losses``), in evaluation (no dropout; BatchNorm by its running statistics), from the same random
+        state, every buffer and mode put back. Where the two differ on any rank, or cannot be computed:
+        ``couples_rows``, said once."""
+        self.checked.add(module)
+        rows = rows_of((*args, *given.values()))
+        whole = self._in_evaluation(module, args, given, None) if rows is not None and rows >= self.world_size else None
+        found = torch.tensor([float(bool(whole)), -float(bool(whole))], device=_device_of(module))
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        if found[1].item() == 0:  # (no loss, or none that could be computed, on some rank: nothing to compare)
+            self.computed_across_rows(module, "its losses could not be computed both ways")
+            return
+        summed = given.get("num_items_in_batch") is not None  # (each share's loss a part of the batch's sum)
+        part = self._in_evaluation(module, args, given, share_of(range(rows), self.rank, self.world_size), summed)
+        agreed = torch.tensor([float(part is not None and len(part) == len(whole) and all(map(_close, whole, part)))],
+                              device=_device_of(module))
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        if agreed.item() != 1:
+            self.computed_across_rows(module, "its loss on a share of the batch, made the batch's, is not its loss "
+                                              "on the whole batch")
+
+    def _in_evaluation(self, module: nn.Module, args: tuple, given: dict, share: Share | None,
+                       summed: bool = False) -> list | None:
+        """The losses ``module`` returns on the batch (``share``: this rank's share of it, made the batch's; ``summed``:
+        a part of the batch's sum), in evaluation, gradients on (a loss is a one-element tensor that requires grad),
+        its random state, buffers and modes put back after, and the batch's state. None where the call raises: the
+        model's own error, which its real call (after) meets again if it is the script's."""
+        modes = [(part, part.training) for part in module.modules()]
+        kept = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+        batch = (self.batch.weight, self.batch.whole, self.batch.gathered, self.batch.own_batches)
+        devices = [torch.cuda.current_device()] if _device_of(module).type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), torch.enable_grad():
+                module.train(False)
+                if share is None:
+                    output = module(*args, **given)
+                else:
+                    self.batch.set(share.weight)
+                    names = [name for name, value in given.items() if isinstance(value, torch.Tensor) and value.dim()]
+                    cut = dict(zip(names, rows_of_share(tuple(given[name] for name in names), share)))
+                    output = self.whole_batch_losses(module(*rows_of_share(args, share), **{**given, **cut}),
+                                                     summed=summed or None, required=False)
+                return [leaf.detach().reshape(()) for leaf in pytree.tree_leaves(output) if is_a_loss(leaf)]
+        except Exception as error:  # noqa: BLE001 - the model's own, in a call the script did not make: not decided
+            logger.debug(f"--unchanged: {class_name(module)}'s losses computed both ways: {error!r}")
+            return None
+        finally:
+            for part, training in modes:
+                part.training = training
+            for buffer, value in kept:
+                if not torch.equal(buffer, value):
+                    # (Through ``.data``, whose version is its own: a buffer that the script's call, before these,
+                    # saved for its backward, BatchNorm's running statistics among them, is saved as it was.)
+                    buffer.data.copy_(value)
+            self.batch.weight, self.batch.whole, self.batch.gathered, self.batch.own_batches = batch
+
+    def computed_across_rows(self, module: nn.Module, why: str) -> None:
+        """``module``'s loss is computed across the rows of its batch (``why``): its calls on a loader's batches are
+        computed whole on every process from then on, its loader's batches whole (the gathered way), so that its loss
+        is one device's. Said once."""
+        if module in self.couples_rows:
+            return
+        self.couples_rows.add(module)
+        if self.rank == 0:
+            logger.warning(f"--unchanged: {class_name(module)} returns a loss that is not shown to be a mean or a sum "
+                           f"over the rows of its batch ({why}): every process computes its calls on the whole "
+                           "batch, so that its loss is one device's (exact, and no faster for that model)")
 
     def is_whole(self, module: nn.Module) -> bool:
         return module in self.whole
@@ -215,6 +293,19 @@ class AtTheModel:
             kwargs = {**kwargs, **dict(zip(names, rows_of_share(tuple(kwargs[name] for name in names), call.share)))}
         changed = self.items_of_the_batch(module, args, kwargs)
         return changed if changed is not None else (args, kwargs) if cut else None
+
+
+def _close(whole: torch.Tensor, part: torch.Tensor) -> bool:
+    """Two values of one loss, the whole batch's and its shares' made whole, equal but for rounding (the square root of
+    the precision of the loss's own dtype, relative)."""
+    tolerance = torch.finfo(whole.dtype).eps ** 0.5 if whole.is_floating_point() else 0.0
+    whole, part = whole.double().item(), part.double().item()
+    return abs(whole - part) <= tolerance * max(abs(whole), abs(part), 1e-12)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    tensor = next(module.parameters(), None)
+    return torch.device("cpu") if tensor is None else tensor.device
 
 
 def is_a_loss(leaf) -> bool:

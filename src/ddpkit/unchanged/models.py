@@ -192,6 +192,8 @@ class Models:
             watch.outputs(output if result is None else result, training=not call.evaluating)
             if module in self.at_the_model.writes_buffers:
                 watch.unproven(f"{class_name(module)} writes buffers of its own in a training call")
+            if module in self.at_the_model.couples_rows:
+                watch.unproven(f"{class_name(module)} returns a loss computed across the rows of its batch")
             watch.resume()
         return result
 
@@ -212,6 +214,8 @@ class Models:
         if call.buffers is not None and any(not torch.equal(buffer, value) for buffer, value in call.buffers):
             self.at_the_model.writes_buffers_in_training(module)
         if call.tried and not self.at_the_model.cut_as_tried(module, len(share.indices), output):
+            if returns_a_loss(output):  # (computed both ways before the script's own call, which comes last)
+                self._losses_both_ways(module, call.whole_args, call.keywords)
             # Again, whole (``cut_as_tried`` undid what the cut call did), with the keywords it was given.
             return module(*call.whole_args, **call.keywords)
         if module not in self._outputs_seen:
@@ -221,14 +225,8 @@ class Models:
         replica = self.adoption.replicas.get(module)
         if call.tried and replica is not None:
             replica.begin()
-        if not split and call.learning and self.world_size > 1:
-            if returns_a_loss(output):
-                self.at_the_model.with_loss.add(module)  # split at its calls from now on
-            else:
-                self.at_the_model.computed_whole(module)
-        elif not split and self.batch.loader_passes and self.batch.whole and not self.batch.coupled \
-                and self.world_size > 1:
-            self.at_the_model.learn(module, call.whole_args, kwargs, output)
+        if not split and self.world_size > 1:
+            self._learned(module, call, kwargs, output)
         # (Gathered outputs: the loss is the whole batch's on every rank, whatever its reduction.)
         scale = 1.0 if call.gathered else self.batch.output_scale()
         if module in self.adoption.sharded:
@@ -257,6 +255,32 @@ class Models:
         if replica is not None:
             return replica.after(output)  # DDP's forward ends with the output the script gets
         return output if split else None
+
+    def _learned(self, module: nn.Module, call: Call, kwargs: dict, output) -> None:
+        """What a whole training call of ``module`` shows, on several processes: where no loader made its batch, at its
+        first call, whether it returns its loss (split at its calls from then on) or not (computed whole); on a
+        loader's whole batch, whether its calls can be cut (``AtTheModel.learn``) and what the loss it returns is."""
+        if call.learning:
+            if returns_a_loss(output):
+                self.at_the_model.with_loss.add(module)  # split at its calls from now on
+            else:
+                self.at_the_model.computed_whole(module)
+        elif self.batch.loader_passes and self.batch.whole and not self.batch.coupled:
+            self.at_the_model.learn(module, call.whole_args, kwargs, output)
+            if module not in self.at_the_model.checked and returns_a_loss(output):
+                if KEYWORDS_SEEN:
+                    self._losses_both_ways(module, call.whole_args, kwargs)
+                else:  # (this torch's global hooks are not given the call's keywords: it cannot be made again)
+                    self.at_the_model.computed_across_rows(module, "its call's keywords cannot be read on this torch")
+
+    def _losses_both_ways(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """``at_the_model.check_losses``, its calls of the model left alone by these hooks (they are not the script's:
+        ``depth``)."""
+        self.depth += 1
+        try:
+            self.at_the_model.check_losses(module, args, kwargs)
+        finally:
+            self.depth -= 1
 
     def holds_a_share(self) -> bool:
         """Whether a model's call is open that computes only this rank's rows of its batch, the other ranks the rest

@@ -128,7 +128,10 @@ class StepWatch(TorchFunctionMode):
 
     def outputs(self, output, *, training: bool) -> None:
         """A model's call returned ``output``: its tensors with the batch's rows are rows, a loss it returned (one
-        element, requiring grad) a mean valued whole (``at_the_model.whole_batch_losses`` makes it so)."""
+        element, requiring grad) a mean valued whole (``at_the_model.whole_batch_losses`` makes it so). Read out of the
+        mode: a call computed again, whole, from inside its own hook (``at_the_model.cut_as_tried``) has resumed it
+        already, and these reads are ddpkit's, not the script's."""
+        self.pause()
         self.trained = self.trained or training
         self.evaluated = self.evaluated or not training
         found = tensors_in(output)
