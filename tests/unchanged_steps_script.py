@@ -22,6 +22,9 @@
 - **inside**: losses a model computes inside its forward: two towers returning an in-batch contrastive loss (its
   rows' losses depend on each other: computed whole), then a tagger returning its mean over the tags that are not
   padding (``ignore_index``: split, counted); the rows of each training call go into ``rows``;
+- **returned**: a model called by keyword with its labels, as transformers' models are, returning its loss over the
+  labels that are not ignored and its logits, the script counting its accuracy from them (the gathered way, the
+  model's calls cut all the same); then the same with ``num_items_in_batch`` given;
 - **metrics** (where torchmetrics is installed): torchmetrics in training and in evaluation, a sum of the samples
   seen, a weighted mean of the loss, an accuracy and a concatenation of the scores; torchmetrics reads
   ``torch.distributed`` and syncs over any process group it finds, and this script started none.
@@ -41,7 +44,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
-                                            "keywords", "auxiliary", "later", "inside"] + (
+                                            "keywords", "auxiliary", "later", "inside", "returned"] + (
     ["metrics"] if importlib.util.find_spec("torchmetrics") else [])
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
@@ -304,6 +307,43 @@ def inside():
             step(optimizer, tagger(batch, target), f"inside {epoch}")
     result.setdefault("rows", {}).update(towers=torch.tensor(towers.rows), tagger=torch.tensor(tagger.rows))
     return {**{f"towers.{k}": v for k, v in towers.state_dict().items()}, **tagger.state_dict()}
+
+
+class Returns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+        self.rows = []
+
+    def forward(self, inputs, labels, num_items_in_batch=None):
+        if self.training:
+            self.rows.append(len(inputs))
+        logits = self.net(inputs)
+        if num_items_in_batch is None:
+            return {"loss": F.cross_entropy(logits, labels, ignore_index=-100), "logits": logits}
+        return {"loss": F.cross_entropy(logits, labels, reduction="sum") / num_items_in_batch, "logits": logits}
+
+
+def returned():
+    x, y = torch.randn(29, 8), torch.randint(0, 3, (29,))
+    y[::4] = -100
+    weights = {}
+    for counted in (False, True):
+        model = Returns()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for epoch in range(2):
+            right = 0
+            for inputs, labels in loader(x, y):
+                batch = {"inputs": inputs, "labels": labels}
+                if counted:
+                    batch["num_items_in_batch"] = (labels != -100).sum()
+                out = model(**batch)
+                step(optimizer, out["loss"], f"returned {epoch}")
+                right += int((out["logits"].argmax(1) == labels).sum())
+            print(f"returned {epoch}: {right} right")
+        result.setdefault("rows", {})[f"returned{int(counted)}"] = torch.tensor(model.rows)
+        weights.update({f"{int(counted)}.{key}": value for key, value in model.state_dict().items()})
+    return weights
 
 
 def metrics():

@@ -26,7 +26,7 @@ from ddpkit.data.split_batches import Share, rows_of_share, share_of
 from ddpkit.unchanged.adoption import class_name
 from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.divided import Call, rows_of
-from ddpkit.unchanged.gathered import ScaleGradient, batch_shaped
+from ddpkit.unchanged.gathered import ScaleGradient, batch_shaped, map_tensors
 
 NOT_SPLIT = ("--unchanged: this model's batches come from no DataLoader; it returned its loss at its first call, so "
              "they are split where they enter it, but it returns none now, and a loss computed outside it would meet "
@@ -57,10 +57,11 @@ class AtTheModel:
         self.with_loss: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # Models whose training call wrote buffers of their own (not BatchNorm's): computed whole on a whole batch.
         self.writes_buffers: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        # Models whose first call on a loader's whole batch returned a loss, computed both ways (``check_losses``),
-        # and those whose loss is computed across the rows of its batch, or could not be shown not to be: computed
-        # whole on a whole batch, as ``writes_buffers``.
+        # Models whose first call on a loader's whole batch returned a loss, computed both ways (``check_losses``):
+        # those whose loss is a mean or a sum over rows, and those whose loss is computed across the rows of its
+        # batch, or could not be shown not to be (computed whole on a whole batch, as ``writes_buffers``).
         self.checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.losses_kept: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # (cut on a whole batch, as ``learn`` says)
         self.couples_rows: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def split(self, args: tuple) -> tuple[tuple, Share]:
@@ -117,6 +118,9 @@ class AtTheModel:
         if (items is None or call is None or call.module is not module or call.evaluating or self.batch.whole
                 or self.batch.coupled or self.batch.summed):
             return None
+        if call.gathered:  # (a whole batch cut at the model: the script counted the whole batch's items already)
+            call.items_counted = True
+            return None
         device = items.device if isinstance(items, torch.Tensor) else next(module.parameters()).device
         total = torch.as_tensor(items, dtype=torch.float64, device=device) * float(self.batch.current_weight() > 0)
         dist.all_reduce(total)
@@ -159,7 +163,9 @@ class AtTheModel:
         agreed = torch.tensor([float(part is not None and len(part) == len(whole) and all(map(_close, whole, part)))],
                               device=_device_of(module))
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        if agreed.item() != 1:
+        if agreed.item() == 1:
+            self.losses_kept.add(module)
+        else:
             self.computed_across_rows(module, "its loss on a share of the batch, made the batch's, is not its loss "
                                               "on the whole batch")
 
@@ -217,13 +223,23 @@ class AtTheModel:
         """A training call of ``module`` on a loader's whole batch, computed whole: whether its later calls on such
         batches can be cut at the model (``split_whole``). They can where its tensor arguments are positional and
         share their first dimension, and its outputs are one row per sample (a tensor, or a tuple, list, dict or
-        dataclass of them): they are then gathered. Decided at its first such call."""
+        dataclass of them), or a loss a split keeps (``check_losses``): they are then gathered. Decided at its first
+        such call."""
         if module in self.cut_whole:
             return
         rows = rows_of((*args, *kwargs.values()))
-        self.cut_whole[module] = rows is not None and batch_shaped(output, rows) and module not in self.writes_buffers
+        self.cut_whole[module] = rows is not None and self._gatherable(module, output, rows) \
+            and module not in self.writes_buffers
         if not self.cut_whole[module]:
             self._said_whole(module)
+
+    def _gatherable(self, module: nn.Module, output, rows: int) -> bool:
+        """Whether ``output`` can be gathered: one row per sample, but for the losses of a model whose losses were
+        computed both ways and found to be means or sums over rows (``losses_kept``), which are made the batch's."""
+        if batch_shaped(output, rows):
+            return True
+        return module in self.losses_kept and batch_shaped(map_tensors(output, lambda leaf: None if is_a_loss(leaf)
+                                                                       else leaf), rows)
 
     def _said_whole(self, module: nn.Module) -> None:
         """A model whose calls cannot be cut: said once where it trains on a stream (a map-style loader's batches are
@@ -258,8 +274,11 @@ class AtTheModel:
                 for buffer, value in kept:
                     buffer.copy_(value)
             self.batch.set_whole()
-            self._said_whole(module)
-        return self.cut_whole[module]
+            if returns_a_loss(output):  # (decided by its call made again, whole, its losses computed both ways)
+                del self.cut_whole[module]
+            else:
+                self._said_whole(module)
+        return module in self.cut_whole and self.cut_whole[module]
 
     def split_whole(self, module: nn.Module, args: tuple) -> tuple[tuple, Share] | None:
         """This rank's share of a loader's whole batch in ``args``, for a model that showed it can be cut (``learn``),
@@ -280,7 +299,8 @@ class AtTheModel:
         if rows is None or rows < self.world_size:
             return None
         share = share_of(range(rows), self.rank, self.world_size)
-        self.batch.set(share.weight, gathered=True)
+        # (A loss that a model computes over its share is counted as on a split batch: ``counted``.)
+        self.batch.set(share.weight, gathered=module not in self.losses_kept)
         return rows_of_share(args, share), share
 
     def keywords_and_items(self, module: nn.Module, args: tuple, kwargs: dict):

@@ -50,14 +50,17 @@ def batch_shaped(value, rows: int) -> bool:
     return bool(found) and all(found)
 
 
-def gathered(output, *, sizes: list[int], rank: int, rows: int, with_gradients: bool):
+def gathered(output, *, sizes: list[int], rank: int, rows: int, with_gradients: bool, losses_kept: bool = False):
     """``output`` of this rank's share (``rows`` rows: its size in ``sizes``, or 1 for a stand-in that counts 0), its
-    batch-shaped tensors gathered into the whole batch's on every rank (see the module)."""
+    batch-shaped tensors gathered into the whole batch's on every rank (see the module). ``losses_kept``: its losses
+    (one element, requiring grad) are the batch's already, and left as they are."""
     world_size = len(sizes)
 
     def gather(tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dim() > 0 and tensor.size(0) == rows:
             return _Gather.apply(tensor, sizes, rank) if with_gradients else _gather(tensor, sizes)
+        if losses_kept and tensor.numel() == 1 and tensor.requires_grad:
+            return tensor
         if with_gradients and tensor.requires_grad:
             shared.append(tensor)
             return ScaleGradient.apply(tensor, 1.0 / world_size)

@@ -232,11 +232,7 @@ class Models:
         if module in self.adoption.sharded:
             scale *= self.sharded_weight()
         if call.gathered:
-            # Every rank computes the whole batch's loss from them, and the gradient of its own rows is its part of
-            # one device's: divided by this rank's weight, which DDP multiplies back in (as a split batch's).
-            weight = self.batch.current_weight()
-            output = gathered(_scaled_gradients(output, 1.0 / weight), rank=self.rank, rows=len(share.indices),
-                              sizes=share_sizes(share.samples, world_size=self.world_size), with_gradients=True)
+            output = self._gathered(call, output)
         elif call.items_counted and returns_a_loss(output):
             weight = self.batch.current_weight()  # (a sum's part: its gradient counts whole, DDP weighs it by share)
             output = self.at_the_model.whole_batch_losses(output, summed=True, scale=1.0 / weight if weight else 0.0)
@@ -256,6 +252,20 @@ class Models:
             return replica.after(output)  # DDP's forward ends with the output the script gets
         return output if split else None
 
+    def _gathered(self, call: Call, output):
+        """The outputs of a call cut at the model, gathered into the whole batch's. Every rank computes the whole
+        batch's loss from them, and the gradient of its own rows is its part of one device's: divided by this rank's
+        weight, which DDP multiplies back in (as a split batch's). A loss the model returns (one that a split keeps:
+        ``AtTheModel.check_losses``) is made the batch's, as on a split batch."""
+        weight, rows, share = self.batch.current_weight(), len(call.share.indices), call.share
+        if returns_a_loss(output):
+            output = self.at_the_model.whole_batch_losses(output, summed=call.items_counted or None, required=False,
+                                                          scale=1.0 / weight if call.items_counted and weight else 1.0)
+            self.batch.gathered = True  # (what the script computes from the outputs is the whole batch's)
+        return gathered(_scaled_gradients(output, 1.0 / weight, rows=rows), rank=self.rank, rows=rows,
+                        sizes=share_sizes(share.samples, world_size=self.world_size), with_gradients=True,
+                        losses_kept=True)
+
     def _learned(self, module: nn.Module, call: Call, kwargs: dict, output) -> None:
         """What a whole training call of ``module`` shows, on several processes: where no loader made its batch, at its
         first call, whether it returns its loss (split at its calls from then on) or not (computed whole); on a
@@ -266,12 +276,12 @@ class Models:
             else:
                 self.at_the_model.computed_whole(module)
         elif self.batch.loader_passes and self.batch.whole and not self.batch.coupled:
-            self.at_the_model.learn(module, call.whole_args, kwargs, output)
             if module not in self.at_the_model.checked and returns_a_loss(output):
                 if KEYWORDS_SEEN:
                     self._losses_both_ways(module, call.whole_args, kwargs)
                 else:  # (this torch's global hooks are not given the call's keywords: it cannot be made again)
                     self.at_the_model.computed_across_rows(module, "its call's keywords cannot be read on this torch")
+            self.at_the_model.learn(module, call.whole_args, kwargs, output)
 
     def _losses_both_ways(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """``at_the_model.check_losses``, its calls of the model left alone by these hooks (they are not the script's:
@@ -326,11 +336,13 @@ def own_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(buffer, buffer.detach().clone()) for buffer in module.buffers() if id(buffer) not in norms]
 
 
-def _scaled_gradients(tree, scale: float):
-    """``tree``'s tensors that require grad, their gradient multiplied by ``scale`` in backward."""
+def _scaled_gradients(tree, scale: float, rows: int | None = None):
+    """``tree``'s tensors that require grad (those of ``rows`` rows, where given), their gradient multiplied by
+    ``scale`` in backward."""
     if scale == 1.0:
         return tree
-    return pytree.tree_map_only(torch.Tensor, lambda t: ScaleGradient.apply(t, scale) if t.requires_grad else t, tree)
+    return pytree.tree_map_only(torch.Tensor, lambda t: ScaleGradient.apply(t, scale) if t.requires_grad and (
+        rows is None or t.dim() > 0 and t.size(0) == rows) else t, tree)
 
 
 def _moves_seen(models: Models) -> Callable[[], None]:
