@@ -24,7 +24,8 @@
   padding (``ignore_index``: split, counted); the rows of each training call go into ``rows``;
 - **returned**: a model called by keyword with its labels, as transformers' models are, returning its loss over the
   labels that are not ignored and its logits, the script counting its accuracy from them (the gathered way, the
-  model's calls cut all the same); then the same with ``num_items_in_batch`` given;
+  model's calls cut all the same); then the same with ``num_items_in_batch`` given; then a binary classifier (one
+  logit a row) in batches of 13, whose last batch of 3 leaves a share of one row (its logits one element);
 - **metrics** (where torchmetrics is installed): torchmetrics in training and in evaluation, a sum of the samples
   seen, a weighted mean of the loss, an accuracy and a concatenation of the scores; torchmetrics reads
   ``torch.distributed`` and syncs over any process group it finds, and this script started none.
@@ -324,6 +325,18 @@ class Returns(nn.Module):
         return {"loss": F.cross_entropy(logits, labels, reduction="sum") / num_items_in_batch, "logits": logits}
 
 
+class Binary(Returns):
+    def __init__(self):
+        super().__init__()
+        self.net[-1] = nn.Linear(16, 1)
+
+    def forward(self, inputs, labels):
+        if self.training:
+            self.rows.append(len(inputs))
+        logits = self.net(inputs)
+        return {"loss": F.binary_cross_entropy_with_logits(logits[:, 0], labels), "logits": logits}
+
+
 def returned():
     x, y = torch.randn(29, 8), torch.randint(0, 3, (29,))
     y[::4] = -100
@@ -343,7 +356,17 @@ def returned():
             print(f"returned {epoch}: {right} right")
         result.setdefault("rows", {})[f"returned{int(counted)}"] = torch.tensor(model.rows)
         weights.update({f"{int(counted)}.{key}": value for key, value in model.state_dict().items()})
-    return weights
+    model = Binary()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(2):
+        right = 0
+        for inputs, labels in DataLoader(TensorDataset(x, (y > 0).double()), batch_size=13, shuffle=True):
+            out = model(inputs=inputs, labels=labels)
+            step(optimizer, out["loss"], f"returned {epoch}")
+            right += int(((out["logits"][:, 0] > 0) == (labels > 0.5)).sum())
+        print(f"returned {epoch}: {right} right")
+    result["rows"]["binary"] = torch.tensor(model.rows)
+    return {**weights, **{f"binary.{key}": value for key, value in model.state_dict().items()}}
 
 
 def metrics():

@@ -62,6 +62,8 @@ class AtTheModel:
         # batch, or could not be shown not to be (computed whole on a whole batch, as ``writes_buffers``).
         self.checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.losses_kept: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # (cut on a whole batch, as ``learn`` says)
+        self.loss_places: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+        self.on_a_share = False  # a loss computed both ways, on this rank's share: the group is found (``own_group``)
         self.couples_rows: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def split(self, args: tuple) -> tuple[tuple, Share]:
@@ -88,23 +90,30 @@ class AtTheModel:
                            "computes each of its steps whole, as one device does (exact, and no faster). A DataLoader "
                            "over a map-style data set would split its batches")
 
-    def whole_batch_losses(self, output, *, summed: bool | None = None, scale: float = 1.0, required: bool = True):
+    def whole_batch_losses(self, output, *, summed: bool | None = None, scale: float = 1.0, required: bool = True,
+                           at: list[int] | None = None):
         """``output`` of a model that got this rank's share of a batch, its losses (tensors of one element that
-        require grad) valued as the whole batch's: what the script prints is then one process's number. Their
-        gradient stays this rank's own (times ``scale``). ``summed``: each rank's loss is a part of a sum (else
-        the batch's reduction says). A loss valued whole already (``counted``) is left as it is. ``required``: a
-        model that returns no loss is refused (its loss would meet targets that were not split)."""
+        require grad; ``at``: its leaves at these places, as every rank has them) valued as the whole batch's: what
+        the script prints is then one process's number. Their gradient stays this rank's own (times ``scale``).
+        ``summed``: each rank's loss is a part of a sum (else the batch's reduction says). A loss valued whole already
+        (``counted``) is left as it is. ``required``: a model that returns no loss is refused (its loss would meet
+        targets that were not split)."""
         leaves, spec = pytree.tree_flatten(output)
         if required and not any(is_a_loss(leaf) for leaf in leaves):
             raise UsageError(NOT_SPLIT, said_elsewhere=self.rank != 0)  # every rank meets it: rank 0 says it
-        losses = [index for index, leaf in enumerate(leaves)
-                  if is_a_loss(leaf) and (scale != 1.0 or not self.batch.is_valued_whole(leaf))]
+        # (At given places, every one of them is all-reduced, as many on every rank; one valued whole is kept.)
+        losses = [index for index, leaf in enumerate(leaves) if is_a_loss(leaf)] if at is None else list(at)
+        whole = {index for index in losses if scale == 1.0 and self.batch.is_valued_whole(leaves[index])}
+        if at is None:
+            losses = [index for index in losses if index not in whole]
         if not losses:
             return output
         weight = 1.0 if (self.batch.summed if summed is None else summed) else self.batch.weight
         values = torch.stack([leaves[index].detach().reshape(()).to(torch.float64) * weight for index in losses])
         dist.all_reduce(values)
         for index, value in zip(losses, values):
+            if index in whole:
+                continue
             leaf = leaves[index] if scale == 1.0 else ScaleGradient.apply(leaves[index], scale)
             leaves[index] = leaf + (value.to(leaf.dtype).reshape(leaf.shape) - leaf).detach()
         return pytree.tree_unflatten(leaves, spec)
@@ -141,60 +150,86 @@ class AtTheModel:
                            "statistics): every process computes its calls on the whole batch, so that they are one "
                            "device's (exact, and no faster for that model)")
 
-    def check_losses(self, module: nn.Module, args: tuple, given: dict) -> None:
+    def checks(self) -> bool:
+        """Whether a loss that a model returns is computed both ways here: not where the script's loss is a sum
+        (``--loss-reduction sum``: a model that returns one is computed whole) or couples the batch, nor where each
+        rank's batch is its own (a stream that splits itself: there is no whole batch)."""
+        return not (self.batch.summed or self.batch.coupled or self.batch.own_batches)
+
+    def check_losses(self, module: nn.Module, args: tuple, given: dict, *, sharded: bool = False) -> None:
         """A model that returned a loss at its first training call on a loader's whole batch (``args`` and keywords
         ``given``): whether that loss is one that a split keeps, a mean or a sum over its rows (counted or not), or one
         computed across them (an in-batch contrastive loss, a load-balancing term), which a model's code shows nowhere
         that the step's watch sees (``step_rule`` follows the script's code, not the model's). Computed both ways:
         the whole batch, then this rank's share made the batch's as the split way makes it (``counted``,
-        ``whole_batch_losses``), in evaluation (no dropout; BatchNorm by its running statistics), from the same random
-        state, every buffer and mode put back. Where the two differ on any rank, or cannot be computed:
-        ``couples_rows``, said once."""
+        ``whole_batch_losses``), in evaluation (no dropout; BatchNorm by its running statistics), gradients off, from
+        the same random state, every buffer and mode put back. The losses are the whole batch's outputs of one element
+        (the batch has a row per process at least), found there and read at the same places of the share's. Where the
+        two differ on any rank, or cannot be computed: ``couples_rows``, said once; where they agree: ``losses_kept``,
+        and the places kept (``losses_in``). The whole batch's call raising (the model's own error: its real call
+        meets it again) is decided together; the share's raising ends the run with the model's error (another rank
+        would wait in a collective), and so does any raising in a sharded model's calls (FSDP's own collectives)."""
         self.checked.add(module)
         rows = rows_of((*args, *given.values()))
-        whole = self._in_evaluation(module, args, given, None) if rows is not None and rows >= self.world_size else None
-        found = torch.tensor([float(bool(whole)), -float(bool(whole))], device=_device_of(module))
+        whole = None
+        if rows is not None and rows >= self.world_size:
+            try:
+                whole = self._in_evaluation(module, args, given, None)
+            except Exception as error:  # noqa: BLE001 - the model's own, in a call the script did not make
+                if sharded:
+                    raise
+                logger.debug(f"--unchanged: {class_name(module)}'s losses on the whole batch: {error!r}")
+        places = [] if whole is None else [index for index, leaf in enumerate(whole[0]) if _one_value(leaf)]
+        found = torch.tensor([float(bool(places)), -float(bool(places))], device=_device_of(module))
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        if found[1].item() == 0:  # (no loss, or none that could be computed, on some rank: nothing to compare)
+        if found[1].item() == 0:  # (no loss in evaluation, or none that could be computed, on some rank)
             self.computed_across_rows(module, "its losses could not be computed both ways")
             return
         summed = given.get("num_items_in_batch") is not None  # (each share's loss a part of the batch's sum)
-        part = self._in_evaluation(module, args, given, share_of(range(rows), self.rank, self.world_size), summed)
-        agreed = torch.tensor([float(part is not None and len(part) == len(whole) and all(map(_close, whole, part)))],
-                              device=_device_of(module))
+        share = share_of(range(rows), self.rank, self.world_size)
+        part, spec = self._in_evaluation(module, args, given, share, summed=summed, at=places)
+        agreed = torch.tensor([float(spec == whole[1] and all(_close(whole[0][index], part[index])
+                                                                for index in places))], device=_device_of(module))
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         if agreed.item() == 1:
             self.losses_kept.add(module)
+            self.loss_places[module] = (whole[1], places)
         else:
             self.computed_across_rows(module, "its loss on a share of the batch, made the batch's, is not its loss "
                                               "on the whole batch")
 
-    def _in_evaluation(self, module: nn.Module, args: tuple, given: dict, share: Share | None,
-                       summed: bool = False) -> list | None:
-        """The losses ``module`` returns on the batch (``share``: this rank's share of it, made the batch's; ``summed``:
-        a part of the batch's sum), in evaluation, gradients on (a loss is a one-element tensor that requires grad),
-        its random state, buffers and modes put back after, and the batch's state. None where the call raises: the
-        model's own error, which its real call (after) meets again if it is the script's."""
+    def losses_in(self, module: nn.Module, output) -> list[int]:
+        """The places of the losses in ``output`` of a model whose losses a split keeps (``check_losses``), where its
+        outputs are laid out as they were then (the same on every rank); none otherwise."""
+        kept = self.loss_places.get(module)
+        return kept[1] if kept is not None and pytree.tree_flatten(output)[1] == kept[0] else []
+
+    def _in_evaluation(self, module: nn.Module, args: tuple, given: dict, share: Share | None, *, summed: bool = False,
+                       at: list[int] | None = None) -> tuple[list, object]:
+        """``module``'s outputs (their leaves, and their layout) on the batch, or on this rank's ``share`` of it with
+        the losses at the places ``at`` made the batch's (``summed``: each a part of the batch's sum), in evaluation,
+        gradients off, its random state, buffers and modes put back after, and the batch's state."""
         modes = [(part, part.training) for part in module.modules()]
         kept = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
         batch = (self.batch.weight, self.batch.whole, self.batch.gathered, self.batch.own_batches)
         devices = [torch.cuda.current_device()] if _device_of(module).type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
                 module.train(False)
                 if share is None:
                     output = module(*args, **given)
                 else:
                     self.batch.set(share.weight)
+                    self.batch.checking = self.on_a_share = True  # (``counted`` counts; the group is found)
                     names = [name for name, value in given.items() if isinstance(value, torch.Tensor) and value.dim()]
                     cut = dict(zip(names, rows_of_share(tuple(given[name] for name in names), share)))
-                    output = self.whole_batch_losses(module(*rows_of_share(args, share), **{**given, **cut}),
-                                                     summed=summed or None, required=False)
-                return [leaf.detach().reshape(()) for leaf in pytree.tree_leaves(output) if is_a_loss(leaf)]
-        except Exception as error:  # noqa: BLE001 - the model's own, in a call the script did not make: not decided
-            logger.debug(f"--unchanged: {class_name(module)}'s losses computed both ways: {error!r}")
-            return None
+                    output = module(*rows_of_share(args, share), **{**given, **cut})
+                    self.batch.checking = self.on_a_share = False
+                    output = self._at_places(output, at, summed)
+                leaves, spec = pytree.tree_flatten(output)
+                return [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec
         finally:
+            self.batch.checking = self.on_a_share = False
             for part, training in modes:
                 part.training = training
             for buffer, value in kept:
@@ -203,6 +238,17 @@ class AtTheModel:
                     # saved for its backward, BatchNorm's running statistics among them, is saved as it was.)
                     buffer.data.copy_(value)
             self.batch.weight, self.batch.whole, self.batch.gathered, self.batch.own_batches = batch
+
+    def _at_places(self, output, at: list[int], summed: bool):
+        """``whole_batch_losses`` at the places ``at``: one all-reduce of as many values on every rank. Where this
+        rank's outputs hold no one-element tensor at one of them (a layout that differs with the share), its values
+        count 0 and its outputs stay as they are: ``check_losses`` then finds the layouts apart."""
+        leaves = pytree.tree_leaves(output)
+        if all(index < len(leaves) and _one_value(leaves[index]) for index in at):
+            return self.whole_batch_losses(output, summed=summed or None, required=False, at=at)
+        device = next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
+        dist.all_reduce(torch.zeros(len(at), dtype=torch.float64, device=device))
+        return output
 
     def computed_across_rows(self, module: nn.Module, why: str) -> None:
         """``module``'s loss is computed across the rows of its batch (``why``): its calls on a loader's batches are
@@ -223,8 +269,8 @@ class AtTheModel:
         """A training call of ``module`` on a loader's whole batch, computed whole: whether its later calls on such
         batches can be cut at the model (``split_whole``). They can where its tensor arguments are positional and
         share their first dimension, and its outputs are one row per sample (a tensor, or a tuple, list, dict or
-        dataclass of them), or a loss a split keeps (``check_losses``): they are then gathered. Decided at its first
-        such call."""
+        dataclass of them), and losses a split keeps beside them (``check_losses``): the rows are then gathered, the
+        losses made the batch's. Decided at its first such call."""
         if module in self.cut_whole:
             return
         rows = rows_of((*args, *kwargs.values()))
@@ -263,18 +309,20 @@ class AtTheModel:
     def cut_as_tried(self, module: nn.Module, rows: int, output) -> bool:
         """Whether a tried first call's ``output`` (``split_first``) can be gathered (one row per sample, on every
         rank): the model's calls are cut from then on. If not, what the call changed is undone (its buffers, BatchNorm's
-        running statistics, as they were; the batch whole again) and the model is computed whole, as before."""
-        decided = torch.tensor([float(batch_shaped(output, rows) and module not in self.writes_buffers)],
-                               device=next(module.parameters()).device)
-        dist.all_reduce(decided, op=dist.ReduceOp.MIN)
+        running statistics, as they were; the batch whole again) and the model is computed whole, as before; where it
+        returned a loss on every rank, its losses are computed both ways first (``check_losses``, which the caller
+        runs where this leaves the model undecided), and its call made again, whole, decides (``learn``)."""
+        decided = torch.tensor([float(batch_shaped(output, rows) and module not in self.writes_buffers),
+                                float(returns_a_loss(output) and self.checks())], device=_device_of(module))
+        dist.all_reduce(decided, op=dist.ReduceOp.MIN)  # (a loss on every rank: a share of one row shows none apart)
         kept = self._kept.pop(module)
-        self.cut_whole[module] = bool(decided.item())
+        self.cut_whole[module] = bool(decided[0].item())
         if not self.cut_whole[module]:
             with torch.no_grad():
                 for buffer, value in kept:
                     buffer.copy_(value)
             self.batch.set_whole()
-            if returns_a_loss(output):  # (decided by its call made again, whole, its losses computed both ways)
+            if decided[1].item():  # (decided by its call made again, whole, once its losses are computed both ways)
                 del self.cut_whole[module]
             else:
                 self._said_whole(module)
@@ -313,6 +361,11 @@ class AtTheModel:
             kwargs = {**kwargs, **dict(zip(names, rows_of_share(tuple(kwargs[name] for name in names), call.share)))}
         changed = self.items_of_the_batch(module, args, kwargs)
         return changed if changed is not None else (args, kwargs) if cut else None
+
+
+def _one_value(leaf) -> bool:
+    """A floating-point tensor of one element: a loss, among a whole batch's outputs (its rows are 2 at least)."""
+    return isinstance(leaf, torch.Tensor) and leaf.numel() == 1 and leaf.is_floating_point()
 
 
 def _close(whole: torch.Tensor, part: torch.Tensor) -> bool:

@@ -73,6 +73,8 @@ class Batch:
     own_batches: bool = False  # each rank's batch is its own (a stream that splits itself): DDP's average, no split
     stream: bool = False  # the batch comes from a loader whose batches cannot be split by index (a stream's)
     gathered_way: bool = False  # its loader takes the gathered way: whole batches, cut at the models (``step_rule``)
+    loader_share: bool = False  # this rank holds its loader's share of the batch (a cut at a model leaves it as it is)
+    checking: bool = False  # a loss computed both ways, on a share, gradients off (``at_the_model.check_losses``)
     # Losses whose value is the whole batch's already (``counted``): a model that returns one needs no more. (By
     # identity: a tensor's ``==`` is elementwise.)
     _valued_whole: dict = dataclasses.field(default_factory=dict)
@@ -336,6 +338,7 @@ class Loaders:
         self._passes.append(this)
         self.batch.stream = this.sampler is None
         self.batch.gathered_way = this.ahead or this.sampler is None
+        self.batch.loader_share = this.sampler is not None and this.share is not None and not this.share.whole
         if this.sampler is None:
             self.batch.set_whole()
             self.batch.own_batches = bool(this.own_batches)

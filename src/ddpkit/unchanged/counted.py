@@ -96,11 +96,12 @@ class CountedMeans:
         return _scripted_as(original, loss)
 
     def applies(self, input: torch.Tensor) -> bool:
-        """A training step on a batch split across several ranks."""
+        """A training step on a batch split across several ranks (or a share's loss computed, gradients off, to
+        compare with the whole batch's: ``at_the_model.check_losses``)."""
         batch = self.batch
         return (batch.world_size > 1 and not batch.whole and not batch.summed and not batch.coupled
-                and not batch.gathered
-                and isinstance(input, torch.Tensor) and input.requires_grad and torch.is_grad_enabled())
+                and not batch.gathered and isinstance(input, torch.Tensor)
+                and (input.requires_grad and torch.is_grad_enabled() or batch.checking))
 
     def mean_of_the_batch(self, summed: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """The whole batch's mean, from this rank's ``summed`` loss over its ``count`` items: its value the batch's,

@@ -8,7 +8,8 @@ gathered tensor keeps this rank's own rows of the gradient, without communicatin
 from the same whole outputs, so the gradient of its rows is the whole batch's, and DDP's all-reduce sums the ranks'
 (each weighs 1). A tensor output that is not batch-shaped (a temperature, a returned scalar) is the same on every
 rank: its gradient, the whole loss's on each rank, counts 1/N of it, so that the sum is one device's. One that differs
-across the ranks (a loss the model computed from its share) cannot be made whole, and is refused in one line.
+across the ranks (a loss the model computed from its share) cannot be made whole, and is refused in one line, but for
+the losses that a split keeps, made the batch's before (``kept``: ``at_the_model.check_losses``).
 """
 
 from __future__ import annotations
@@ -50,17 +51,17 @@ def batch_shaped(value, rows: int) -> bool:
     return bool(found) and all(found)
 
 
-def gathered(output, *, sizes: list[int], rank: int, rows: int, with_gradients: bool, losses_kept: bool = False):
+def gathered(output, *, sizes: list[int], rank: int, rows: int, with_gradients: bool, kept=()):
     """``output`` of this rank's share (``rows`` rows: its size in ``sizes``, or 1 for a stand-in that counts 0), its
-    batch-shaped tensors gathered into the whole batch's on every rank (see the module). ``losses_kept``: its losses
-    (one element, requiring grad) are the batch's already, and left as they are."""
+    batch-shaped tensors gathered into the whole batch's on every rank (see the module). ``kept``: its tensors that are
+    the batch's already (losses a split keeps, made the batch's: ``at_the_model.check_losses``), left as they are."""
     world_size = len(sizes)
 
     def gather(tensor: torch.Tensor) -> torch.Tensor:
+        if any(tensor is other for other in kept):
+            return tensor
         if tensor.dim() > 0 and tensor.size(0) == rows:
             return _Gather.apply(tensor, sizes, rank) if with_gradients else _gather(tensor, sizes)
-        if losses_kept and tensor.numel() == 1 and tensor.requires_grad:
-            return tensor
         if with_gradients and tensor.requires_grad:
             shared.append(tensor)
             return ScaleGradient.apply(tensor, 1.0 / world_size)

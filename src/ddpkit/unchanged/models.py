@@ -151,7 +151,7 @@ class Models:
                                 buffers=own_buffers(module) if first else None,
                                 keywords=call_keywords(module) if tried else {},
                                 learning=first and not self.batch.loader_passes and not self.batch.coupled,
-                                of_a_split_batch=from_loader and not self.batch.whole and self.world_size > 1))
+                                of_a_split_batch=from_loader and self.batch.loader_share and self.world_size > 1))
         # What leaves through its inputs (to a model that made them: a GAN's generator) is unweighted again: the
         # weight of gathered outputs (``after``), and a sharded model's.
         inputs = self.batch.current_weight() if cut is not None else 1.0
@@ -214,8 +214,8 @@ class Models:
         if call.buffers is not None and any(not torch.equal(buffer, value) for buffer, value in call.buffers):
             self.at_the_model.writes_buffers_in_training(module)
         if call.tried and not self.at_the_model.cut_as_tried(module, len(share.indices), output):
-            if returns_a_loss(output):  # (computed both ways before the script's own call, which comes last)
-                self._losses_both_ways(module, call.whole_args, call.keywords)
+            if module not in self.at_the_model.cut_whole:  # (a loss on every rank: computed both ways, before the
+                self._losses_both_ways(module, call.whole_args, call.keywords)  # script's own call, which comes last)
             # Again, whole (``cut_as_tried`` undid what the cut call did), with the keywords it was given.
             return module(*call.whole_args, **call.keywords)
         if module not in self._outputs_seen:
@@ -258,13 +258,15 @@ class Models:
         weight, which DDP multiplies back in (as a split batch's). A loss the model returns (one that a split keeps:
         ``AtTheModel.check_losses``) is made the batch's, as on a split batch."""
         weight, rows, share = self.batch.current_weight(), len(call.share.indices), call.share
-        if returns_a_loss(output):
-            output = self.at_the_model.whole_batch_losses(output, summed=call.items_counted or None, required=False,
+        losses = self.at_the_model.losses_in(call.module, output)
+        kept = ()
+        if losses:
+            output = self.at_the_model.whole_batch_losses(output, summed=call.items_counted or None, at=losses,
                                                           scale=1.0 / weight if call.items_counted and weight else 1.0)
+            kept = [pytree.tree_leaves(output)[index] for index in losses]
             self.batch.gathered = True  # (what the script computes from the outputs is the whole batch's)
-        return gathered(_scaled_gradients(output, 1.0 / weight, rows=rows), rank=self.rank, rows=rows,
-                        sizes=share_sizes(share.samples, world_size=self.world_size), with_gradients=True,
-                        losses_kept=True)
+        return gathered(_scaled_gradients(output, 1.0 / weight, but=kept), rank=self.rank, rows=rows,
+                        sizes=share_sizes(share.samples, world_size=self.world_size), with_gradients=True, kept=kept)
 
     def _learned(self, module: nn.Module, call: Call, kwargs: dict, output) -> None:
         """What a whole training call of ``module`` shows, on several processes: where no loader made its batch, at its
@@ -276,7 +278,7 @@ class Models:
             else:
                 self.at_the_model.computed_whole(module)
         elif self.batch.loader_passes and self.batch.whole and not self.batch.coupled:
-            if module not in self.at_the_model.checked and returns_a_loss(output):
+            if module not in self.at_the_model.checked and returns_a_loss(output) and self.at_the_model.checks():
                 if KEYWORDS_SEEN:
                     self._losses_both_ways(module, call.whole_args, kwargs)
                 else:  # (this torch's global hooks are not given the call's keywords: it cannot be made again)
@@ -288,7 +290,7 @@ class Models:
         ``depth``)."""
         self.depth += 1
         try:
-            self.at_the_model.check_losses(module, args, kwargs)
+            self.at_the_model.check_losses(module, args, kwargs, sharded=module in self.adoption.sharded)
         finally:
             self.depth -= 1
 
@@ -296,6 +298,8 @@ class Models:
         """Whether a model's call is open that computes only this rank's rows of its batch, the other ranks the rest
         (cut at the model, divided in an evaluation, or on a share that its loader split): the code inside it finds
         the process group (``own_group``), as a model's code under DDP does."""
+        if self.at_the_model.on_a_share:
+            return True  # (a loss computed both ways: its share's call finds what a cut call finds)
         call = self._calls[-1] if self._calls else None
         return call is not None and (call.share is not None or call.of_a_split_batch)
 
@@ -336,13 +340,13 @@ def own_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(buffer, buffer.detach().clone()) for buffer in module.buffers() if id(buffer) not in norms]
 
 
-def _scaled_gradients(tree, scale: float, rows: int | None = None):
-    """``tree``'s tensors that require grad (those of ``rows`` rows, where given), their gradient multiplied by
-    ``scale`` in backward."""
+def _scaled_gradients(tree, scale: float, but=()):
+    """``tree``'s tensors that require grad (but those in ``but``), their gradient multiplied by ``scale`` in
+    backward."""
     if scale == 1.0:
         return tree
-    return pytree.tree_map_only(torch.Tensor, lambda t: ScaleGradient.apply(t, scale) if t.requires_grad and (
-        rows is None or t.dim() > 0 and t.size(0) == rows) else t, tree)
+    return pytree.tree_map_only(torch.Tensor, lambda t: ScaleGradient.apply(t, scale) if t.requires_grad and not any(
+        t is other for other in but) else t, tree)
 
 
 def _moves_seen(models: Models) -> Callable[[], None]:
