@@ -146,6 +146,35 @@ def test_a_group_of_the_scripts_own_found_at_run_time_is_ddpkits_where_it_asks_f
     assert other_group({"rank": 3}, **ours) == "in which this process is rank 3, where it is rank 1"
 
 
+def test_who_asks_whether_a_group_is_up_is_told_by_the_package_of_the_code_that_asks():
+    """torch's and ddpkit's code read the group as it is; the script's and a library's find none; Python's standard
+    library only passes a call on (the caller below it decides). And the loss check's tolerance: the square root of
+    the loss's precision, relative."""
+    from ddpkit.unchanged.at_the_model import _close
+    from ddpkit.unchanged.own_group import group_seen
+
+    def asked_from(module: str, passed_on_by: str | None = None) -> bool:
+        """``group_seen`` as the replaced ``is_initialized`` calls it, asked by code of ``module`` (through a function
+        of the module ``passed_on_by``, where given)."""
+        def ask():
+            return group_seen(sys._getframe(1))
+
+        passer = {"__name__": passed_on_by or module, "ask": ask}
+        exec("def pass_on():\n    return ask()\n", passer)
+        caller = {"__name__": module, "ask": ask if passed_on_by is None else passer["pass_on"]}
+        exec("def call():\n    return ask()\n", caller)
+        return caller["call"]()
+
+    assert asked_from("torch.distributed.fsdp") and asked_from("ddpkit.strategies.sync_bn")
+    assert not asked_from("__main__") and not asked_from("torchmetrics.metric") and not asked_from("torchvision")
+    assert asked_from("torch.utils.data", passed_on_by="contextlib")  # (the standard library passes it on)
+    assert not asked_from("torchmetrics.metric", passed_on_by="contextlib")
+    assert not asked_from("torch.utils.data", passed_on_by="lightning_utilities")  # (the innermost package decides)
+    assert _close(torch.tensor(1.0, dtype=torch.float64), torch.tensor(1.0 + 1e-9, dtype=torch.float64))
+    assert not _close(torch.tensor(1.0, dtype=torch.float64), torch.tensor(1.0 + 1e-6, dtype=torch.float64))
+    assert _close(torch.tensor(2.0), torch.tensor(2.0005)) and not _close(torch.tensor(2.0), torch.tensor(2.01))
+
+
 def test_what_a_rank_writes_stays_private_only_when_it_is_the_scripts_output(monkeypatch, tmp_path):
     from ddpkit.unchanged.outputs import left_as_it_is
 
