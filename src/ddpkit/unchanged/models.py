@@ -263,7 +263,8 @@ class Models:
         if losses:
             output = self.at_the_model.whole_batch_losses(output, summed=call.items_counted or None, at=losses,
                                                           scale=1.0 / weight if call.items_counted and weight else 1.0)
-            kept = [pytree.tree_leaves(output)[index] for index in losses]
+            leaves = pytree.tree_leaves(output)
+            kept = [leaves[index] for index in losses]
             self.batch.gathered = True  # (what the script computes from the outputs is the whole batch's)
         return gathered(_scaled_gradients(output, 1.0 / weight, but=kept), rank=self.rank, rows=rows,
                         sizes=share_sizes(share.samples, world_size=self.world_size), with_gradients=True, kept=kept)
