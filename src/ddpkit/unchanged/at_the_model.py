@@ -58,11 +58,10 @@ class AtTheModel:
         # Models whose training call wrote buffers of their own (not BatchNorm's): computed whole on a whole batch.
         self.writes_buffers: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # Models whose first call on a loader's whole batch returned a loss, computed both ways (``check_losses``):
-        # those whose loss is a mean or a sum over rows, and those whose loss is computed across the rows of its
-        # batch, or could not be shown not to be (computed whole on a whole batch, as ``writes_buffers``).
-        self.checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        self.losses_kept: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # (cut on a whole batch, as ``learn`` says)
-        self.loss_places: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+        # those whose loss is a mean or a sum over rows, with the layout of their outputs and the places of their
+        # losses in it (cut on a whole batch, as ``learn`` says), and those whose loss is computed across the rows of
+        # its batch, or could not be shown not to be (computed whole on a whole batch, as ``writes_buffers``).
+        self.losses_kept: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
         self.on_a_share = False  # a loss computed both ways, on this rank's share: the group is found (``own_group``)
         self.couples_rows: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -169,7 +168,6 @@ class AtTheModel:
         and the places kept (``losses_in``). The whole batch's call raising (the model's own error: its real call
         meets it again) is decided together; the share's raising ends the run with the model's error (another rank
         would wait in a collective), and so does any raising in a sharded model's calls (FSDP's own collectives)."""
-        self.checked.add(module)
         rows = rows_of((*args, *given.values()))
         whole = None
         if rows is not None and rows >= self.world_size:
@@ -192,16 +190,19 @@ class AtTheModel:
                                                                 for index in places))], device=_device_of(module))
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         if agreed.item() == 1:
-            self.losses_kept.add(module)
-            self.loss_places[module] = (whole[1], places)
+            self.losses_kept[module] = (whole[1], places)
         else:
             self.computed_across_rows(module, "its loss on a share of the batch, made the batch's, is not its loss "
                                               "on the whole batch")
 
+    def checked(self, module: nn.Module) -> bool:
+        """Whether ``module``'s losses were computed both ways, or found not to be (``check_losses``)."""
+        return module in self.losses_kept or module in self.couples_rows
+
     def losses_in(self, module: nn.Module, output) -> list[int]:
         """The places of the losses in ``output`` of a model whose losses a split keeps (``check_losses``), where its
         outputs are laid out as they were then (the same on every rank); none otherwise."""
-        kept = self.loss_places.get(module)
+        kept = self.losses_kept.get(module)
         return kept[1] if kept is not None and pytree.tree_flatten(output)[1] == kept[0] else []
 
     def _in_evaluation(self, module: nn.Module, args: tuple, given: dict, share: Share | None, *, summed: bool = False,

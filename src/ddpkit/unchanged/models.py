@@ -279,7 +279,7 @@ class Models:
             else:
                 self.at_the_model.computed_whole(module)
         elif self.batch.loader_passes and self.batch.whole and not self.batch.coupled:
-            if module not in self.at_the_model.checked and returns_a_loss(output) and self.at_the_model.checks():
+            if not self.at_the_model.checked(module) and returns_a_loss(output) and self.at_the_model.checks():
                 if KEYWORDS_SEEN:
                     self._losses_both_ways(module, call.whole_args, kwargs)
                 else:  # (this torch's global hooks are not given the call's keywords: it cannot be made again)
