@@ -179,6 +179,22 @@ def pytest_runtest_protocol(item, nextitem):
         yield
 
 
+@pytest.fixture
+def group_of_one():
+    """A gloo group of one in this process, started as a script (or Ray) would, and destroyed after the test."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def ddpkit_logger_as_the_command_sets_it(monkeypatch):
     """Each test starts with the ``ddpkit`` logger of a launcher at the default level, whatever rank or

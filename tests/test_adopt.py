@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,18 +11,6 @@ from conftest import leftover_processes, run_ddpkit
 from ddpkit.core import process_group
 from ddpkit.core.env import DistEnv
 from ddpkit.core.errors import UsageError
-
-
-@pytest.fixture
-def group_of_one():
-    """A gloo group of one in this process, started as a script (or Ray) would, and destroyed after the test."""
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def test_a_group_that_is_up_is_used_and_left_up_with_only_ddpkits_side_groups_gone(group_of_one):

@@ -175,6 +175,37 @@ def test_who_asks_whether_a_group_is_up_is_told_by_the_package_of_the_code_that_
     assert _close(torch.tensor(2.0), torch.tensor(2.0005)) and not _close(torch.tensor(2.0), torch.tensor(2.01))
 
 
+def test_a_loader_reads_its_shares_only_where_its_workers_draw_their_own_and_it_collates_by_rows(group_of_one):
+    """Which gathered loaders each rank reads a share of (``unchanged.loading``): the checks, and the shares put
+    together in a group of one (the two-process run is the steps script's ``loading`` part)."""
+    from torch.nn.utils.rnn import pad_sequence
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ddpkit.unchanged.loading import collates_by_rows, gathered_rows, whole_reading
+
+    class Drawn(TensorDataset):
+        def __getitem__(self, index):
+            return *super().__getitem__(index), torch.rand(2)  # (a random augmentation: the states are put back)
+
+    data = Drawn(torch.randn(7, 3), torch.arange(7), torch.arange(7) % 2 == 0)
+    assert whole_reading(DataLoader(data)) == "it reads its samples in the main process"
+    assert "persistent" in whole_reading(DataLoader(data, num_workers=2, persistent_workers=True))
+    assert "generator" in whole_reading(DataLoader(data, num_workers=2, generator=torch.Generator()))
+    assert whole_reading(DataLoader(data, num_workers=2)) is None
+    state = torch.get_rng_state()
+    assert collates_by_rows(DataLoader(data, batch_size=4), [6, 0, 3]) is None
+    assert torch.equal(torch.get_rng_state(), state)
+    sequences = [torch.ones(length) for length in (2, 5, 3)]
+    padded = DataLoader(sequences, batch_size=3, collate_fn=lambda rows: pad_sequence(rows, batch_first=True))
+    assert "(padding?)" in collates_by_rows(padded, [0, 1, 2])
+    assert "more than tensors" in collates_by_rows(DataLoader(["a", "b"], batch_size=2), [0, 1])
+    assert "cannot be read" in collates_by_rows(DataLoader(data, batch_size=2), [9])
+    batch = next(iter(DataLoader(data, batch_size=5)))
+    together = gathered_rows(batch, sizes=[5], rank=0)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(together, batch)) and together is not batch
+    assert gathered_rows([batch[0], "a"], sizes=[5], rank=0) is None
+
+
 def test_what_a_rank_writes_stays_private_only_when_it_is_the_scripts_output(monkeypatch, tmp_path):
     from ddpkit.unchanged.outputs import left_as_it_is
 
@@ -702,7 +733,7 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     (weights_one, printed_one, _), (weights_two, printed_two, said) = one, two
     # (whether it finds a group, 10 steps a model but 6 of the binary one, 2 epochs' lines of five models, a call
     # that raised, and 2 of each epoch's metrics where torchmetrics is installed)
-    lines = 1 + 11 * 10 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one)
+    lines = 1 + 12 * 10 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     for part, weights in weights_one.items():
         if part != "rows":
@@ -734,6 +765,14 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     assert said.count("returns a loss that is not shown to be a mean or a sum over the rows of its batch") == (
         1 if KEYWORDS_SEEN else 4)
     assert said.count("a training step that is not proven exact on split batches") == 1, said
+    # A model called twice before a backward (two views) on the gathered way: both calls cut at the model (rank 0's
+    # share of a batch of 6, and of the last of 5, is 3), from the first step on (a sharded model's first call whole).
+    assert weights_two["rows"]["views"].tolist()[2:] == [3] * 18, weights_two["rows"]["views"]
+    # A loader on the gathered way that reads in workers, and collates by rows: from its second pass, each process
+    # reads its share and the collated shares are gathered. Rank 0's reads (its files are the run's): its first pass
+    # whole, and the first batch's 6 samples read once more in the main process (the check); then its shares alone.
+    assert weights_one["rows"]["reads"].tolist() == [29, 29] and weights_two["rows"]["reads"].tolist() == [35, 15]
+    assert said.count("each process reads its share of each batch and the collated shares are gathered") == 1, said
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@
     python tests/unchanged_steps_script.py OUT [PART ...]
 
 - **contrastive**: SimCLR's NT-Xent over two noisy views of each sample, the encoder called once per view, and a
-  learned temperature read outside the model (every row's loss depends on every other row);
+  learned temperature read outside the model (every row's loss depends on every other row); the rows of each of the
+  encoder's calls go into ``rows``' ``views``;
 - **summed**: ``F.mse_loss(..., reduction="sum")`` plus a summed BCE, with SGD;
 - **masked**: a tagger over padded sequences, its mean written by hand (``(loss * mask).sum() / mask.sum()``);
 - **denoise**: a denoiser whose loop draws each batch's noise and noise levels (``torch.randn_like``, ``torch.rand``);
@@ -26,6 +27,8 @@
   labels that are not ignored and its logits, the script counting its accuracy from them (the gathered way, the
   model's calls cut all the same); then the same with ``num_items_in_batch`` given; then a binary classifier (one
   logit a row) in batches of 13, whose last batch of 3 leaves a share of one row (its logits one element);
+- **loading**: a summed loss (the gathered way) over a loader that reads in a worker process, the loop adding noise
+  that it draws; each sample's read written down with its epoch, into ``rows``' ``reads`` (the reads of each epoch);
 - **metrics** (where torchmetrics is installed): torchmetrics in training and in evaluation, a sum of the samples
   seen, a weighted mean of the loss, an accuracy and a concatenation of the scores; torchmetrics reads
   ``torch.distributed`` and syncs over any process group it finds, and this script started none.
@@ -45,7 +48,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
-                                            "keywords", "auxiliary", "later", "inside", "returned"] + (
+                                            "keywords", "auxiliary", "later", "inside", "returned", "loading"] + (
     ["metrics"] if importlib.util.find_spec("torchmetrics") else [])
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
@@ -69,6 +72,8 @@ def loader(*tensors):
 def contrastive():
     x = torch.randn(29, 8)
     encoder = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    rows = []
+    encoder[0].register_forward_pre_hook(lambda layer, args: rows.append(len(args[0])))
     log_temperature = nn.Parameter(torch.tensor(-1.0))
     optimizer = torch.optim.Adam([*encoder.parameters(), log_temperature], lr=1e-2)
     for epoch in range(2):
@@ -82,6 +87,7 @@ def contrastive():
             positives = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
             loss = F.cross_entropy(similarity, positives)
             step(optimizer, loss, f"contrastive {epoch}")
+    result.setdefault("rows", {})["views"] = torch.tensor(rows)
     return {**encoder.state_dict(), "temperature": log_temperature.detach()}
 
 
@@ -216,7 +222,7 @@ def keywords():
             step(optimizer, F.cross_entropy(logits, labels))
             right += int((logits.argmax(1) == labels).sum())
         print(f"keywords {epoch}: {right} right")
-    result["rows"] = {"keywords": torch.tensor(model.rows), "groups": torch.tensor(model.groups)}
+    result.setdefault("rows", {}).update(keywords=torch.tensor(model.rows), groups=torch.tensor(model.groups))
     return model.state_dict()
 
 
@@ -367,6 +373,37 @@ def returned():
         print(f"returned {epoch}: {right} right")
     result["rows"]["binary"] = torch.tensor(model.rows)
     return {**weights, **{f"binary.{key}": value for key, value in model.state_dict().items()}}
+
+
+class Recorded(torch.utils.data.Dataset):
+    """Samples whose every read, in whatever process, is written down with the epoch it was read in."""
+
+    def __init__(self, *tensors):
+        self.tensors, self.epoch = tensors, 0
+
+    def __len__(self):
+        return len(self.tensors[0])
+
+    def __getitem__(self, index):
+        with open(os.path.join(out, "reads.txt"), "a") as reads:
+            reads.write(f"{self.epoch}\n")
+        return tuple(tensor[index] for tensor in self.tensors)
+
+
+def loading():
+    data = Recorded(torch.randn(29, 8), torch.randn(29, 2))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batches = DataLoader(data, batch_size=6, shuffle=True, num_workers=1)
+    for epoch in range(2):
+        data.epoch = epoch
+        for inputs, targets in batches:
+            loss = F.mse_loss(model(inputs + 0.1 * torch.randn_like(inputs)), targets, reduction="sum")
+            step(optimizer, loss, f"loading {epoch}")
+    with open(os.path.join(out, "reads.txt")) as reads:
+        read = reads.read().split()
+    result.setdefault("rows", {})["reads"] = torch.tensor([read.count("0"), read.count("1")])
+    return model.state_dict()
 
 
 def metrics():

@@ -35,6 +35,7 @@ class Share:
     weight: float  # this rank's samples / the batch's (0 for a stand-in)
     samples: int  # the whole batch's size, as one process reads it
     whole: bool = dataclasses.field(default=False, repr=False)  # not split: every rank reads the whole batch
+    batch: tuple = dataclasses.field(default=(), repr=False)  # the whole batch's indices
 
 
 def share_of(batch: Sequence, rank: int, world_size: int) -> Share:
@@ -46,9 +47,10 @@ def share_of(batch: Sequence, rank: int, world_size: int) -> Share:
         raise ValueError("a batch sampler yielded an empty batch: there is nothing to split")
     counts = share_sizes(samples, world_size=world_size)
     if counts[rank] == 0:
-        return Share(indices=[batch[-1]], weight=0.0, samples=samples)
+        return Share(indices=[batch[-1]], weight=0.0, samples=samples, batch=tuple(batch))
     start = sum(counts[:rank])
-    return Share(indices=list(batch[start:start + counts[rank]]), weight=counts[rank] / samples, samples=samples)
+    return Share(indices=list(batch[start:start + counts[rank]]), weight=counts[rank] / samples, samples=samples,
+                 batch=tuple(batch))
 
 
 def share_sizes(samples: int, *, world_size: int) -> list[int]:
@@ -163,7 +165,7 @@ class SplitBatchSampler:
             if batch is None:
                 return
             batch = batch.tolist() if isinstance(batch, torch.Tensor) else list(batch)
-            share = Share(batch, 1.0, len(batch), whole=True) if self.whole else \
+            share = Share(batch, 1.0, len(batch), whole=True, batch=tuple(batch)) if self.whole else \
                 share_of(batch, self.rank, self.world_size)
             self.shares.append(share)
             yield share.indices

@@ -217,7 +217,7 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int, 
     the_same_everywhere = functools.partial(alike_on_every_rank, group=control)
     loaders = Loaders(rank=runtime.rank, world_size=runtime.world_size, batch=batch, streams=streams,
                       the_same_everywhere=the_same_everywhere,
-                      most_anywhere=lambda number: most_on_any_rank(number, control))
+                      most_anywhere=lambda number: most_on_any_rank(number, control), group=control)
     loaders.install()
     undo.append(loaders.uninstall)
     if runtime.world_size > 1:

@@ -32,6 +32,10 @@ then the shared streams' (each rank holds the whole batch, and draws for it as o
 each training pass's first step while the loader is split (a gathered loader stays so), the same on every rank (one
 all-reduce); said once.
 
+On the gathered way, from such a loader's next pass, each rank reads only its share of each batch and the collated
+shares are put together into the whole batch on every rank, where its workers' seeds can be each rank's own and it
+collates by rows (``loading``; ``Pass.shares_gathered``): the batch handed out is the whole one, read once.
+
 A loader whose batches cannot be split by index, a stream's (an ``IterableDataset``) or one without a batch sampler
 (``batch_size=None``), is followed the same way, its batches whole on every rank: every rank reads the stream in the
 same order, and a model called to train on one of its batches computes this rank's share of it, its outputs gathered
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import weakref
 import zlib
 from collections.abc import Callable, Iterator
@@ -53,7 +58,8 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, IterableDataset
 
 from ddpkit.core.logs import logger
-from ddpkit.data.split_batches import Share, SharedStream, SplitBatchSampler
+from ddpkit.data.split_batches import Share, SharedStream, SplitBatchSampler, share_sizes
+from ddpkit.unchanged import loading
 from ddpkit.unchanged.randomness import Streams, derived_seed
 from ddpkit.unchanged.step_rule import StepWatch
 
@@ -130,6 +136,8 @@ class Pass:
     evaluating: bool = False  # a batch was evaluated and none trained: not watched from then on
     watched: bool = False  # its first training step was watched, and the loader's way decided from it
     drained: bool = False  # its loader has no more, but a batch it handed out may still be on its way to a model
+    loader: DataLoader | None = None
+    shares_gathered: bool = False  # the gathered way, each rank reading its share, the collated shares gathered
 
 
 class Loaders:
@@ -137,8 +145,9 @@ class Loaders:
 
     def __init__(self, *, rank: int, world_size: int, batch: Batch, streams: Streams,
                  the_same_everywhere: Callable[[object], bool] = lambda batch: True,
-                 most_anywhere: Callable[[int], int] = lambda number: number):
+                 most_anywhere: Callable[[int], int] = lambda number: number, group=None):
         self.rank = rank
+        self.group = group  # the gloo group that gathers the collated shares of a loader's batches (``loading``)
         self.the_same_everywhere = the_same_everywhere  # whether a batch is the same on every rank (a collective)
         self.most_anywhere = most_anywhere  # a number's largest value over the ranks (a collective)
         self.world_size = world_size
@@ -151,12 +160,16 @@ class Loaders:
         self._fetched_ahead: weakref.WeakSet[SplitBatchSampler] = weakref.WeakSet()  # read whole, cut at the models
         # Whether each loader's training steps take the gathered way (True) or the split way (False): ``step_rule``.
         self._gathered: weakref.WeakKeyDictionary[SplitBatchSampler, bool] = weakref.WeakKeyDictionary()
+        # Whether such a loader's ranks each read their share and gather the collated shares (True), or read whole.
+        self._shares_gathered: weakref.WeakKeyDictionary[SplitBatchSampler, bool] = weakref.WeakKeyDictionary()
+        self._whole_batches = itertools.count()  # batches read whole here, where the shares could not be put together
         self.watching: StepWatch | None = None  # the step being watched, if any (``unchanged.models`` sets it aside)
         self._taken: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # loaders whose batch sampler is wrapped
         self._warned = False
         self._said_own_batches = False
         self._said_ahead = False
         self._said_gathered = False
+        self._said_loading: set[bool] = set()  # (which of the two ways of reading was said)
 
     def install(self) -> None:
         self._original_iter = DataLoader.__iter__
@@ -198,14 +211,21 @@ class Loaders:
                                                    or self._gathered.get(this.sampler, False))
         if this.sampler is not None and this.sampler in self._trained_before and not this.ahead:
             self._own_streams(this)
+        this.loader = loader
+        this.shares_gathered = this.ahead and self._shares_gathered.get(this.sampler, False) \
+            and threading.current_thread() is threading.main_thread()  # (a thread's collectives would race the step's)
+        if this.shares_gathered:
+            this.sampler.whole = False
         ended = True
         try:
-            for batch in self._original_iter(loader):
+            for batch in self._loaded(loader, this):
                 self._settle(this)
                 if this.sampler is None and this.own_batches is None:
                     this.own_batches = not self.the_same_everywhere(batch)
                     self._say_own_batches(this)
                 this.share = None if this.sampler is None else this.sampler.shares.popleft()
+                if this.shares_gathered and not this.share.whole:
+                    batch = self._put_together(this, batch)
                 this.trained, this.evaluated = False, False
                 this.handed_out += 1
                 self._make_current(this)
@@ -227,6 +247,37 @@ class Loaders:
                 self._make_current(this)  # whole, as handed out (the call on the batch before cut that one)
             else:
                 self._end(this)
+
+    def _loaded(self, loader: DataLoader, this: Pass) -> Iterator:
+        """``loader``'s batches as it collates them. Where each rank reads its share of a gathered loader's batches, its
+        workers' seeds are drawn from this rank's own random streams (a share's random augmentations are not another's),
+        and the shared streams, which the loop draws from, take the one draw that they give the seeds where the whole
+        batch is read: they stay the same on every rank, and one device's."""
+        if not this.shares_gathered:
+            return self._original_iter(loader)
+        self.streams.enter_pass()
+        try:
+            iterator = self._original_iter(loader)
+        finally:
+            self.streams.leave_pass()
+        torch.empty((), dtype=torch.int64).random_()  # (DataLoader's draw of its workers' seeds, made in the shared)
+        return iterator
+
+    def _put_together(self, this: Pass, batch):
+        """The whole batch, from this rank's collated share of it and the other ranks' (``loading``); where they
+        cannot be put together, read whole in this process (the same on every rank), and that loader read whole from
+        its next pass. The share handed out is then the whole batch's."""
+        share = this.share
+        sizes = share_sizes(share.samples, world_size=self.world_size)
+        whole = loading.gathered_rows(batch, sizes=sizes, rank=self.rank, group=self.group)
+        if whole is None:
+            self._shares_gathered[this.sampler] = False
+            logger.debug("--unchanged: a loader's collated shares could not be put together: that batch is read "
+                         "whole in the main process, and the loader whole from its next pass")
+            seed = derived_seed(self.streams.seed, "whole batch", next(self._whole_batches))
+            whole = loading.whole_here(this.loader, list(share.batch), seed)
+        this.share = dataclasses.replace(share, indices=list(share.batch), weight=1.0, whole=True)
+        return whole
 
     def _end(self, this: Pass) -> None:
         self.batch.loader_passes -= 1
@@ -254,8 +305,8 @@ class Loaders:
             this.training = True
             if this.sampler is not None:  # (a stream's batches stay whole, and so do its streams: every rank reads it)
                 this.ahead = this.ahead or self.fetched_ahead(this.sampler, held)
-                if not self.watches():
-                    this.sampler.whole = self.batch.coupled or this.ahead  # split from here on (but at the models)
+                if not self.watches():  # (split from here on, but at the models; or shares, gathered)
+                    this.sampler.whole = (self.batch.coupled or this.ahead) and not this.shares_gathered
                     if not this.ahead:
                         self._own_streams(this)
                 # (Else whole until the step shows its way, each pass's first step: ``_watched``.)
@@ -293,14 +344,43 @@ class Loaders:
         if gathered:
             this.ahead = this.sampler.whole = True  # (the batch's ``gathered_way`` from its next hand-out)
             self._say_gathered(reason)
+            self._decide_loading(this)
         elif this.training and not this.ahead:
             this.sampler.whole = False  # split from the next batch drawn
             self._own_streams(this)
 
+    def _decide_loading(self, this: Pass) -> None:
+        """How a loader just found to take the gathered way reads its batches from its next pass (this one's workers
+        drew their seeds from the shared streams: it reads whole to its end): each rank its share, the collated shares
+        gathered, where the loader reads in workers whose seeds each rank draws (not persistent, no generator of its
+        own) and collates by rows; else every rank the whole batch (``loading``). Every rank decides alike (one
+        all-reduce), once per loader."""
+        if self.world_size == 1:
+            self._shares_gathered[this.sampler] = False  # (one process: its share is the batch)
+            return
+        reason = loading.whole_reading(this.loader) or loading.collates_by_rows(this.loader, list(this.share.batch))
+        gathered = self.most_anywhere(int(reason is not None)) == 0
+        self._shares_gathered[this.sampler] = gathered
+        self._say_loading(gathered, reason or ("its workers read and collate each sample's rows alone" if gathered
+                                               else "not on another process"))
+
+    def _say_loading(self, gathered: bool, why: str) -> None:
+        """Said once each: a loader read in shares, and one read whole where it reads in workers (a loader that reads
+        in the main process is cheap to read, or slow on one device already)."""
+        logger.debug("--unchanged: a gathered loader's batches: " + ("each process reads its share, the shares "
+                     "gathered" if gathered else "every process reads them whole") + f" ({why})")
+        if self.rank == 0 and gathered not in self._said_loading and self.world_size > 1 \
+                and why != loading.IN_THE_MAIN_PROCESS:
+            logger.info("--unchanged: from that loader's next pass, " + (
+                "each process reads its share of each batch and the collated shares are gathered" if gathered else
+                "every process reads each of its batches whole") + f" ({why}; docs/unchanged.md, \"Whole batches, "
+                "read once\")")
+            self._said_loading.add(gathered)
+
     def _say_gathered(self, reason: str | None) -> None:
         if self.rank == 0 and not self._said_gathered and self.world_size > 1:
             logger.info("--unchanged: a training step that is not proven exact on split batches ("
-                        + (reason or "on another process") + "): every process reads each of that loader's batches "
+                        + (reason or "on another process") + "): every process holds each of that loader's batches "
                         "whole and computes its share of the model's rows, the outputs gathered, so the script's loss "
                         "and numbers are one device's (docs/unchanged.md, \"Split or gathered\")")
         self._said_gathered = True

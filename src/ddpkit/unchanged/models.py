@@ -132,8 +132,9 @@ class Models:
         share, whole_args, cut = None, args, None
         if split:
             args, share = self.at_the_model.split(args)
-        elif from_loader and self.batch.whole and self.world_size > 1:
-            # A loader's whole batch (a pass's first ones, a stream's): this rank's share of it, the outputs gathered.
+        elif from_loader and not self.batch.loader_share and self.world_size > 1:
+            # A loader's whole batch (a pass's first ones, a stream's, the gathered way's): this rank's share of it, the
+            # outputs gathered; at each call (two views), though a call before it set the batch's weight to a share's.
             # (A model's first call: cut where nothing rules it out, undone in ``after`` if its outputs cannot be
             # gathered. A sharded model's first call is whole: it shows the way.)
             if not first:

@@ -1,0 +1,131 @@
+"""How a loader on the gathered way reads its batches (``ddpkit run --unchanged``): every rank holds each whole batch,
+and reads it whole, or reads only its share and gathers the collated shares from the others.
+
+Gathering is one device's batch only where the loader collates by rows: where the collated batch is its samples'
+collated rows put one after the other (``default_collate`` of tensors and numbers). A collate function that pads to
+the batch's longest sample, builds a graph's batch (offsets into the whole), counts its samples or keeps strings does
+not, and is read whole. It is shown, not guessed: ``collates_by_rows`` reads one batch's samples in this process and
+collates them whole and one by one (once per loader, where its training step showed the gathered way). A later batch
+whose shares cannot be put together (a shape that differs across the ranks) is read whole in this process, from a
+state of the random streams that is the same on every rank, and that loader is read whole from its next pass.
+
+Each rank reads its share only where its loader reads in worker processes (the script's author took reading off the
+step: decoding, augmenting), whose seeds each rank draws from its own streams at each pass (not persistent workers, nor
+a generator of the loader's own, whose seeds would be the same on every rank: two shares' samples would draw alike). A
+share's random augmentations are then this rank's, as on the split way; read whole, they are one device's draws.
+Gathering costs the step collectives over the control group (gloo, on the CPU, where the batch is), moving (N-1)/N of
+the batch's bytes into each rank; reading whole costs each rank N times the reading (``benchmarks/gathered_batch.py``).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+from torch.utils.data import DataLoader
+
+from ddpkit.data.split_batches import global_random_states, seed_global_random_states, set_global_random_states
+
+
+def samples(loader: DataLoader, indices: list) -> list:
+    """The samples of ``indices`` in ``loader``'s dataset, read in this process as its fetcher reads them (a
+    dataset's ``__getitems__`` where it has one)."""
+    many = getattr(loader.dataset, "__getitems__", None)
+    return many(indices) if many is not None else [loader.dataset[index] for index in indices]
+
+
+def whole_here(loader: DataLoader, indices: list, seed: int):
+    """The batch of ``indices``, read and collated in this process, its random draws from a state seeded with ``seed``
+    (the same batch on every rank that gives the same seed); the global random states put back."""
+    saved = global_random_states()
+    seed_global_random_states(seed)
+    try:
+        return loader.collate_fn(samples(loader, indices))
+    finally:
+        set_global_random_states(saved)
+
+
+def rows_of(batch, rows: int) -> tuple[list[torch.Tensor], pytree.TreeSpec] | None:
+    """``batch``'s tensors and its structure, where each is a CPU tensor of ``rows`` rows (its first dimension) and
+    nothing else is in it; else None."""
+    leaves, spec = pytree.tree_flatten(batch)
+    if not leaves or not all(isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.size(0) == rows
+                             and leaf.device.type == "cpu" for leaf in leaves):
+        return None
+    return leaves, spec
+
+
+IN_THE_MAIN_PROCESS = "it reads its samples in the main process"
+
+
+def whole_reading(loader: DataLoader) -> str | None:
+    """Why ``loader``'s batches are read whole by every rank on the gathered way, whatever it collates; None where each
+    rank may read its share (see the module)."""
+    if loader.num_workers == 0:
+        return IN_THE_MAIN_PROCESS
+    if loader.persistent_workers:
+        return "its workers are persistent: their seeds, drawn at its first pass, are the same on every process"
+    if loader.generator is not None:
+        return "it draws its workers' seeds from a generator of its own, the same on every process"
+    return None
+
+
+def collates_by_rows(loader: DataLoader, indices: list) -> str | None:
+    """Why ``loader`` does not collate by rows, or None where it does: its samples of ``indices``, read here (the
+    global random states put back), collated whole equal them collated one by one and put together."""
+    saved = global_random_states()
+    try:
+        read = samples(loader, indices)
+        whole = loader.collate_fn(read)
+        ones = [loader.collate_fn([sample]) for sample in read]
+    except Exception as error:  # (the decision: a dataset that cannot be read here is read whole by its workers)
+        return f"its samples cannot be read and collated in the main process ({type(error).__name__}: {error})"
+    finally:
+        set_global_random_states(saved)
+    described = rows_of(whole, len(read))
+    if described is None:
+        return "its batches hold more than tensors of one row per sample"
+    leaves, spec = described
+    for row, one in enumerate(ones):
+        alone = rows_of(one, 1)
+        if alone is None or alone[1] != spec or not all(
+                part.dtype == leaf.dtype and torch.equal(part, leaf[row:row + 1])
+                for part, leaf in zip(alone[0], leaves)):
+            return "its collate function does not put its samples' rows one after the other (padding?)"
+    return None
+
+
+def _mark(described) -> int:
+    """A number for a batch's structure, its tensors' types and their shapes but the rows: equal on the ranks whose
+    shares can be put together; -1 for a batch that cannot."""
+    if described is None:
+        return -1
+    leaves, spec = described
+    text = repr((str(spec), [(str(leaf.dtype), tuple(leaf.shape[1:])) for leaf in leaves]))
+    return zlib.crc32(text.encode())
+
+
+def gathered_rows(batch, *, sizes: list[int], rank: int, group=None):
+    """The whole batch from each rank's collated share (``sizes``: the shares' rows, 0 for a stand-in, which reads one
+    row and gives none), on every rank; None where the shares cannot be put together (told the same on every rank).
+    Over ``group``: one all-reduce compares the shares' structure, then each rank broadcasts its rows of each tensor
+    into the whole one's (gloo's broadcasts move a batch about three times as fast as its all-gather), as bytes."""
+    described = rows_of(batch, max(sizes[rank], 1))
+    mark = _mark(described)
+    marks = torch.tensor([mark, -mark], dtype=torch.int64)
+    dist.all_reduce(marks, op=dist.ReduceOp.MAX, group=group)
+    if mark < 0 or int(marks[0]) != -int(marks[1]):
+        return None
+    leaves, spec = described
+    starts = [sum(sizes[:each]) for each in range(len(sizes))]
+    out = []
+    for leaf in leaves:
+        whole = torch.empty((sum(sizes), *leaf.shape[1:]), dtype=leaf.dtype, pin_memory=leaf.is_pinned())
+        whole[starts[rank]:starts[rank] + sizes[rank]] = leaf[:sizes[rank]]
+        for source, (start, size) in enumerate(zip(starts, sizes)):
+            if size:
+                dist.broadcast(whole[start:start + size].view(-1).view(torch.uint8), src=source, group=group)
+        out.append(whole)
+    return pytree.tree_unflatten(out, spec)
