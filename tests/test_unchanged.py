@@ -189,7 +189,7 @@ def test_a_loader_reads_its_shares_only_where_its_workers_draw_their_own_and_it_
 
     data = Drawn(torch.randn(7, 3), torch.arange(7), torch.arange(7) % 2 == 0)
     assert whole_reading(DataLoader(data)) == "it reads its samples in the main process"
-    assert "persistent" in whole_reading(DataLoader(data, num_workers=2, persistent_workers=True))
+    assert whole_reading(DataLoader(data, num_workers=2, persistent_workers=True)) is None  # (started again)
     assert "generator" in whole_reading(DataLoader(data, num_workers=2, generator=torch.Generator()))
     assert whole_reading(DataLoader(data, num_workers=2)) is None
     state = torch.get_rng_state()
@@ -723,20 +723,22 @@ def steps_run(tmp: Path, nproc: int, *flags: str) -> tuple[dict, list[str], str]
     lines and its stderr."""
     out = tmp / f"steps{nproc}{''.join(flags)}"
     out.mkdir()
-    done = run_ddpkit("run", "--unchanged", "--seed", "3", *flags, "--nproc-per-node", str(nproc), STEPS, str(out),
-                      timeout=120, cwd=tmp)
+    done = run_ddpkit("run", "--unchanged", "--seed", "3", *flags, "--nproc-per-node", str(nproc), "--log-dir",
+                      str(out / "logs"), STEPS, str(out), timeout=120, cwd=tmp)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
-    return torch.load(out / "result.pt"), re.findall(r"^\w+ \d: .*$", done.stdout, re.M), done.stderr
+    result = torch.load(out / "result.pt")
+    result["logs"] = [(out / "logs" / f"rank{rank}.log").read_text() for rank in range(nproc)]
+    return result, re.findall(r"^\w+ \d: .*$", done.stdout, re.M), done.stderr
 
 
 def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     (weights_one, printed_one, _), (weights_two, printed_two, said) = one, two
     # (whether it finds a group, 10 steps a model but 6 of the binary one, 2 epochs' lines of five models, a call
     # that raised, and 2 of each epoch's metrics where torchmetrics is installed)
-    lines = 1 + 12 * 10 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one)
+    lines = 1 + 13 * 10 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     for part, weights in weights_one.items():
-        if part != "rows":
+        if part not in ("rows", "logs"):
             assert relative_norm(weights, weights_two[part]) < 1e-9, part
     # A model called by keyword is cut at the model: rank 0 computes 3 rows of each batch of 6 (and of the last, 5),
     # but at its first call, which is whole (it shows the way). On a torch whose global forward hooks are not given
@@ -773,6 +775,11 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # whole, and the first batch's 6 samples read once more in the main process (the check); then its shares alone.
     assert weights_one["rows"]["reads"].tolist() == [29, 29] and weights_two["rows"]["reads"].tolist() == [35, 15]
     assert said.count("each process reads its share of each batch and the collated shares are gathered") == 1, said
+    # A loader's persistent worker, started at its first pass from the shared streams, is started again at its second
+    # from each process's own: the draws for the two processes' shares differ, as two samples' of one batch do (each
+    # reads 15 or 14 of the 29 samples; before, the two drew the same numbers, one sample apart).
+    drawn = [re.findall(r"^drawn (.*)$", log.split("augmented: epoch 1")[1], re.M) for log in weights_two["logs"]]
+    assert min(map(len, drawn)) >= 14 and not set(drawn[0]) & set(drawn[1]), drawn
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,8 @@
   logit a row) in batches of 13, whose last batch of 3 leaves a share of one row (its logits one element);
 - **loading**: a summed loss (the gathered way) over a loader that reads in a worker process, the loop adding noise
   that it draws; each sample's read written down with its epoch, into ``rows``' ``reads`` (the reads of each epoch);
+- **augmented**: a plain mean (the split way) over a loader whose persistent worker draws a number for each sample
+  it reads (as a random augmentation does) and says it on stderr (the test reads each process's log);
 - **metrics** (where torchmetrics is installed): torchmetrics in training and in evaluation, a sum of the samples
   seen, a weighted mean of the loss, an accuracy and a concatenation of the scores; torchmetrics reads
   ``torch.distributed`` and syncs over any process group it finds, and this script started none.
@@ -48,7 +50,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
-                                            "keywords", "auxiliary", "later", "inside", "returned", "loading"] + (
+                                            "keywords", "auxiliary", "later", "inside", "returned", "loading", "augmented"] + (
     ["metrics"] if importlib.util.find_spec("torchmetrics") else [])
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
@@ -403,6 +405,28 @@ def loading():
     with open(os.path.join(out, "reads.txt")) as reads:
         read = reads.read().split()
     result.setdefault("rows", {})["reads"] = torch.tensor([read.count("0"), read.count("1")])
+    return model.state_dict()
+
+
+class Drawn(TensorDataset):
+    """Samples and a number drawn for each read (as a random augmentation draws), said on stderr by the process that
+    reads it (a loader's worker)."""
+
+    def __getitem__(self, index):
+        drawn = torch.rand(())
+        print(f"drawn {drawn:.9f}", file=sys.stderr, flush=True)
+        return super().__getitem__(index)
+
+
+def augmented():
+    x, y = torch.randn(29, 8), torch.randn(29, 2)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = DataLoader(Drawn(x, y), batch_size=6, shuffle=True, num_workers=1, persistent_workers=True)
+    for epoch in range(2):
+        print(f"augmented: epoch {epoch}", file=sys.stderr, flush=True)
+        for inputs, targets in batches:
+            step(optimizer, F.mse_loss(model(inputs), targets), f"augmented {epoch}")
     return model.state_dict()
 
 

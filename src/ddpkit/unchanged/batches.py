@@ -165,6 +165,7 @@ class Loaders:
         self._whole_batches = itertools.count()  # batches read whole here, where the shares could not be put together
         self.watching: StepWatch | None = None  # the step being watched, if any (``unchanged.models`` sets it aside)
         self._taken: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # loaders whose batch sampler is wrapped
+        self._reseeded: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # persistent workers started again, own seeds
         self._warned = False
         self._said_own_batches = False
         self._said_ahead = False
@@ -216,6 +217,8 @@ class Loaders:
             and threading.current_thread() is threading.main_thread()  # (a thread's collectives would race the step's)
         if this.shares_gathered:
             this.sampler.whole = False
+        if this.own_streams or this.shares_gathered:
+            self._own_workers(loader)
         ended = True
         try:
             for batch in self._loaded(loader, this):
@@ -260,8 +263,19 @@ class Loaders:
             iterator = self._original_iter(loader)
         finally:
             self.streams.leave_pass()
-        torch.empty((), dtype=torch.int64).random_()  # (DataLoader's draw of its workers' seeds, made in the shared)
+        if not loader.persistent_workers:  # (DataLoader's draw of its workers' seeds, which one device makes each pass)
+            torch.empty((), dtype=torch.int64).random_()
         return iterator
+
+    def _own_workers(self, loader: DataLoader) -> None:
+        """A loader's persistent workers, started at its first pass from the shared streams (every rank's alike: its
+        batches were whole), are started again at its first pass that reads shares, from this rank's own streams, so
+        that two ranks' shares do not draw alike: ``DataLoader._iterator``, the private attribute that keeps them,
+        emptied once (they end with it). One device keeps its workers and draws nothing more from the shared streams,
+        nor does this rank (the new ones' seeds are drawn from its own)."""
+        if loader.persistent_workers and loader.num_workers and self.world_size > 1 and loader not in self._reseeded:
+            self._reseeded.add(loader)
+            loader._iterator = None  # noqa: SLF001 - no public way to start a loader's persistent workers again
 
     def _put_together(self, this: Pass, batch):
         """The whole batch, from this rank's collated share of it and the other ranks' (``loading``); where they
@@ -352,8 +366,8 @@ class Loaders:
     def _decide_loading(self, this: Pass) -> None:
         """How a loader just found to take the gathered way reads its batches from its next pass (this one's workers
         drew their seeds from the shared streams: it reads whole to its end): each rank its share, the collated shares
-        gathered, where the loader reads in workers whose seeds each rank draws (not persistent, no generator of its
-        own) and collates by rows; else every rank the whole batch (``loading``). Every rank decides alike (one
+        gathered, where the loader reads in workers whose seeds each rank draws (no generator of its own) and
+        collates by rows; else every rank the whole batch (``loading``). Every rank decides alike (one
         all-reduce), once per loader."""
         if self.world_size == 1:
             self._shares_gathered[this.sampler] = False  # (one process: its share is the batch)

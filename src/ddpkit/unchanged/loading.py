@@ -10,8 +10,9 @@ whose shares cannot be put together (a shape that differs across the ranks) is r
 state of the random streams that is the same on every rank, and that loader is read whole from its next pass.
 
 Each rank reads its share only where its loader reads in worker processes (the script's author took reading off the
-step: decoding, augmenting), whose seeds each rank draws from its own streams at each pass (not persistent workers, nor
-a generator of the loader's own, whose seeds would be the same on every rank: two shares' samples would draw alike). A
+step: decoding, augmenting), whose seeds each rank draws from its own streams (persistent workers started again once,
+``batches.Loaders``; not a generator of the loader's own, whose seeds would be the same on every rank: two shares'
+samples would draw alike). A
 share's random augmentations are then this rank's, as on the split way; read whole, they are one device's draws.
 Gathering costs the step collectives over the control group (gloo, on the CPU, where the batch is), moving (N-1)/N of
 the batch's bytes into each rank; reading whole costs each rank N times the reading (``benchmarks/gathered_batch.py``).
@@ -65,8 +66,6 @@ def whole_reading(loader: DataLoader) -> str | None:
     rank may read its share (see the module)."""
     if loader.num_workers == 0:
         return IN_THE_MAIN_PROCESS
-    if loader.persistent_workers:
-        return "its workers are persistent: their seeds, drawn at its first pass, are the same on every process"
     if loader.generator is not None:
         return "it draws its workers' seeds from a generator of its own, the same on every process"
     return None
