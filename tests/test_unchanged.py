@@ -770,10 +770,12 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # A model called twice before a backward (two views) on the gathered way: both calls cut at the model (rank 0's
     # share of a batch of 6, and of the last of 5, is 3), from the first step on (a sharded model's first call whole).
     assert weights_two["rows"]["views"].tolist()[2:] == [3] * 18, weights_two["rows"]["views"]
-    # A loader on the gathered way that reads in workers, and collates by rows: from its second pass, each process
-    # reads its share and the collated shares are gathered. Rank 0's reads (its files are the run's): its first pass
-    # whole, and the first batch's 6 samples read once more in the main process (the check); then its shares alone.
-    assert weights_one["rows"]["reads"].tolist() == [29, 29] and weights_two["rows"]["reads"].tolist() == [35, 15]
+    # A loader on the gathered way that reads in workers, and collates by rows where its first batch shows it: from its
+    # second pass, each process reads its share and the collated shares are put together. Rank 0's reads (its files
+    # are the run's): its first pass whole, and the first batch's 6 samples read once more in the main process (the
+    # check); then its shares (3 of each batch), and whole in the main process the third and fifth batches (6 and 5),
+    # whose shares are padded to lengths 3 and 4 (the second and fourth: 4 and 4, put together).
+    assert weights_one["rows"]["reads"].tolist() == [29, 29] and weights_two["rows"]["reads"].tolist() == [35, 26]
     assert said.count("each process reads its share of each batch and the collated shares are gathered") == 1, said
     # A loader's persistent worker, started at its first pass from the shared streams, is started again at its second
     # from each process's own: the draws for the two processes' shares differ, as two samples' of one batch do (each

@@ -27,8 +27,9 @@
   labels that are not ignored and its logits, the script counting its accuracy from them (the gathered way, the
   model's calls cut all the same); then the same with ``num_items_in_batch`` given; then a binary classifier (one
   logit a row) in batches of 13, whose last batch of 3 leaves a share of one row (its logits one element);
-- **loading**: a summed loss (the gathered way) over a loader that reads in a worker process, the loop adding noise
-  that it draws; each sample's read written down with its epoch, into ``rows``' ``reads`` (the reads of each epoch);
+- **loading**: a summed loss (the gathered way) over a loader that reads in a worker process and pads its sequences to
+  each batch's longest (its first batch's all alike), the loop adding noise that it draws; each sample's read written
+  down with its epoch, into ``rows``' ``reads`` (the reads of each epoch);
 - **augmented**: a plain mean (the split way) over a loader whose persistent worker draws a number for each sample
   it reads (as a random augmentation does) and says it on stderr (the test reads each process's log);
 - **metrics** (where torchmetrics is installed): torchmetrics in training and in evaluation, a sum of the samples
@@ -50,7 +51,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
-                                            "keywords", "auxiliary", "later", "inside", "returned", "loading", "augmented"] + (
+                                            "keywords", "auxiliary", "later", "inside", "returned", "loading",
+                                            "augmented"] + (
     ["metrics"] if importlib.util.find_spec("torchmetrics") else [])
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
@@ -392,15 +394,22 @@ class Recorded(torch.utils.data.Dataset):
         return tuple(tensor[index] for tensor in self.tensors)
 
 
+def padded(rows):
+    """Sequences padded to the batch's longest, as a collate function for text does."""
+    sequences = torch.nn.utils.rnn.pad_sequence([row[0] for row in rows], batch_first=True)
+    return sequences, torch.stack([row[1] for row in rows])
+
+
 def loading():
-    data = Recorded(torch.randn(29, 8), torch.randn(29, 2))
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    lengths = [3] * 6 + [index % 4 + 1 for index in range(6, 29)]  # (the first batch's all alike: it shows no padding)
+    data = Recorded([torch.randn(length, 4) for length in lengths], torch.randn(29, 2))
+    model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    batches = DataLoader(data, batch_size=6, shuffle=True, num_workers=1)
+    batches = DataLoader(data, batch_size=6, num_workers=1, collate_fn=padded)
     for epoch in range(2):
         data.epoch = epoch
         for inputs, targets in batches:
-            loss = F.mse_loss(model(inputs + 0.1 * torch.randn_like(inputs)), targets, reduction="sum")
+            loss = F.mse_loss(model(inputs + 0.1 * torch.randn_like(inputs)).sum(1), targets, reduction="sum")
             step(optimizer, loss, f"loading {epoch}")
     with open(os.path.join(out, "reads.txt")) as reads:
         read = reads.read().split()
