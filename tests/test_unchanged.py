@@ -7,6 +7,7 @@ the runs are shared by the tests through module fixtures.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -181,7 +182,7 @@ def test_a_loader_reads_its_shares_only_where_its_workers_draw_their_own_and_it_
     from torch.nn.utils.rnn import pad_sequence
     from torch.utils.data import DataLoader, TensorDataset
 
-    from ddpkit.unchanged.loading import collates_by_rows, gathered_rows, whole_reading
+    from ddpkit.unchanged.loading import collates_by_rows, gathered_rows, whole_here, whole_reading
 
     class Drawn(TensorDataset):
         def __getitem__(self, index):
@@ -191,6 +192,9 @@ def test_a_loader_reads_its_shares_only_where_its_workers_draw_their_own_and_it_
     assert whole_reading(DataLoader(data)) == "it reads its samples in the main process"
     assert whole_reading(DataLoader(data, num_workers=2, persistent_workers=True)) is None  # (started again)
     assert "generator" in whole_reading(DataLoader(data, num_workers=2, generator=torch.Generator()))
+    assert "worker_init_fn" in whole_reading(DataLoader(data, num_workers=2, worker_init_fn=print))
+    if "in_order" in inspect.signature(DataLoader).parameters:  # (torch 2.6 and later)
+        assert "in_order=False" in whole_reading(DataLoader(data, num_workers=2, in_order=False))
     assert whole_reading(DataLoader(data, num_workers=2)) is None
     state = torch.get_rng_state()
     assert collates_by_rows(DataLoader(data, batch_size=4), [6, 0, 3]) is None
@@ -200,6 +204,9 @@ def test_a_loader_reads_its_shares_only_where_its_workers_draw_their_own_and_it_
     assert "(padding?)" in collates_by_rows(padded, [0, 1, 2])
     assert "more than tensors" in collates_by_rows(DataLoader(["a", "b"], batch_size=2), [0, 1])
     assert "cannot be read" in collates_by_rows(DataLoader(data, batch_size=2), [9])
+    # A batch read whole apart from this process: the same for the same seed (its draws too), nothing drawn here.
+    first, again = (whole_here(DataLoader(data), [4, 1], seed=5) for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(first, again)) and torch.equal(torch.get_rng_state(), state)
     batch = next(iter(DataLoader(data, batch_size=5)))
     together = gathered_rows(batch, sizes=[5], rank=0)
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(together, batch)) and together is not batch
@@ -733,9 +740,9 @@ def steps_run(tmp: Path, nproc: int, *flags: str) -> tuple[dict, list[str], str]
 
 def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     (weights_one, printed_one, _), (weights_two, printed_two, said) = one, two
-    # (whether it finds a group, 10 steps a model but 6 of the binary one, 2 epochs' lines of five models, a call
-    # that raised, and 2 of each epoch's metrics where torchmetrics is installed)
-    lines = 1 + 13 * 10 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one)
+    # (whether it finds a group, 10 steps a model but 6 of the binary one and 20 of the augmented one, 2 epochs' lines
+    # of five models, a call that raised, and 2 of each epoch's metrics where torchmetrics is installed)
+    lines = 1 + 12 * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     for part, weights in weights_one.items():
         if part not in ("rows", "logs"):
@@ -778,10 +785,17 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     assert weights_one["rows"]["reads"].tolist() == [29, 29] and weights_two["rows"]["reads"].tolist() == [35, 26]
     assert said.count("each process reads its share of each batch and the collated shares are gathered") == 1, said
     # A loader's persistent worker, started at its first pass from the shared streams, is started again at its second
-    # from each process's own: the draws for the two processes' shares differ, as two samples' of one batch do (each
-    # reads 15 or 14 of the 29 samples; before, the two drew the same numbers, one sample apart).
-    drawn = [re.findall(r"^drawn (.*)$", log.split("augmented: epoch 1")[1], re.M) for log in weights_two["logs"]]
-    assert min(map(len, drawn)) >= 14 and not set(drawn[0]) & set(drawn[1]), drawn
+    # (split) from each process's own: the draws for the two processes' shares differ, as two samples' of one batch do
+    # (each reads 15 or 14 of the 29 samples; before, the two drew the same numbers, one sample apart).
+    def drawn(epoch: int) -> list[list[str]]:
+        return [re.findall(r"^drawn (.*)$", log.split(f"augmented: epoch {epoch}")[1].split("augmented: epoch")[0],
+                           re.M) for log in weights_two["logs"]]
+
+    assert min(map(len, drawn(1))) >= 14 and not set(drawn(1)[0]) & set(drawn(1)[1]), drawn(1)
+    # Gathered from the third epoch, and read whole (its worker_init_fn might seed its workers alike): from the fourth,
+    # its workers start again, their seeds the same on every process, which then read the same batches.
+    assert len(drawn(3)[0]) == 29 and drawn(3)[0] == drawn(3)[1], drawn(3)
+    assert said.count("every process reads each of its batches whole (its workers run a function") == 1, said
 
 
 @pytest.fixture(scope="session")

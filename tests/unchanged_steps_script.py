@@ -30,8 +30,9 @@
 - **loading**: a summed loss (the gathered way) over a loader that reads in a worker process and pads its sequences to
   each batch's longest (its first batch's all alike), the loop adding noise that it draws; each sample's read written
   down with its epoch, into ``rows``' ``reads`` (the reads of each epoch);
-- **augmented**: a plain mean (the split way) over a loader whose persistent worker draws a number for each sample
-  it reads (as a random augmentation does) and says it on stderr (the test reads each process's log);
+- **augmented**: a plain mean (the split way), then from the third epoch a summed term (the gathered way), over a
+  loader whose persistent worker draws a number for each sample it reads (as a random augmentation does) and says it
+  on stderr (the test reads each process's log), and which has a ``worker_init_fn`` (it is read whole when gathered);
 - **metrics** (where torchmetrics is installed): torchmetrics in training and in evaluation, a sum of the samples
   seen, a weighted mean of the loss, an accuracy and a concatenation of the scores; torchmetrics reads
   ``torch.distributed`` and syncs over any process group it finds, and this script started none.
@@ -431,11 +432,15 @@ def augmented():
     x, y = torch.randn(29, 8), torch.randn(29, 2)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    batches = DataLoader(Drawn(x, y), batch_size=6, shuffle=True, num_workers=1, persistent_workers=True)
-    for epoch in range(2):
+    batches = DataLoader(Drawn(x, y), batch_size=6, shuffle=True, num_workers=1, persistent_workers=True,
+                         worker_init_fn=lambda worker: None)
+    for epoch in range(4):
         print(f"augmented: epoch {epoch}", file=sys.stderr, flush=True)
         for inputs, targets in batches:
-            step(optimizer, F.mse_loss(model(inputs), targets), f"augmented {epoch}")
+            loss = F.mse_loss(model(inputs), targets)
+            if epoch >= 2:  # (a summed term from the third epoch: the gathered way)
+                loss = loss + 1e-3 * model(inputs).sum()
+            step(optimizer, loss, f"augmented {epoch}")
     return model.state_dict()
 
 

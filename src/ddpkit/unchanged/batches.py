@@ -138,6 +138,7 @@ class Pass:
     drained: bool = False  # its loader has no more, but a batch it handed out may still be on its way to a model
     loader: DataLoader | None = None
     shares_gathered: bool = False  # the gathered way, each rank reading its share, the collated shares gathered
+    workers_alike: bool = False  # its loader's persistent workers start again, their seeds the same on every rank
 
 
 class Loaders:
@@ -165,7 +166,9 @@ class Loaders:
         self._whole_batches = itertools.count()  # batches read whole here, where the shares could not be put together
         self.watching: StepWatch | None = None  # the step being watched, if any (``unchanged.models`` sets it aside)
         self._taken: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # loaders whose batch sampler is wrapped
-        self._reseeded: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # persistent workers started again, own seeds
+        # How each loader's persistent workers were seeded: alike on every rank (from the start), or each rank's own.
+        self._workers: weakref.WeakKeyDictionary[DataLoader, str] = weakref.WeakKeyDictionary()
+        self._restarts = itertools.count()  # persistent workers started again, alike on every rank
         self._warned = False
         self._said_own_batches = False
         self._said_ahead = False
@@ -217,8 +220,7 @@ class Loaders:
             and threading.current_thread() is threading.main_thread()  # (a thread's collectives would race the step's)
         if this.shares_gathered:
             this.sampler.whole = False
-        if this.own_streams or this.shares_gathered:
-            self._own_workers(loader)
+        self._seed_workers(loader, this)
         ended = True
         try:
             for batch in self._loaded(loader, this):
@@ -256,6 +258,13 @@ class Loaders:
         workers' seeds are drawn from this rank's own random streams (a share's random augmentations are not another's),
         and the shared streams, which the loop draws from, take the one draw that they give the seeds where the whole
         batch is read: they stay the same on every rank, and one device's."""
+        if this.workers_alike:  # (persistent workers started again: their seeds the same on every rank, not drawn from
+            saved = torch.get_rng_state()  # the shared streams, from which one device draws nothing for them)
+            torch.default_generator.manual_seed(derived_seed(self.streams.seed, "workers", next(self._restarts)))
+            try:
+                return self._original_iter(loader)
+            finally:
+                torch.set_rng_state(saved)
         if not this.shares_gathered:
             return self._original_iter(loader)
         self.streams.enter_pass()
@@ -267,15 +276,19 @@ class Loaders:
             torch.empty((), dtype=torch.int64).random_()
         return iterator
 
-    def _own_workers(self, loader: DataLoader) -> None:
-        """A loader's persistent workers, started at its first pass from the shared streams (every rank's alike: its
-        batches were whole), are started again at its first pass that reads shares, from this rank's own streams, so
-        that two ranks' shares do not draw alike: ``DataLoader._iterator``, the private attribute that keeps them,
-        emptied once (they end with it). One device keeps its workers and draws nothing more from the shared streams,
-        nor does this rank (the new ones' seeds are drawn from its own)."""
-        if loader.persistent_workers and loader.num_workers and self.world_size > 1 and loader not in self._reseeded:
-            self._reseeded.add(loader)
+    def _seed_workers(self, loader: DataLoader, this: Pass) -> None:
+        """A loader's persistent workers, seeded once as they start, are started again where a pass needs seeds other
+        than theirs: each rank's own where it reads its shares (split, or gathered), so that two ranks' shares do not
+        draw alike; the same on every rank where each reads the whole batch on the gathered way, so that every rank
+        holds the same batch. ``DataLoader._iterator``, the private attribute that keeps them, is emptied (they end
+        with it). At the first pass they start from the shared streams, as one device's."""
+        need = "own" if this.own_streams or this.shares_gathered else "alike" if this.ahead else None
+        if need is None or not (loader.persistent_workers and loader.num_workers and self.world_size > 1):
+            return
+        if self._workers.get(loader, "alike") != need:
+            self._workers[loader] = need
             loader._iterator = None  # noqa: SLF001 - no public way to start a loader's persistent workers again
+            this.workers_alike = need == "alike"
 
     def _put_together(self, this: Pass, batch):
         """The whole batch, from this rank's collated share of it and the other ranks' (``loading``); where they

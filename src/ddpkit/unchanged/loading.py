@@ -4,22 +4,25 @@ and reads it whole, or reads only its share and gathers the collated shares from
 Gathering is one device's batch only where the loader collates by rows: where the collated batch is its samples'
 collated rows put one after the other (``default_collate`` of tensors and numbers). A collate function that pads to
 the batch's longest sample, builds a graph's batch (offsets into the whole), counts its samples or keeps strings does
-not, and is read whole. It is shown, not guessed: ``collates_by_rows`` reads one batch's samples in this process and
-collates them whole and one by one (once per loader, where its training step showed the gathered way). A later batch
-whose shares cannot be put together (a shape that differs across the ranks) is read whole in this process, from a
-state of the random streams that is the same on every rank, and that loader is read whole from its next pass.
+not, and is read whole. It is shown, not guessed: ``collates_by_rows`` reads one batch's samples in a child process
+forked from this one (``apart``) and collates them whole and one by one (once per loader, where its training step
+showed the gathered way). A later batch whose shares cannot be put together (a shape that differs across the ranks) is
+read whole apart as well, from a state of the random streams that is the same on every rank, and that loader is read
+whole from its next pass.
 
 Each rank reads its share only where its loader reads in worker processes (the script's author took reading off the
-step: decoding, augmenting), whose seeds each rank draws from its own streams (persistent workers started again once,
-``batches.Loaders``; not a generator of the loader's own, whose seeds would be the same on every rank: two shares'
-samples would draw alike). A
-share's random augmentations are then this rank's, as on the split way; read whole, they are one device's draws.
+step: decoding, augmenting), whose seeds each rank draws from its own streams (persistent workers started again,
+``batches.Loaders``; not a generator of the loader's own, whose seeds would be the same on every rank, nor a
+``worker_init_fn``, which may seed them alike: two shares' samples would draw alike). A share's random augmentations
+are then this rank's, as on the split way; read whole, they are one device's draws.
 Gathering costs the step collectives over the control group (gloo, on the CPU, where the batch is), moving (N-1)/N of
 the batch's bytes into each rank; reading whole costs each rank N times the reading (``benchmarks/gathered_batch.py``).
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import pickle
 import zlib
 
 import torch
@@ -37,9 +40,54 @@ def samples(loader: DataLoader, indices: list) -> list:
     return many(indices) if many is not None else [loader.dataset[index] for index in indices]
 
 
+def apart(function, *args):
+    """``function(*args)`` computed in a child process forked from this one, where this platform forks (else here):
+    the dataset's reads leave this process as it was, so that no file that a dataset opens as it reads (an HDF5 file,
+    an LMDB environment) is then shared with the loader's workers, forked after it, nor any state it keeps. What the
+    function raises is raised here."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return function(*args)
+    context = multiprocessing.get_context("fork")
+    reading, writing = context.Pipe(duplex=False)
+    child = context.Process(target=_answer, args=(writing, function, args))
+    child.start()
+    writing.close()
+    try:
+        raised, value = pickle.loads(reading.recv_bytes())  # (by value: torch's own pickling shares file descriptors)
+    except EOFError:  # (it ended without an answer: killed, or what it had to send could not be pickled)
+        raised, value = True, None
+    finally:
+        reading.close()
+        child.join()
+    if raised:
+        raise value or NotReadApart(f"the process that read a loader's samples apart ended without an answer (exit "
+                                    f"code {child.exitcode})")
+    return value
+
+
+class NotReadApart(RuntimeError):
+    """``apart``'s child process ended without an answer."""
+
+
+def _answer(writing, function, args) -> None:
+    try:
+        answer = (False, function(*args))
+    except Exception as error:  # (given to the parent, which raises it)
+        answer = (True, error)
+    writing.send_bytes(pickle.dumps(answer))
+    writing.close()
+
+
 def whole_here(loader: DataLoader, indices: list, seed: int):
-    """The batch of ``indices``, read and collated in this process, its random draws from a state seeded with ``seed``
-    (the same batch on every rank that gives the same seed); the global random states put back."""
+    """The batch of ``indices``, read and collated apart from this process (``apart``), its random draws from a state
+    seeded with ``seed`` (the same batch on every rank that gives the same seed); pinned where the loader pins."""
+    batch = apart(_whole, loader, indices, seed)
+    if loader.pin_memory and torch.cuda.is_available():
+        batch = pytree.tree_map(lambda leaf: leaf.pin_memory() if isinstance(leaf, torch.Tensor) else leaf, batch)
+    return batch
+
+
+def _whole(loader: DataLoader, indices: list, seed: int):
     saved = global_random_states()
     seed_global_random_states(seed)
     try:
@@ -68,12 +116,23 @@ def whole_reading(loader: DataLoader) -> str | None:
         return IN_THE_MAIN_PROCESS
     if loader.generator is not None:
         return "it draws its workers' seeds from a generator of its own, the same on every process"
+    if getattr(loader, "in_order", True) is False:  # (torch 2.6 and later)
+        return "it hands out its batches as its workers finish them (in_order=False), not in its sampler's order"
+    if loader.worker_init_fn is not None:
+        return "its workers run a function of the script's as they start (worker_init_fn), which may seed them alike"
     return None
 
 
 def collates_by_rows(loader: DataLoader, indices: list) -> str | None:
-    """Why ``loader`` does not collate by rows, or None where it does: its samples of ``indices``, read here (the
-    global random states put back), collated whole equal them collated one by one and put together."""
+    """Why ``loader`` does not collate by rows, or None where it does: its samples of ``indices``, read apart from this
+    process (``apart``), collated whole equal them collated one by one and put together."""
+    try:
+        return apart(_collates_by_rows, loader, indices)
+    except NotReadApart as error:  # (the decision: read whole by its workers)
+        return str(error)
+
+
+def _collates_by_rows(loader: DataLoader, indices: list) -> str | None:
     saved = global_random_states()
     try:
         read = samples(loader, indices)
