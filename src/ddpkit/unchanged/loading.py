@@ -74,7 +74,12 @@ def _answer(writing, function, args) -> None:
         answer = (False, function(*args))
     except Exception as error:  # (given to the parent, which raises it)
         answer = (True, error)
-    writing.send_bytes(pickle.dumps(answer))
+    try:
+        sent = pickle.dumps(answer)
+    except Exception as error:  # (what cannot be pickled: the parent is told so)
+        sent = pickle.dumps((True, NotReadApart(f"what the process that read a loader's samples apart found cannot be "
+                                                f"sent back ({type(error).__name__}: {error})")))
+    writing.send_bytes(sent)
     writing.close()
 
 
