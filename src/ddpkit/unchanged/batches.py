@@ -292,8 +292,8 @@ class Loaders:
 
     def _put_together(self, this: Pass, batch):
         """The whole batch, from this rank's collated share of it and the other ranks' (``loading``); where they
-        cannot be put together, read whole in this process (the same on every rank), and that loader read whole from
-        its next pass. The share handed out is then the whole batch's."""
+        cannot be put together, read whole apart from this process (the same on every rank), and that loader read
+        whole from its next pass. The share handed out is then the whole batch's."""
         share = this.share
         sizes = share_sizes(share.samples, world_size=self.world_size)
         whole = loading.gathered_rows(batch, sizes=sizes, rank=self.rank, group=self.group)
