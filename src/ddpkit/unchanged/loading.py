@@ -101,7 +101,7 @@ def _whole(loader: DataLoader, indices: list, seed: int):
         set_global_random_states(saved)
 
 
-def rows_of(batch, rows: int) -> tuple[list[torch.Tensor], pytree.TreeSpec] | None:
+def tensors_of_rows(batch, rows: int) -> tuple[list[torch.Tensor], pytree.TreeSpec] | None:
     """``batch``'s tensors and its structure, where each is a CPU tensor of ``rows`` rows (its first dimension) and
     nothing else is in it; else None."""
     leaves, spec = pytree.tree_flatten(batch)
@@ -147,12 +147,12 @@ def _collates_by_rows(loader: DataLoader, indices: list) -> str | None:
         return f"its samples cannot be read and collated in the main process ({type(error).__name__}: {error})"
     finally:
         set_global_random_states(saved)
-    described = rows_of(whole, len(read))
+    described = tensors_of_rows(whole, len(read))
     if described is None:
         return "its batches hold more than tensors of one row per sample"
     leaves, spec = described
     for row, one in enumerate(ones):
-        alone = rows_of(one, 1)
+        alone = tensors_of_rows(one, 1)
         if alone is None or alone[1] != spec or not all(
                 part.dtype == leaf.dtype and torch.equal(part, leaf[row:row + 1])
                 for part, leaf in zip(alone[0], leaves)):
@@ -175,7 +175,7 @@ def gathered_rows(batch, *, sizes: list[int], rank: int, group=None):
     row and gives none), on every rank; None where the shares cannot be put together (told the same on every rank).
     Over ``group``: one all-reduce compares the shares' structure, then each rank broadcasts its rows of each tensor
     into the whole one's (gloo's broadcasts move a batch about three times as fast as its all-gather), as bytes."""
-    described = rows_of(batch, max(sizes[rank], 1))
+    described = tensors_of_rows(batch, max(sizes[rank], 1))
     mark = _mark(described)
     marks = torch.tensor([mark, -mark], dtype=torch.int64)
     dist.all_reduce(marks, op=dist.ReduceOp.MAX, group=group)
