@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from unchanged import run  # noqa: E402
+from unchanged_passes import alternated  # noqa: E402
 
 COMMON = """
 import sys, time
@@ -103,15 +103,12 @@ def main() -> None:
         one, ddp = Path(folder) / "one.py", Path(folder) / "ddp.py"
         one.write_text(ONE)
         ddp.write_text(DDP)
-        sides = {"1 process": [*launch, "--unchanged", "--seed", "0", "--nproc-per-node", "1", str(one)],
-                 "unchanged, 2": [*launch, "--unchanged", "--seed", "0", "--nproc-per-node", "2", str(one)],
-                 "DDP, 2": [*launch, "--nproc-per-node", "2", str(ddp)]}
-        found: dict[str, list[float]] = {name: [] for name in sides}
-        for round_ in range(args.rounds):
-            for name in (list(sides) if round_ % 2 == 0 else list(reversed(sides))):
-                _, out = run([*sides[name], str(args.steps)], folder, threads=1)
-                found[name].append(float(re.findall(r"trained in (\S+) s", out)[-1]))
-                print(name, found[name][-1], flush=True)
+        steps = str(args.steps)
+        sides = {"1 process": [*launch, "--unchanged", "--seed", "0", "--nproc-per-node", "1", str(one), steps],
+                 "unchanged, 2": [*launch, "--unchanged", "--seed", "0", "--nproc-per-node", "2", str(one), steps],
+                 "DDP, 2": [*launch, "--nproc-per-node", "2", str(ddp), steps]}
+        found = alternated(sides, args.rounds, folder,
+                           lambda wall, out: float(re.findall(r"trained in (\S+) s", out)[-1]))
     best = {name: min(times) for name, times in found.items()}
     result = {"command": " ".join(sys.argv), "cores": os.cpu_count(), "trained_s": found,
               "unchanged / 1 process": best["unchanged, 2"] / best["1 process"],

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from unchanged import run  # noqa: E402
+from unchanged_passes import alternated  # noqa: E402
 
 SCRIPT = """
 import sys, time
@@ -89,12 +89,8 @@ def main() -> None:
         launch = [sys.executable, "-m", "ddpkit", "run", "--unchanged", "--seed", "0", "--nproc-per-node"]
         sides = {"1 process": [*launch, "1", str(script), str(data)],
                  "2 processes": [*launch, "2", str(script), str(data)]}
-        found: dict[str, list[float]] = {name: [] for name in sides}
-        for round_ in range(args.rounds):
-            for name in (list(sides) if round_ % 2 == 0 else list(reversed(sides))):
-                _, out = run(sides[name], folder, threads=1)
-                found[name].append(float(re.findall(r"second epoch in (\S+) s", out)[-1]))
-                print(name, found[name][-1], flush=True)
+        found = alternated(sides, args.rounds, folder,
+                           lambda wall, out: float(re.findall(r"second epoch in (\S+) s", out)[-1]))
     import ddpkit
 
     result = {"command": " ".join(sys.argv), "cores": os.cpu_count(), "ddpkit": str(Path(ddpkit.__file__).parent),
