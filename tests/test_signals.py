@@ -114,6 +114,31 @@ def test_a_repeated_sigterm_is_the_same_stop_and_a_later_one_ends_the_process(tm
     assert result.returncode == -signal.SIGTERM and not (tmp_path / "survived").exists(), result.stderr
 
 
+LEAVING = textwrap.dedent(
+    """
+    import atexit, os, signal, time
+    from ddpkit.core import exits, signals
+
+    signals.catch((signal.SIGTERM,), signals.raise_terminated)
+
+    def stopped_while_leaving():  # the launcher's SIGTERM reaches a rank that is ending with its usage error
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        print("the exit handlers ran to their end", flush=True)
+
+    atexit.register(stopped_while_leaving)
+    exits.leave(2)
+    """
+)
+
+
+def test_a_sigterm_while_a_rank_leaves_is_no_traceback_and_keeps_its_status():
+    result = subprocess.run([sys.executable, "-c", LEAVING], env=child_env(), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stdout == "the exit handlers ran to their end\n", result.stdout + result.stderr
+
+
 BROKEN_DATA = textwrap.dedent(
     """
     import torch, ddpkit

@@ -23,6 +23,7 @@ import sys
 import threading
 from typing import NoReturn
 
+from ddpkit.core import signals
 from ddpkit.core.errors import EXIT_USAGE, UsageError
 
 
@@ -46,7 +47,9 @@ def say_exit_message(stop: SystemExit) -> None:
 def leave(status: int) -> NoReturn:
     """End this process with ``status`` now, as the program would see a normal exit: its non-daemon threads
     joined (and thread pools shut down), its ``atexit`` handlers run, every open file flushed; then
-    ``os._exit``, skipping the interpreter's teardown. From the main thread."""
+    ``os._exit``, skipping the interpreter's teardown. From the main thread. A SIGTERM from now on raises nothing
+    (``signals.leaving``): the status is decided."""
+    signals.leaving()
     if threading.current_thread() is threading.main_thread():
         # What Python's exit does first (threading's own shutdown: thread pools told to stop, non-daemon threads
         # joined), then the exit handlers, as Py_FinalizeEx runs them.

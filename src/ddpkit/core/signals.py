@@ -16,7 +16,10 @@ Who installs what, and for how long:
   previous handler when its block ends. A SIGTERM within ``REPEAT_WINDOW_S`` of the one that raised
   ``Terminated`` is the same stop said again, and is dropped, there and after (``restore_dropping_repeats``):
   Linux repeats a dead launcher's SIGTERM once for each of its threads as they end, and under Slurm a
-  rank gets Slurm's SIGTERM and, a moment later, torchrun's agent's.
+  rank gets Slurm's SIGTERM and, a moment later, torchrun's agent's. Once the process is leaving
+  (``leaving``: ``ddpkit.core.exits.leave``, its status decided, its exit handlers running) a SIGTERM raises
+  nothing: the process ends as it was ending, and an exception raised inside an exit handler would only be
+  printed as a traceback (a rank ending with its usage error while the launcher stops the others).
 - ``ddpkit.stop_on_signal`` (``ddpkit train``'s loop): SIGTERM and SIGINT only raise a flag while the
   loop runs, so that every rank stops at the same step; restored when the loop ends.
 - DataLoader worker processes ignore SIGTERM and SIGINT (``ignore_stop_signals``): their rank stops them.
@@ -55,13 +58,22 @@ class Terminated(SystemExit):
 
 
 _terminated_at: float | None = None  # when raise_terminated last raised (time.monotonic())
+_leaving = False  # the process is ending (``leaving``): raise_terminated raises nothing
+
+
+def leaving() -> None:
+    """This process is ending with its status decided (``ddpkit.core.exits.leave``): from now on a SIGTERM
+    that would raise ``Terminated`` is dropped. A launcher that stops a rank which is already leaving gets what it
+    asked for, and if the exit hangs, the launcher's SIGKILL after its grace period ends it."""
+    global _leaving
+    _leaving = True
 
 
 def raise_terminated(signum: int, frame: FrameType | None) -> None:  # noqa: ARG001 - signal's signature
     """Raise ``Terminated``, unless a signal raised it less than ``REPEAT_WINDOW_S`` ago (the same stop), or the
-    process is starting (``starting``), where the start's watcher ends it."""
+    process is starting (``starting``), where the start's watcher ends it, or leaving (``leaving``)."""
     global _terminated_at
-    if is_repeat() or (_starting is not None and _watcher_running):
+    if _leaving or is_repeat() or (_starting is not None and _watcher_running):
         return
     _terminated_at = time.monotonic()
     raise Terminated(128 + signum)
