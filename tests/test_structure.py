@@ -6,6 +6,7 @@ Reading of the source with ``ast``, except the import check, which imports every
 """
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -396,10 +397,10 @@ def test_the_text_check_finds_a_planted_copy_and_a_planted_excerpt(tmp_path):
     assert listed == [str(tmp_path / "docs.md"), str(tmp_path / "examples" / "borrowed.py")], done.stdout
 
 
-def _suite_times():
+def _suite_times(name: str = "suite_times"):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("suite_times", REPO / "benchmarks" / "suite_times.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -428,3 +429,14 @@ def test_the_suites_record_reads_junit_names_a_module_grown_by_over_20_s_and_dra
     lines = drawn.findall("{http://www.w3.org/2000/svg}polyline")
     assert len(lines) >= 4
     assert (REPO / "docs" / "suite-times.svg").read_text() == times.draw(rows)  # drawn from the rows as they are
+
+
+def test_the_suites_cpu_summary_sums_each_module_and_names_the_costliest_tests_first(tmp_path):
+    rows = tmp_path / "cpu.jsonl"
+    rows.write_text("".join(json.dumps(row) + "\n" for row in (
+        {"id": "tests/test_a.py::x", "cpu": 2.5, "wall": 3.0}, {"id": "tests/test_b.py::y", "cpu": 4.0, "wall": 2.0},
+        {"id": "tests/test_a.py::z[1]", "cpu": 3.0, "wall": 1.0})))
+    lines = _suite_times("suite_cpu").summary(rows, top=2).splitlines()
+    assert lines[0] == "3 tests: 10 s of CPU, 6 s wall"
+    assert [line.split() for line in lines[3:5]] == [["5.5", "4.0", "tests/test_a.py"], ["4.0", "2.0", "tests/test_b.py"]]
+    assert [line.split()[-1] for line in lines[7:]] == ["tests/test_b.py::y", "tests/test_a.py::z[1]"]
