@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO, child_env
 
 SRC = REPO / "src"
@@ -438,5 +440,16 @@ def test_the_suites_cpu_summary_sums_each_module_and_names_the_costliest_tests_f
         {"id": "tests/test_a.py::z[1]", "cpu": 3.0, "wall": 1.0})))
     lines = _suite_times("suite_cpu").summary(rows, top=2).splitlines()
     assert lines[0] == "3 tests: 10 s of CPU, 6 s wall"
-    assert [line.split() for line in lines[3:5]] == [["5.5", "4.0", "tests/test_a.py"], ["4.0", "2.0", "tests/test_b.py"]]
+    assert [line.split() for line in lines[3:5]] == [["5.5", "4.0", "tests/test_a.py"],
+                                                      ["4.0", "2.0", "tests/test_b.py"]]
     assert [line.split()[-1] for line in lines[7:]] == ["tests/test_b.py::y", "tests/test_a.py::z[1]"]
+
+
+def test_no_file_the_repository_holds_is_larger_than_4_mb():
+    # A script run by hand in the repository's folder once left two 93 MB checkpoints that a commit took in.
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=False)
+    if listed.returncode != 0:
+        pytest.skip(f"not a git checkout: {listed.stderr.decode().strip()}")
+    names = [name for name in listed.stdout.decode().split("\0") if (REPO / name).is_file()]
+    sizes = {name: (REPO / name).stat().st_size for name in names}
+    assert len(sizes) > 100 and not {name: size for name, size in sizes.items() if size > 4 * 2**20}
