@@ -50,7 +50,7 @@ def reference(tmp_path_factory, default_run):
 
 def steps_saved(folder: Path) -> list[int]:
     """The steps of the checkpoints in ``folder``/checkpoints, the oldest first."""
-    return sorted(int(path.stem.split("-")[1]) for path in checkpoint.list_checkpoints(folder / "checkpoints"))
+    return sorted(checkpoint.step_of(path) for path in checkpoint.list_checkpoints(folder / "checkpoints"))
 
 
 def last_mid_epoch(folder: Path, before: int = 44) -> int:

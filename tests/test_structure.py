@@ -399,7 +399,7 @@ def test_the_text_check_finds_a_planted_copy_and_a_planted_excerpt(tmp_path):
     assert listed == [str(tmp_path / "docs.md"), str(tmp_path / "examples" / "borrowed.py")], done.stdout
 
 
-def _suite_times(name: str = "suite_times"):
+def _benchmark(name: str = "suite_times"):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
@@ -411,7 +411,7 @@ def _suite_times(name: str = "suite_times"):
 def test_the_suites_record_reads_junit_names_a_module_grown_by_over_20_s_and_draws_every_row(tmp_path):
     import xml.etree.ElementTree as ElementTree
 
-    times = _suite_times()
+    times = _benchmark()
     junit = tmp_path / "session.xml"
     junit.write_text('<testsuites><testsuite><testcase classname="tests.test_a" name="x" time="30.5"/>'
                      '<testcase classname="tests.test_a" name="y" time="1.5"><skipped/></testcase>'
@@ -438,7 +438,7 @@ def test_the_suites_cpu_summary_sums_each_module_and_names_the_costliest_tests_f
     rows.write_text("".join(json.dumps(row) + "\n" for row in (
         {"id": "tests/test_a.py::x", "cpu": 2.5, "wall": 3.0}, {"id": "tests/test_b.py::y", "cpu": 4.0, "wall": 2.0},
         {"id": "tests/test_a.py::z[1]", "cpu": 3.0, "wall": 1.0})))
-    lines = _suite_times("suite_cpu").summary(rows, top=2).splitlines()
+    lines = _benchmark("suite_cpu").summary(rows, top=2).splitlines()
     assert lines[0] == "3 tests: 10 s of CPU, 6 s wall"
     assert [line.split() for line in lines[3:5]] == [["5.5", "4.0", "tests/test_a.py"],
                                                       ["4.0", "2.0", "tests/test_b.py"]]
