@@ -787,9 +787,11 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # A loader's persistent worker, started at its first pass from the shared streams, is started again at its second
     # (split) from each process's own: the draws for the two processes' shares differ, as two samples' of one batch do
     # (each reads 15 or 14 of the 29 samples; before, the two drew the same numbers, one sample apart).
+    # (Matched by the number, not by lines: a worker writes its "drawn" and its newline apart, and the main process's
+    # lines land between them.)
     def drawn(epoch: int) -> list[list[str]]:
-        return [re.findall(r"^drawn (.*)$", log.split(f"augmented: epoch {epoch}")[1].split("augmented: epoch")[0],
-                           re.M) for log in weights_two["logs"]]
+        return [re.findall(r"drawn (\d\.\d{9})", log.split(f"augmented: epoch {epoch}")[1].split("augmented: epoch")[0])
+                for log in weights_two["logs"]]
 
     assert min(map(len, drawn(1))) >= 14 and not set(drawn(1)[0]) & set(drawn(1)[1]), drawn(1)
     # Gathered from the third epoch, and read whole (its worker_init_fn might seed its workers alike): from the fourth,
