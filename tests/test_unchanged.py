@@ -388,9 +388,11 @@ def test_evaluations_written_every_way_count_every_sample_once_and_training_betw
     assert "a pass over a DataLoader that trained" not in done.stderr
     # Divided: each of the 2 processes computed about half of the rows that one process computed without gradients
     # (the model's first evaluating call is whole, on every process: it shows that the model can be divided). On a
-    # torch whose global hooks do not show a call's keywords, every process computes them all.
+    # torch whose global hooks do not show a call's keywords, every process computes them all. Each process computes,
+    # besides, its first training batch's 6 rows and its own 3 without gradients, once: they show that the model
+    # computes row by row (``check_both_ways``).
     [whole] = [json.loads(path.read_text()) for path in runs["both", 1][0].glob("rows-*.json")]
-    shares = [json.loads(path.read_text()) for path in runs["mean", 2][0].glob("rows-*.json")]
+    shares = [json.loads(path.read_text()) - 9 for path in runs["mean", 2][0].glob("rows-*.json")]
     assert len(shares) == 2, shares
     assert all(share < 0.6 * whole for share in shares) if KEYWORDS_SEEN else shares == [whole, whole], (whole, shares)
 
@@ -581,10 +583,13 @@ def test_unused_parameters_reentrant_checkpointing_layers_frozen_and_unfrozen_tr
     assert_rules_as_on_one_process(rules_one, two)
     # The rows each call of the model computes: on rank 0 of two, the first half of one process's batch (rounded up),
     # the model's first call, a stream's batches and each pass's first included (before: each of those whole). (The
-    # stream's 2 workers yield 15 and 14 samples: batches of 6, 6, 6, 6, 3 and 2.)
+    # stream's 2 workers yield 15 and 14 samples: batches of 6, 6, 6, 6, 3 and 2.) After the model's first call, it
+    # computes that batch whole and its share once more, without gradients: they show that its calls compute row by
+    # row (``check_both_ways``).
     assert rules_one["rows"]["printed"] == [6, 6, 6, 6, 5] * 3 and rules_one["rows"]["stream"] == [6, 6, 6, 6, 3, 2] * 3
     for name in ("unfrozen", "stream", "printed"):
-        assert two["rows"][name] == [(rows + 1) // 2 for rows in rules_one["rows"][name]], name
+        halves = [(rows + 1) // 2 for rows in rules_one["rows"][name]]
+        assert two["rows"][name] == halves[:1] + [rules_one["rows"][name][0], halves[0]] + halves[1:], name
     # A stream that gives each process its own samples is left as it is, said once; a parameter that is used at the
     # first step and not at a later one is refused in one line, never averaged wrong.
     _, done = rules_run(tmp_path, 2, "self-split", "later", expect=2)
@@ -742,7 +747,7 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     (weights_one, printed_one, _), (weights_two, printed_two, said) = one, two
     # (whether it finds a group, 10 steps a model but 6 of the binary one and 20 of the augmented one, 2 epochs' lines
     # of five models, a call that raised, and 2 of each epoch's metrics where torchmetrics is installed)
-    lines = 1 + 12 * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one)
+    lines = 1 + 14 * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     for part, weights in weights_one.items():
         if part not in ("rows", "logs"):
@@ -776,7 +781,8 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     assert said.count("a training step that is not proven exact on split batches") == 1, said
     # A model called twice before a backward (two views) on the gathered way: both calls cut at the model (rank 0's
     # share of a batch of 6, and of the last of 5, is 3), from the first step on (a sharded model's first call whole).
-    assert weights_two["rows"]["views"].tolist()[2:] == [3] * 18, weights_two["rows"]["views"]
+    # (After its first call, the check's: that batch whole and this share, without gradients: ``check_both_ways``.)
+    assert weights_two["rows"]["views"].tolist()[1:] == [6, 3] + [3] * 19, weights_two["rows"]["views"]
     # A loader on the gathered way that reads in workers, and collates by rows where its first batch shows it: from its
     # second pass, each process reads its share and the collated shares are put together. Rank 0's reads (its files
     # are the run's): its first pass whole, and the first batch's 6 samples read once more in the main process (the
@@ -798,6 +804,20 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # its workers start again, their seeds the same on every process, which then read the same batches.
     assert len(drawn(3)[0]) == 29 and drawn(3)[0] == drawn(3)[1], drawn(3)
     assert said.count("every process reads each of its batches whole (its workers run a function") == 1, said
+    # Models that compute across their batch's rows and return no loss (in-batch similarities, batch statistics
+    # written by hand): their first call, tried on a share (3 rows), computed both ways without gradients (6 and 3),
+    # differs, and not with the random state (the whole batch once more, from another: 6), so it is made again whole
+    # (6), and every later call is whole on every process. (A sharded model's first call is whole: then the check, and
+    # no call again.)
+    for name in ("similarity", "centred"):
+        rows = weights_two["rows"][name].tolist()
+        assert rows[-9:] == [6, 6, 6, 5] + [6] * 4 + [5] and rows[:-9] in ([3, 6, 3, 6, 6], [6, 6, 3, 6]), (name, rows)
+    assert said.count("computes across the rows of its batch (its outputs on a share of the batch are not") == 2, said
+    # A model that draws at random in evaluation too (as a VAE does): its share's rows differ from the whole batch's,
+    # and so does the whole batch from another random state (a fourth call, 6 rows): the check cannot tell, and its
+    # calls are cut as before, each process drawing its rows' noise (its weights therefore not compared).
+    rows = weights_two["rows"]["noisy"].tolist()
+    assert rows[-9:] == [3] * 9 and rows[:-9] in ([3, 6, 3, 6], [6, 6, 3, 6]), rows
 
 
 @pytest.fixture(scope="session")

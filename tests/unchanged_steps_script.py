@@ -33,6 +33,12 @@
 - **augmented**: a plain mean (the split way), then from the third epoch a summed term (the gathered way), over a
   loader whose persistent worker draws a number for each sample it reads (as a random augmentation does) and says it
   on stderr (the test reads each process's log), and which has a ``worker_init_fn`` (it is read whole when gathered);
+- **across**: models that compute across their batch's rows inside their forward and return no loss: two towers
+  returning the similarity of each row of one with each row of the other (the script's cross-entropy against the
+  diagonal), then a model that centres and scales its hidden rows by their batch's mean and spread, written by hand;
+  the rows of each of their calls go into ``rows``' ``similarity`` and ``centred``; and a model that draws noise in
+  its forward, in evaluation too (as a VAE does), whose rows go into ``noisy`` (its weights, each process's draws, are
+  not compared);
 - **metrics** (where torchmetrics is installed): torchmetrics in training and in evaluation, a sum of the samples
   seen, a weighted mean of the loss, an accuracy and a concatenation of the scores; torchmetrics reads
   ``torch.distributed`` and syncs over any process group it finds, and this script started none.
@@ -53,7 +59,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
                                             "keywords", "auxiliary", "later", "inside", "returned", "loading",
-                                            "augmented"] + (
+                                            "augmented", "across"] + (
     ["metrics"] if importlib.util.find_spec("torchmetrics") else [])
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
@@ -442,6 +448,51 @@ def augmented():
                 loss = loss + 1e-3 * model(inputs).sum()
             step(optimizer, loss, f"augmented {epoch}")
     return model.state_dict()
+
+
+class Similarity(TwoTowers):
+    def forward(self, x, y):
+        self.rows.append(len(x))
+        return F.normalize(self.left(x), dim=1) @ F.normalize(self.right(y), dim=1).t() / 0.1
+
+
+class BatchCentred(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.last = nn.Linear(8, 16), nn.Linear(16, 2)
+        self.rows = []
+
+    def forward(self, x):
+        self.rows.append(len(x))
+        hidden = self.first(x)
+        return self.last(torch.tanh((hidden - hidden.mean(0)) / (hidden.std(0) + 1e-5)))
+
+
+class Noisy(BatchCentred):
+    def forward(self, x):
+        self.rows.append(len(x))
+        return self.last(torch.tanh(self.first(x + 0.1 * torch.randn_like(x))))
+
+
+def across():
+    x, y, z = torch.randn(29, 8), torch.randn(29, 8), torch.randn(29, 2)
+    towers, centred, noisy = Similarity(), BatchCentred(), Noisy()
+    optimizer = torch.optim.SGD([*towers.parameters(), *centred.parameters()], lr=0.1)
+    for epoch in range(2):
+        for left, right in loader(x, y):
+            logits = towers(left, right)
+            step(optimizer, F.cross_entropy(logits, torch.arange(len(logits))), f"across {epoch}")
+    for epoch in range(2):
+        for inputs, targets in loader(x, z):
+            step(optimizer, F.mse_loss(centred(inputs), targets), f"across {epoch}")
+    optimizer = torch.optim.SGD(noisy.parameters(), lr=0.1)
+    for epoch in range(2):
+        for inputs, targets in loader(x, z):
+            step(optimizer, F.mse_loss(noisy(inputs), targets))
+    torch.manual_seed(1)  # (its draws were each process's own: the parts after it start from a seed again)
+    result.setdefault("rows", {}).update(similarity=torch.tensor(towers.rows), centred=torch.tensor(centred.rows),
+                                         noisy=torch.tensor(noisy.rows))
+    return {**{f"towers.{k}": v for k, v in towers.state_dict().items()}, **centred.state_dict()}
 
 
 def metrics():

@@ -57,13 +57,14 @@ class AtTheModel:
         self.with_loss: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # Models whose training call wrote buffers of their own (not BatchNorm's): computed whole on a whole batch.
         self.writes_buffers: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        # Models whose first call on a loader's whole batch returned a loss, computed both ways (``check_losses``):
+        # Models whose first call on a loader's whole batch returned a loss, computed both ways (``check_both_ways``):
         # those whose loss is a mean or a sum over rows, with the layout of their outputs and the places of their
         # losses in it (cut on a whole batch, as ``learn`` says), and those whose loss is computed across the rows of
         # its batch, or could not be shown not to be (computed whole on a whole batch, as ``writes_buffers``).
         self.losses_kept: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
         self.on_a_share = False  # a loss computed both ways, on this rank's share: the group is found (``own_group``)
         self.couples_rows: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.rows_kept: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # computed both ways, and found row by row
 
     def split(self, args: tuple) -> tuple[tuple, Share]:
         """This rank's share of the batch in ``args``: each tensor argument cut along its first dimension. (With a
@@ -155,19 +156,23 @@ class AtTheModel:
         rank's batch is its own (a stream that splits itself: there is no whole batch)."""
         return not (self.batch.summed or self.batch.coupled or self.batch.own_batches)
 
-    def check_losses(self, module: nn.Module, args: tuple, given: dict, *, sharded: bool = False) -> None:
-        """A model that returned a loss at its first training call on a loader's whole batch (``args`` and keywords
-        ``given``): whether that loss is one that a split keeps, a mean or a sum over its rows (counted or not), or one
-        computed across them (an in-batch contrastive loss, a load-balancing term), which a model's code shows nowhere
-        that the step's watch sees (``step_rule`` follows the script's code, not the model's). Computed both ways:
-        the whole batch, then this rank's share made the batch's as the split way makes it (``counted``,
-        ``whole_batch_losses``), in evaluation (no dropout; BatchNorm by its running statistics), gradients off, from
-        the same random state, every buffer and mode put back. The losses are the whole batch's outputs of one element
-        (the batch has a row per process at least), found there and read at the same places of the share's. Where the
-        two differ on any rank, or cannot be computed: ``couples_rows``, said once; where they agree: ``losses_kept``,
-        and the places kept (``losses_in``). The whole batch's call raising (the model's own error: its real call
-        meets it again) is decided together; the share's raising ends the run with the model's error (another rank
-        would wait in a collective), and so does any raising in a sharded model's calls (FSDP's own collectives)."""
+    def check_both_ways(self, module: nn.Module, args: tuple, given: dict, *, sharded: bool = False,
+                        losses: bool = True) -> bool:
+        """A model's first training call on a loader's whole batch (``args`` and keywords ``given``), computed both
+        ways: whether what it computes is row by row, which its code shows nowhere that the step's watch sees
+        (``step_rule`` follows the script's code, not the model's). ``losses``: it returned a loss, which must be a
+        mean or a sum over its rows (counted or not), not one computed across them (an in-batch contrastive loss, a
+        load-balancing term); and every output with a row per sample must be the share's rows of the whole batch's,
+        not computed across them (batch statistics written by hand, in-batch similarities, a minibatch's spread).
+        Computed as the whole batch, then as this rank's share, its losses made the batch's as the split way makes them
+        (``counted``, ``whole_batch_losses``), in evaluation (no dropout; BatchNorm by its running statistics),
+        gradients off, from the same random state, every buffer and mode put back. The losses are the whole batch's
+        outputs of one element (the batch has a row per process at least), found there and read at the same places
+        of the share's. Where the two differ on any rank, or cannot be computed: ``couples_rows``, said once, and
+        False; where they agree: True (``losses_kept``, with the places kept: ``losses_in``; ``rows_kept``). The whole
+        batch's call raising (the model's own error: its real call meets it again) is decided together; the share's
+        raising ends the run with the model's error (another rank would wait in a collective), and so does any raising
+        in a sharded model's calls (FSDP's own collectives)."""
         rows = rows_of((*args, *given.values()))
         whole = None
         if rows is not None and rows >= self.world_size:
@@ -176,46 +181,68 @@ class AtTheModel:
             except Exception as error:  # noqa: BLE001 - the model's own, in a call the script did not make
                 if sharded:
                     raise
-                logger.debug(f"--unchanged: {class_name(module)}'s losses on the whole batch: {error!r}")
-        places = [] if whole is None else [index for index, leaf in enumerate(whole[0]) if _one_value(leaf)]
-        found = torch.tensor([float(bool(places)), -float(bool(places))], device=_device_of(module))
-        dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        if found[1].item() == 0:  # (no loss in evaluation, or none that could be computed, on some rank)
-            self.computed_across_rows(module, "its losses could not be computed both ways")
-            return
+                logger.debug(f"--unchanged: {class_name(module)}'s outputs on the whole batch: {error!r}")
+        places = [] if whole is None or not losses else [index for index, leaf in enumerate(whole[0])
+                                                           if _one_value(leaf)]
+        found = torch.tensor([float(whole is not None and (bool(places) or not losses))], device=_device_of(module))
+        dist.all_reduce(found, op=dist.ReduceOp.MIN)
+        if found.item() == 0:  # (no loss in evaluation, or outputs that could not be computed, on some rank)
+            self.computed_across_rows(module, f"its {'losses' if losses else 'outputs'} could not be computed both "
+                                              "ways", losses=losses)
+            return False
         summed = given.get("num_items_in_batch") is not None  # (each share's loss a part of the batch's sum)
         share = share_of(range(rows), self.rank, self.world_size)
         part, spec = self._in_evaluation(module, args, given, share, summed=summed, at=places)
-        agreed = torch.tensor([float(spec == whole[1] and all(_close(whole[0][index], part[index])
-                                                                for index in places))], device=_device_of(module))
+        agreed = spec == whole[1] and all(_close(whole[0][index], part[index]) for index in places)
+        if agreed and not _rows_agree(whole[0], part, share, rows):
+            # (A model that draws at random in evaluation too, a VAE's noise: its rows' draws are each process's own, as
+            # dropout's are; whether it also computes across its rows cannot be told. A loss is compared as it is.)
+            agreed = not losses and self._draws_at_random(module, args, given, whole[0])
+        agreed = torch.tensor([float(agreed)], device=_device_of(module))
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         if agreed.item() == 1:
-            self.losses_kept[module] = (whole[1], places)
-        else:
-            self.computed_across_rows(module, "its loss on a share of the batch, made the batch's, is not its loss "
-                                              "on the whole batch")
+            if losses:
+                self.losses_kept[module] = (whole[1], places)
+            self.rows_kept.add(module)
+            return True
+        self.computed_across_rows(module, "its loss on a share of the batch, made the batch's, is not its loss on the "
+                                          "whole batch" if losses else "its outputs on a share of the batch are not "
+                                          "the share's rows of its outputs on the whole batch", losses=losses)
+        return False
 
     def checked(self, module: nn.Module) -> bool:
-        """Whether ``module``'s losses were computed both ways, or found not to be (``check_losses``)."""
-        return module in self.losses_kept or module in self.couples_rows
+        """Whether ``module``'s first call was computed both ways (``check_both_ways``), whatever it showed."""
+        return module in self.rows_kept or module in self.couples_rows
 
     def losses_in(self, module: nn.Module, output) -> list[int]:
-        """The places of the losses in ``output`` of a model whose losses a split keeps (``check_losses``), where its
+        """The places of the losses in ``output`` of a model whose losses a split keeps (``check_both_ways``), where its
         outputs are laid out as they were then (the same on every rank); none otherwise."""
         kept = self.losses_kept.get(module)
         return kept[1] if kept is not None and pytree.tree_flatten(output)[1] == kept[0] else []
 
+    def _draws_at_random(self, module: nn.Module, args: tuple, given: dict, whole: list) -> bool:
+        """Whether ``module``'s outputs on the whole batch in evaluation (``whole``) come out otherwise from another
+        random state (computed again as ``_in_evaluation`` computes them, its generators seeded anew inside the fork)."""
+        again = self._in_evaluation(module, args, given, None, reseeded=True)[0]
+        return any(isinstance(leaf, torch.Tensor) and not torch.equal(leaf, other) for leaf, other in zip(whole, again))
+
     def _in_evaluation(self, module: nn.Module, args: tuple, given: dict, share: Share | None, *, summed: bool = False,
-                       at: list[int] | None = None) -> tuple[list, object]:
+                       at: list[int] | None = None, reseeded: bool = False) -> tuple[list, object]:
         """``module``'s outputs (their leaves, and their layout) on the batch, or on this rank's ``share`` of it with
         the losses at the places ``at`` made the batch's (``summed``: each a part of the batch's sum), in evaluation,
-        gradients off, its random state, buffers and modes put back after, and the batch's state."""
+        gradients off, its random state, buffers and modes put back after, and the batch's state. ``reseeded``: from
+        another random state than the one going on (its generators seeded inside the fork)."""
         modes = [(part, part.training) for part in module.modules()]
         kept = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
         batch = (self.batch.weight, self.batch.whole, self.batch.gathered, self.batch.own_batches)
         devices = [torch.cuda.current_device()] if _device_of(module).type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
+                if reseeded:
+                    seed = torch.randint(2**62, ()).item() + 1  # (not the state going on: a draw from it, moved on)
+                    torch.default_generator.manual_seed(seed)
+                    if devices:
+                        torch.cuda.manual_seed(seed)  # (the current device's: the one the fork puts back)
                 module.train(False)
                 if share is None:
                     output = module(*args, **given)
@@ -243,7 +270,7 @@ class AtTheModel:
     def _at_places(self, output, at: list[int], summed: bool):
         """``whole_batch_losses`` at the places ``at``: one all-reduce of as many values on every rank. Where this
         rank's outputs hold no one-element tensor at one of them (a layout that differs with the share), its values
-        count 0 and its outputs stay as they are: ``check_losses`` then finds the layouts apart."""
+        count 0 and its outputs stay as they are: ``check_both_ways`` then finds the layouts apart."""
         leaves = pytree.tree_leaves(output)
         if all(index < len(leaves) and _one_value(leaves[index]) for index in at):
             return self.whole_batch_losses(output, summed=summed or None, required=False, at=at)
@@ -251,32 +278,39 @@ class AtTheModel:
         dist.all_reduce(torch.zeros(len(at), dtype=torch.float64, device=device))
         return output
 
-    def computed_across_rows(self, module: nn.Module, why: str) -> None:
-        """``module``'s loss is computed across the rows of its batch (``why``): its calls on a loader's batches are
-        computed whole on every process from then on, its loader's batches whole (the gathered way), so that its loss
-        is one device's. Said once."""
+    def computed_across_rows(self, module: nn.Module, why: str, *, losses: bool = True) -> None:
+        """``module`` computes across the rows of its batch (``why``): the loss it returns (``losses``), or its
+        outputs. Its calls on a loader's batches are computed whole on every process from then on, its loader's
+        batches whole (the gathered way), so that what it computes is one device's. Said once."""
         if module in self.couples_rows:
             return
         self.couples_rows.add(module)
         if self.rank == 0:
-            logger.warning(f"--unchanged: {class_name(module)} returns a loss that is not shown to be a mean or a sum "
-                           f"over the rows of its batch ({why}): every process computes its calls on the whole "
-                           "batch, so that its loss is one device's (exact, and no faster for that model)")
+            what = ("returns a loss that is not shown to be a mean or a sum over the rows of its batch" if losses else
+                    "computes across the rows of its batch")
+            logger.warning(f"--unchanged: {class_name(module)} {what} ({why}): every process computes its calls on "
+                           "the whole batch, so that it computes as one device does (exact, and no faster for that "
+                           "model)")
 
     def is_whole(self, module: nn.Module) -> bool:
         return module in self.whole
 
-    def learn(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+    def learn(self, module: nn.Module, args: tuple, kwargs: dict, output,
+              both_ways: Callable[[], bool] | None = None) -> None:
         """A training call of ``module`` on a loader's whole batch, computed whole: whether its later calls on such
         batches can be cut at the model (``split_whole``). They can where its tensor arguments are positional and
         share their first dimension, and its outputs are one row per sample (a tensor, or a tuple, list, dict or
-        dataclass of them), and losses a split keeps beside them (``check_losses``): the rows are then gathered, the
-        losses made the batch's. Decided at its first such call."""
+        dataclass of them), and losses a split keeps beside them (``check_both_ways``), and where what it computes
+        is row by row: ``both_ways()`` (``check_both_ways``, where not computed so yet). The rows are then gathered,
+        the losses made the batch's. Decided at its first such call, together (one all-reduce)."""
         if module in self.cut_whole:
             return
         rows = rows_of((*args, *kwargs.values()))
-        self.cut_whole[module] = rows is not None and self._gatherable(module, output, rows) \
-            and module not in self.writes_buffers
+        cut = torch.tensor([float(rows is not None and self._gatherable(module, output, rows)
+                                  and module not in self.writes_buffers and module not in self.couples_rows)],
+                           device=_device_of(module))
+        dist.all_reduce(cut, op=dist.ReduceOp.MIN)
+        self.cut_whole[module] = bool(cut.item()) and (both_ways is None or self.checked(module) or both_ways())
         if not self.cut_whole[module]:
             self._said_whole(module)
 
@@ -307,24 +341,25 @@ class AtTheModel:
             self._kept[module] = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
         return cut
 
-    def cut_as_tried(self, module: nn.Module, rows: int, output) -> bool:
-        """Whether a tried first call's ``output`` (``split_first``) can be gathered (one row per sample, on every
-        rank): the model's calls are cut from then on. If not, what the call changed is undone (its buffers, BatchNorm's
-        running statistics, as they were; the batch whole again) and the model is computed whole, as before; where it
-        returned a loss on every rank, its losses are computed both ways first (``check_losses``, which the caller
-        runs where this leaves the model undecided), and its call made again, whole, decides (``learn``)."""
+    def cut_as_tried(self, module: nn.Module, rows: int, output, both_ways: Callable[[], bool]) -> bool:
+        """Whether a tried first call's ``output`` (``split_first``) can be gathered: one row per sample on every
+        rank, and rows computed row by row (``both_ways()``: ``check_both_ways``, in evaluation). The model's calls are
+        cut from then on. If not, what the call changed is undone (its buffers, BatchNorm's running statistics, as they
+        were; the batch whole again) and the model is computed whole, as before; where it returned a loss on every
+        rank, its losses are computed both ways first (``check_both_ways``, which the caller runs where this leaves
+        the model undecided), and its call made again, whole, decides (``learn``)."""
         decided = torch.tensor([float(batch_shaped(output, rows) and module not in self.writes_buffers),
                                 float(returns_a_loss(output) and self.checks())], device=_device_of(module))
         dist.all_reduce(decided, op=dist.ReduceOp.MIN)  # (a loss on every rank: a share of one row shows none apart)
         kept = self._kept.pop(module)
-        self.cut_whole[module] = bool(decided[0].item())
+        self.cut_whole[module] = bool(decided[0].item()) and (self.checked(module) or both_ways())
         if not self.cut_whole[module]:
             with torch.no_grad():
                 for buffer, value in kept:
                     buffer.copy_(value)
             self.batch.set_whole()
-            if decided[1].item():  # (decided by its call made again, whole, once its losses are computed both ways)
-                del self.cut_whole[module]
+            if decided[1].item() and not self.checked(module):  # (decided by its call made again, whole, once its
+                del self.cut_whole[module]  # losses are computed both ways)
             else:
                 self._said_whole(module)
         return module in self.cut_whole and self.cut_whole[module]
@@ -375,6 +410,32 @@ def _close(whole: torch.Tensor, part: torch.Tensor) -> bool:
     tolerance = torch.finfo(whole.dtype).eps ** 0.5 if whole.is_floating_point() else 0.0
     whole, part = whole.double().item(), part.double().item()
     return abs(whole - part) <= tolerance * max(abs(whole), abs(part), 1e-12)
+
+
+def _rows_agree(whole: list, part: list, share: Share, rows: int) -> bool:
+    """Whether each floating-point output of a whole batch's call that has a row per sample (``rows``) holds, at the
+    rows of ``share``, this rank's outputs on its share (``part``, the same layout), but for rounding: a relative
+    difference (their norms) within the square root of the precision they were computed in, float32's on a GPU being
+    TF32's where PyTorch allows it (2**-10: 0.031). Other outputs are not compared (a loss is, by ``_close``)."""
+    at = slice(share.indices[0], share.indices[-1] + 1)
+    for leaf, mine in zip(whole, part):
+        if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() and leaf.size(0) == rows):
+            continue
+        if not isinstance(mine, torch.Tensor) or mine.shape != leaf[at].shape:
+            return False
+        expected, difference = leaf[at].double(), (leaf[at].double() - mine.double())
+        if difference.norm() > _precision(leaf) * max(expected.norm().item(), 1e-30):
+            return False
+    return True
+
+
+def _precision(tensor: torch.Tensor) -> float:
+    """The square root of the precision that ``tensor`` was computed in (see ``_rows_agree``)."""
+    eps = torch.finfo(tensor.dtype).eps
+    if tensor.dtype == torch.float32 and tensor.is_cuda and (
+            torch.backends.cudnn.allow_tf32 or torch.get_float32_matmul_precision() != "highest"):
+        eps = 2.0 ** -10
+    return eps ** 0.5
 
 
 def _device_of(module: nn.Module) -> torch.device:

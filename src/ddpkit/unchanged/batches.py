@@ -80,7 +80,7 @@ class Batch:
     stream: bool = False  # the batch comes from a loader whose batches cannot be split by index (a stream's)
     gathered_way: bool = False  # its loader takes the gathered way: whole batches, cut at the models (``step_rule``)
     loader_share: bool = False  # this rank holds its loader's share of the batch (a cut at a model leaves it as it is)
-    checking: bool = False  # a loss computed both ways, on a share, gradients off (``at_the_model.check_losses``)
+    checking: bool = False  # a loss computed both ways, on a share, gradients off (``at_the_model.check_both_ways``)
     # Losses whose value is the whole batch's already (``counted``): a model that returns one needs no more. (By
     # identity: a tensor's ``==`` is elementwise.)
     _valued_whole: dict = dataclasses.field(default_factory=dict)

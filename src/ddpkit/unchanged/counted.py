@@ -97,7 +97,7 @@ class CountedMeans:
 
     def applies(self, input: torch.Tensor) -> bool:
         """A training step on a batch split across several ranks (or a share's loss computed, gradients off, to
-        compare with the whole batch's: ``at_the_model.check_losses``)."""
+        compare with the whole batch's: ``at_the_model.check_both_ways``)."""
         batch = self.batch
         return (batch.world_size > 1 and not batch.whole and not batch.summed and not batch.coupled
                 and not batch.gathered and isinstance(input, torch.Tensor)

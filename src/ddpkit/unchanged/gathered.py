@@ -9,7 +9,7 @@ from the same whole outputs, so the gradient of its rows is the whole batch's, a
 (each weighs 1). A tensor output that is not batch-shaped (a temperature, a returned scalar) is the same on every
 rank: its gradient, the whole loss's on each rank, counts 1/N of it, so that the sum is one device's. One that differs
 across the ranks (a loss the model computed from its share) cannot be made whole, and is refused in one line, but for
-the losses that a split keeps, made the batch's before (``kept``: ``at_the_model.check_losses``).
+the losses that a split keeps, made the batch's before (``kept``: ``at_the_model.check_both_ways``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def batch_shaped(value, rows: int) -> bool:
 def gathered(output, *, sizes: list[int], rank: int, rows: int, with_gradients: bool, kept=()):
     """``output`` of this rank's share (``rows`` rows: its size in ``sizes``, or 1 for a stand-in that counts 0), its
     batch-shaped tensors gathered into the whole batch's on every rank (see the module). ``kept``: its tensors that are
-    the batch's already (losses a split keeps, made the batch's: ``at_the_model.check_losses``), left as they are."""
+    the batch's already (losses a split keeps, made the batch's: ``at_the_model.check_both_ways``), left as they are."""
     world_size = len(sizes)
 
     def gather(tensor: torch.Tensor) -> torch.Tensor:

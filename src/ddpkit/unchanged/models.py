@@ -194,7 +194,7 @@ class Models:
             if module in self.at_the_model.writes_buffers:
                 watch.unproven(f"{class_name(module)} writes buffers of its own in a training call")
             if module in self.at_the_model.couples_rows:
-                watch.unproven(f"{class_name(module)} returns a loss computed across the rows of its batch")
+                watch.unproven(f"{class_name(module)} computes across the rows of its batch")
             watch.resume()
         return result
 
@@ -214,9 +214,11 @@ class Models:
             self.streams.leave_forward()
         if call.buffers is not None and any(not torch.equal(buffer, value) for buffer, value in call.buffers):
             self.at_the_model.writes_buffers_in_training(module)
-        if call.tried and not self.at_the_model.cut_as_tried(module, len(share.indices), output):
+        if call.tried and not self.at_the_model.cut_as_tried(
+                module, len(share.indices), output, lambda: self._both_ways(module, call.whole_args, call.keywords,
+                                                                            losses=False)):
             if module not in self.at_the_model.cut_whole:  # (a loss on every rank: computed both ways, before the
-                self._losses_both_ways(module, call.whole_args, call.keywords)  # script's own call, which comes last)
+                self._both_ways(module, call.whole_args, call.keywords)  # script's own call, which comes last)
             # Again, whole (``cut_as_tried`` undid what the cut call did), with the keywords it was given.
             return module(*call.whole_args, **call.keywords)
         if module not in self._outputs_seen:
@@ -257,7 +259,7 @@ class Models:
         """The outputs of a call cut at the model, gathered into the whole batch's. Every rank computes the whole
         batch's loss from them, and the gradient of its own rows is its part of one device's: divided by this rank's
         weight, which DDP multiplies back in (as a split batch's). A loss the model returns (one that a split keeps:
-        ``AtTheModel.check_losses``) is made the batch's, as on a split batch."""
+        ``AtTheModel.check_both_ways``) is made the batch's, as on a split batch."""
         weight, rows, share = self.batch.current_weight(), len(call.share.indices), call.share
         losses = self.at_the_model.losses_in(call.module, output)
         kept = ()
@@ -282,17 +284,20 @@ class Models:
         elif self.batch.loader_passes and self.batch.whole and not self.batch.coupled:
             if not self.at_the_model.checked(module) and returns_a_loss(output) and self.at_the_model.checks():
                 if KEYWORDS_SEEN:
-                    self._losses_both_ways(module, call.whole_args, kwargs)
+                    self._both_ways(module, call.whole_args, kwargs)
                 else:  # (this torch's global hooks are not given the call's keywords: it cannot be made again)
                     self.at_the_model.computed_across_rows(module, "its call's keywords cannot be read on this torch")
-            self.at_the_model.learn(module, call.whole_args, kwargs, output)
+            both_ways = None if self.batch.own_batches or not KEYWORDS_SEEN and kwargs else (
+                lambda: self._both_ways(module, call.whole_args, kwargs, losses=False))
+            self.at_the_model.learn(module, call.whole_args, kwargs, output, both_ways)
 
-    def _losses_both_ways(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """``at_the_model.check_losses``, its calls of the model left alone by these hooks (they are not the script's:
-        ``depth``)."""
+    def _both_ways(self, module: nn.Module, args: tuple, kwargs: dict, *, losses: bool = True) -> bool:
+        """``at_the_model.check_both_ways``, its calls of the model left alone by these hooks (they are not the
+        script's: ``depth``)."""
         self.depth += 1
         try:
-            self.at_the_model.check_losses(module, args, kwargs, sharded=module in self.adoption.sharded)
+            return self.at_the_model.check_both_ways(module, args, kwargs, sharded=module in self.adoption.sharded,
+                                                     losses=losses)
         finally:
             self.depth -= 1
 
