@@ -181,18 +181,23 @@ def pytest_runtest_protocol(item, nextitem):
 
 @pytest.fixture
 def group_of_one():
-    """A gloo group of one in this process, started as a script (or Ray) would, and destroyed after the test."""
+    """A gloo group of one in this process, started as a script (or Ray) would, and destroyed after the test as ddpkit
+    destroys its own (``process_group.teardown``: on torch before 2.8, gloo's destructor can wait for a worker that
+    waits for the GIL, right after a broadcast; it hung the floor's session once)."""
     import datetime
 
     import torch.distributed as dist
+
+    from ddpkit.core import process_group
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=30))
     try:
         yield
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        process_group.teardown()
+        if dist.is_initialized():  # (a Job of the test adopted it and did not end: the first call left it up)
+            process_group.teardown()
 
 
 @pytest.fixture(autouse=True)
