@@ -730,14 +730,14 @@ def test_a_loader_that_a_wrapper_fetches_ahead_trains_and_prints_as_on_one_proce
 STEPS = str(Path(__file__).with_name("unchanged_steps_script.py"))
 
 
-def steps_run(tmp: Path, nproc: int, *flags: str) -> tuple[dict, list[str], str]:
-    """tests/unchanged_steps_script.py under ``--unchanged FLAGS`` on ``nproc`` processes: its weights, its printed
-    lines and its stderr."""
+def steps_run(tmp: Path, nproc: int, *flags: str, expect: int = 0) -> tuple[dict, list[str], str]:
+    """tests/unchanged_steps_script.py under ``--unchanged FLAGS`` on ``nproc`` processes, ending with status
+    ``expect``: its weights, its printed lines and its stderr."""
     out = tmp / f"steps{nproc}{''.join(flags)}"
     out.mkdir()
     done = run_ddpkit("run", "--unchanged", "--seed", "3", *flags, "--nproc-per-node", str(nproc), "--log-dir",
                       str(out / "logs"), STEPS, str(out), timeout=120, cwd=tmp)
-    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    assert done.returncode == expect, f"{done.stdout}\n{done.stderr}"
     result = torch.load(out / "result.pt")
     result["logs"] = [(out / "logs" / f"rank{rank}.log").read_text() for rank in range(nproc)]
     return result, re.findall(r"^\w+ \d: .*$", done.stdout, re.M), done.stderr
@@ -747,7 +747,7 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     (weights_one, printed_one, _), (weights_two, printed_two, said) = one, two
     # (whether it finds a group, 10 steps a model but 6 of the binary one and 20 of the augmented one, 2 epochs' lines
     # of five models, a call that raised, and 2 of each epoch's metrics where torchmetrics is installed)
-    lines = 1 + 14 * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one)
+    lines = 1 + (14 + ("penalty" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     for part, weights in weights_one.items():
         if part not in ("rows", "logs"):

@@ -42,6 +42,9 @@
 - **metrics** (where torchmetrics is installed): torchmetrics in training and in evaluation, a sum of the samples
   seen, a weighted mean of the loss, an accuracy and a concatenation of the scores; torchmetrics reads
   ``torch.distributed`` and syncs over any process group it finds, and this script started none.
+- **penalty**: a WGAN's critic with a gradient penalty (WGAN-GP): the gradient of its outputs with respect to
+  samples interpolated between real and generated ones (``torch.autograd.grad``, ``create_graph=True``), each row's
+  norm held near 1, then the generator's step through the critic (last: ``--shard`` refuses it).
 
 Each part trains 2 epochs over 29 samples in shuffled batches of 6 (the last one 5), prints one line per step and per
 epoch, and writes OUT/result.pt: each part's weights (a flat dictionary of tensors). First, the script prints whether
@@ -60,7 +63,7 @@ from torch.utils.data import DataLoader, TensorDataset
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
                                             "keywords", "auxiliary", "later", "inside", "returned", "loading",
                                             "augmented", "across"] + (
-    ["metrics"] if importlib.util.find_spec("torchmetrics") else [])
+    ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty"]
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
 result = {}
@@ -493,6 +496,25 @@ def across():
     result.setdefault("rows", {}).update(similarity=torch.tensor(towers.rows), centred=torch.tensor(centred.rows),
                                          noisy=torch.tensor(noisy.rows))
     return {**{f"towers.{k}": v for k, v in towers.state_dict().items()}, **centred.state_dict()}
+
+
+def penalty():
+    real_samples = torch.randn(29, 8) + 1
+    generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+    critic = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    generator_steps = torch.optim.Adam(generator.parameters(), lr=1e-3)
+    critic_steps = torch.optim.Adam(critic.parameters(), lr=1e-3)
+    for epoch in range(2):
+        for (real,) in loader(real_samples):
+            fake = generator(torch.randn(real.size(0), 4)).detach()
+            alpha = torch.rand(real.size(0), 1)
+            mixed = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+            grads = torch.autograd.grad(critic(mixed).sum(), mixed, create_graph=True)[0]
+            held = ((grads.norm(2, dim=1) - 1) ** 2).mean()
+            step(critic_steps, critic(fake).mean() - critic(real).mean() + 10 * held, f"penalty {epoch}")
+            step(generator_steps, -critic(generator(torch.randn(real.size(0), 4))).mean())
+    return {**{f"generator.{k}": v for k, v in generator.state_dict().items()},
+            **{f"critic.{k}": v for k, v in critic.state_dict().items()}}
 
 
 def metrics():

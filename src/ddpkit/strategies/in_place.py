@@ -21,6 +21,7 @@ never imported, and its pickle names the globals that one device's names (``torc
 script's own ``safe_globals`` reads it).
 """
 
+import contextlib
 import dataclasses
 import inspect
 import types
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel import distributed as ddp_code
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
@@ -167,9 +169,10 @@ class Replica:
         broadcast them again, where its release can be told so)."""
         logger.debug(f"--unchanged: {self.name}'s DDP built over {sum(trains)} trainable parameters ({mode})")
         self.ddp = None  # (the reducer before it, its hooks with it)
-        self.ddp = DistributedDataParallel(nn.ParameterList(self.parameters), static_graph=mode == "static graph",
-                                           find_unused_parameters=mode == "unused parameters",
-                                           **({"init_sync": False} if synced and INIT_SYNC else {}))
+        with _not_broadcast(synced and not INIT_SYNC):
+            self.ddp = DistributedDataParallel(nn.ParameterList(self.parameters), static_graph=mode == "static graph",
+                                               find_unused_parameters=mode == "unused parameters",
+                                               **({"init_sync": False} if synced and INIT_SYNC else {}))
         self.ddp.register_comm_hook(self, Replica.reduce)
         self.trains, self.mode, self.reduced = trains, mode, False
 
@@ -192,6 +195,24 @@ class Replica:
 
 MODES = ("plain", "unused parameters", "static graph")
 INIT_SYNC = "init_sync" in inspect.signature(DistributedDataParallel).parameters  # (torch 2.5 and later)
+
+
+@contextlib.contextmanager
+def _not_broadcast(skipped: bool):
+    """Before torch 2.5 (no ``init_sync=False``), DDP built again over parameters that are rank 0's already (its
+    mode changed) broadcasts them all the same, in place: each parameter's version moves on, and a graph that saved
+    it before (a gradient penalty's, made with ``create_graph=True``, differentiated after the model's next call)
+    fails in its backward, where one device's would not. Where ``skipped``, torch's ``_sync_module_states``, as the
+    DDP module calls it, does nothing for the time of that one build (a private function of torch's, put back)."""
+    if not skipped:
+        yield
+        return
+    original = ddp_code._sync_module_states
+    ddp_code._sync_module_states = lambda **_: None
+    try:
+        yield
+    finally:
+        ddp_code._sync_module_states = original
 _UNTOUCHED: weakref.WeakSet = weakref.WeakSet()  # replicas that follow which parameters a backward left untouched
 _STEP_HOOK: list = []  # the optimizer step pre-hook that takes their zeros back, once registered
 

@@ -175,7 +175,10 @@ def averaged_with_buffers(objects, copies: list[nn.Module]) -> str | None:
     from torch.optim.swa_utils import AveragedModel
 
     held = {id(copy) for copy in copies}
-    if any(isinstance(found, AveragedModel) and found.use_buffers and id(found.module) in held for found in objects):
+    # (By the object's type, not isinstance: that reads ``__class__`` of every object on the heap, and a deprecated
+    # one warns when read, torch.distributed's ``reduce_op`` among them.)
+    if any(issubclass(type(found), AveragedModel) and found.use_buffers and id(found.module) in held
+           for found in objects):
         return ("--unchanged --shard: AveragedModel(..., use_buffers=True) averages the model's buffers in one step "
                 "with its parameters, which are shards under --shard (its buffers whole): average the parameters "
                 "alone (use_buffers=False, then torch.optim.swa_utils.update_bn for BatchNorm's statistics), or run "

@@ -26,7 +26,7 @@ from ddpkit.data.split_batches import Share, rows_of_share, share_of
 from ddpkit.unchanged.adoption import class_name
 from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.divided import Call, rows_of
-from ddpkit.unchanged.gathered import ScaleGradient, batch_shaped, map_tensors
+from ddpkit.unchanged.gathered import Gather, ScaleGradient, batch_shaped, map_tensors
 
 NOT_SPLIT = ("--unchanged: this model's batches come from no DataLoader; it returned its loss at its first call, so "
              "they are split where they enter it, but it returns none now, and a loss computed outside it would meet "
@@ -380,7 +380,7 @@ class AtTheModel:
                 isinstance(value, torch.Tensor) for value in given.values()):
             return None
         rows = rows_of((*args, *given.values()))
-        if rows is None or rows < self.world_size:
+        if rows is None or rows < self.world_size or any(map(_gradient_taken_whole, (*args, *given.values()))):
             return None
         share = share_of(range(rows), self.rank, self.world_size)
         # (A loss that a model computes over its share is counted as on a split batch: ``counted``.)
@@ -397,6 +397,17 @@ class AtTheModel:
             kwargs = {**kwargs, **dict(zip(names, rows_of_share(tuple(kwargs[name] for name in names), call.share)))}
         changed = self.items_of_the_batch(module, args, kwargs)
         return changed if changed is not None else (args, kwargs) if cut else None
+
+
+def _gradient_taken_whole(value) -> bool:
+    """Whether ``value``, given to a model's call, is a tensor whose gradient the script may take whole: one that
+    requires grad (a gradient penalty's interpolated samples, an adversarial example) and is not another model's
+    outputs gathered here. A call cut at the model gives the gradient of this rank's rows alone, zeros elsewhere
+    (``torch.autograd.grad`` of the whole batch's loss would read them), so such a call is computed whole, as one
+    device computes it; the gradient of gathered outputs (a GAN's generator's, through its discriminator) is read at
+    this rank's rows alone (``gathered.Gather``), so they are cut."""
+    return isinstance(value, torch.Tensor) and value.requires_grad and getattr(
+        value.grad_fn, "_forward_cls", None) is not Gather
 
 
 def _one_value(leaf) -> bool:

@@ -61,7 +61,7 @@ def gathered(output, *, sizes: list[int], rank: int, rows: int, with_gradients: 
         if any(tensor is other for other in kept):
             return tensor
         if tensor.dim() > 0 and tensor.size(0) == rows:
-            return _Gather.apply(tensor, sizes, rank) if with_gradients else _gather(tensor, sizes)
+            return Gather.apply(tensor, sizes, rank) if with_gradients else _gather(tensor, sizes)
         if with_gradients and tensor.requires_grad:
             shared.append(tensor)
             return ScaleGradient.apply(tensor, 1.0 / world_size)
@@ -101,7 +101,7 @@ def _gather(tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     return torch.cat([part[:size] for part, size in zip(parts, sizes)])
 
 
-class _Gather(torch.autograd.Function):
+class Gather(torch.autograd.Function):
     """``_gather`` forward; backward, this rank's own rows of the gradient (nothing sent)."""
 
     @staticmethod

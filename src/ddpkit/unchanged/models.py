@@ -163,7 +163,7 @@ class Models:
                 # fully_shard's pre-forward hook (it gathers the root's parameters) was added during this call: run it.
                 args, _ = fsdp2().fully_shard.state(module)._pre_forward(module, args, {})
             factor = self.sharded_weight()
-            return _scaled_gradients(args, inputs / factor if factor else 0.0)
+            return _differentiated_once(_scaled_gradients(args, inputs / factor if factor else 0.0), module, self.rank)
         replica = self.adoption.replicas.get(module)
         if replica is not None:  # (a tried call's DDP forward begins in ``after``, once it is one)
             # (A model of several outputs on the gathered way: a step may leave one of them unused, a loss term that
@@ -354,6 +354,35 @@ def _scaled_gradients(tree, scale: float, but=()):
         return tree
     return pytree.tree_map_only(torch.Tensor, lambda t: ScaleGradient.apply(t, scale) if t.requires_grad and not any(
         t is other for other in but) else t, tree)
+
+
+class _Once(torch.autograd.Function):
+    """The identity, whose backward refuses to be differentiated again (``_differentiated_once``)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, name: str, rank: int) -> torch.Tensor:
+        ctx.name, ctx.rank = name, rank
+        ctx.set_materialize_grads(False)
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None]:
+        if torch.is_grad_enabled():  # (a backward with create_graph=True: its graph is being made, to differentiate)
+            raise UsageError(TWICE.format(name=ctx.name), said_elsewhere=ctx.rank != 0)  # (every rank meets it)
+        return grad, None, None
+
+
+TWICE = ("--unchanged --shard: the gradient with respect to {name}'s inputs is taken with create_graph=True (a "
+         "gradient penalty), and FSDP cannot differentiate twice through a sharded model: its second backward would "
+         "not be one device's. Run without --shard (every process then holds the model whole, and trains it exactly)")
+
+
+def _differentiated_once(args: tuple, module: nn.Module, rank: int) -> tuple:
+    """A sharded model's inputs that require grad (its arguments, as its call gets them), each through ``_Once``: a
+    gradient taken with respect to them to be differentiated again (WGAN-GP's penalty: ``torch.autograd.grad`` with
+    ``create_graph=True``) is refused in one line, on every process alike, before the step that would train on it."""
+    return pytree.tree_map_only(torch.Tensor, lambda tensor: _Once.apply(tensor, class_name(module), rank)
+                                if tensor.requires_grad else tensor, args)
 
 
 def _moves_seen(models: Models) -> Callable[[], None]:
