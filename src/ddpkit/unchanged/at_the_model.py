@@ -222,7 +222,7 @@ class AtTheModel:
 
     def _draws_at_random(self, module: nn.Module, args: tuple, given: dict, whole: list) -> bool:
         """Whether ``module``'s outputs on the whole batch in evaluation (``whole``) come out otherwise from another
-        random state (computed again as ``_in_evaluation`` computes them, its generators seeded anew inside the fork)."""
+        random state (computed again as ``_in_evaluation`` computes them, its generators seeded anew in the fork)."""
         again = self._in_evaluation(module, args, given, None, reseeded=True)[0]
         return any(isinstance(leaf, torch.Tensor) and not torch.equal(leaf, other) for leaf, other in zip(whole, again))
 
