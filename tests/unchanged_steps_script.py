@@ -38,7 +38,7 @@
   diagonal), then a model that centres and scales its hidden rows by their batch's mean and spread, written by hand;
   the rows of each of their calls go into ``rows``' ``similarity`` and ``centred``; and a model that draws noise in
   its forward, in evaluation too (as a VAE does), whose rows go into ``noisy`` (its weights, each process's draws, are
-  not compared);
+  not compared); and one whose BatchNorm keeps no running statistics (its rows into ``free``);
 - **metrics** (where torchmetrics is installed): torchmetrics in training and in evaluation, a sum of the samples
   seen, a weighted mean of the loss, an accuracy and a concatenation of the scores; torchmetrics reads
   ``torch.distributed`` and syncs over any process group it finds, and this script started none.
@@ -477,9 +477,19 @@ class Noisy(BatchCentred):
         return self.last(torch.tanh(self.first(x + 0.1 * torch.randn_like(x))))
 
 
+class Free(BatchCentred):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(16, track_running_stats=False)
+
+    def forward(self, x):
+        self.rows.append(len(x))
+        return self.last(torch.tanh(self.norm(self.first(x))))
+
+
 def across():
     x, y, z = torch.randn(29, 8), torch.randn(29, 8), torch.randn(29, 2)
-    towers, centred, noisy = Similarity(), BatchCentred(), Noisy()
+    towers, centred, noisy, free = Similarity(), BatchCentred(), Noisy(), Free()
     optimizer = torch.optim.SGD([*towers.parameters(), *centred.parameters()], lr=0.1)
     for epoch in range(2):
         for left, right in loader(x, y):
@@ -493,9 +503,14 @@ def across():
         for inputs, targets in loader(x, z):
             step(optimizer, F.mse_loss(noisy(inputs), targets))
     torch.manual_seed(1)  # (its draws were each process's own: the parts after it start from a seed again)
+    optimizer = torch.optim.SGD(free.parameters(), lr=0.1)
+    for epoch in range(2):
+        for inputs, targets in loader(x, z):
+            step(optimizer, F.mse_loss(free(inputs), targets))
     result.setdefault("rows", {}).update(similarity=torch.tensor(towers.rows), centred=torch.tensor(centred.rows),
-                                         noisy=torch.tensor(noisy.rows))
-    return {**{f"towers.{k}": v for k, v in towers.state_dict().items()}, **centred.state_dict()}
+                                         noisy=torch.tensor(noisy.rows), free=torch.tensor(free.rows))
+    return {**{f"towers.{k}": v for k, v in towers.state_dict().items()}, **centred.state_dict(),
+            **{f"free.{k}": v for k, v in free.state_dict().items()}}
 
 
 def penalty():

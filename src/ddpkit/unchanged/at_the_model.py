@@ -10,6 +10,7 @@ the loss the model returns a part of the batch's sum (``items_of_the_batch``).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from collections.abc import Callable
@@ -234,10 +235,15 @@ class AtTheModel:
         another random state than the one going on (its generators seeded inside the fork)."""
         modes = [(part, part.training) for part in module.modules()]
         kept = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+        # BatchNorm keeping no running statistics normalises by its batch's in evaluation too; in training ddpkit
+        # computes it over all the processes' rows (``strategies.sync_bn``). So here it normalises by fixed ones,
+        # as one that keeps them does: what its statistics do is not what this compares.
+        free = [part for part in module.modules() if isinstance(part, nn.modules.batchnorm._BatchNorm)
+                and part.running_mean is None and part.num_features]
         batch = (self.batch.weight, self.batch.whole, self.batch.gathered, self.batch.own_batches)
         devices = [torch.cuda.current_device()] if _device_of(module).type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad():
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), _fixed_statistics(free, _device_of(module)):
                 if reseeded:
                     seed = torch.randint(2**62, ()).item() + 1  # (not the state going on: a draw from it, moved on)
                     torch.default_generator.manual_seed(seed)
@@ -421,6 +427,21 @@ def _close(whole: torch.Tensor, part: torch.Tensor) -> bool:
     tolerance = torch.finfo(whole.dtype).eps ** 0.5 if whole.is_floating_point() else 0.0
     whole, part = whole.double().item(), part.double().item()
     return abs(whole - part) <= tolerance * max(abs(whole), abs(part), 1e-12)
+
+
+@contextlib.contextmanager
+def _fixed_statistics(layers: list, device: torch.device):
+    """BatchNorm ``layers`` that keep no running statistics given fixed ones (a mean of 0, a variance of 1) for the
+    time of the block, then none again."""
+    for layer in layers:
+        layer.track_running_stats = True
+        layer.running_mean = torch.zeros(layer.num_features, device=device)
+        layer.running_var = torch.ones_like(layer.running_mean)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.track_running_stats, layer.running_mean, layer.running_var = False, None, None
 
 
 def _rows_agree(whole: list, part: list, share: Share, rows: int) -> bool:
