@@ -213,6 +213,8 @@ def _not_broadcast(skipped: bool):
         yield
     finally:
         ddp_code._sync_module_states = original
+
+
 _UNTOUCHED: weakref.WeakSet = weakref.WeakSet()  # replicas that follow which parameters a backward left untouched
 _STEP_HOOK: list = []  # the optimizer step pre-hook that takes their zeros back, once registered
 

@@ -195,20 +195,22 @@ class AtTheModel:
         share = share_of(range(rows), self.rank, self.world_size)
         part, spec = self._in_evaluation(module, args, given, share, summed=summed, at=places)
         agreed = spec == whole[1] and all(_close(whole[0][index], part[index]) for index in places)
-        if agreed and not _rows_agree(whole[0], part, share, rows):
+        rows_apart = agreed and not _rows_agree(whole[0], part, share, rows)
+        if rows_apart:
             # (A model that draws at random in evaluation too, a VAE's noise: its rows' draws are each process's own, as
             # dropout's are; whether it also computes across its rows cannot be told. A loss is compared as it is.)
             agreed = not losses and self._draws_at_random(module, args, given, whole[0])
-        agreed = torch.tensor([float(agreed)], device=_device_of(module))
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        if agreed.item() == 1:
+        decided = torch.tensor([float(agreed), float(rows_apart)], device=_device_of(module))
+        dist.all_reduce(decided, op=dist.ReduceOp.MIN)
+        if decided[0].item() == 1:
             if losses:
                 self.losses_kept[module] = (whole[1], places)
             self.rows_kept.add(module)
             return True
-        self.computed_across_rows(module, "its loss on a share of the batch, made the batch's, is not its loss on the "
-                                          "whole batch" if losses else "its outputs on a share of the batch are not "
-                                          "the share's rows of its outputs on the whole batch", losses=losses)
+        self.computed_across_rows(module, "its outputs on a share of the batch are not the share's rows of its outputs "
+                                          "on the whole batch" if decided[1].item() == 1 or not losses else
+                                          "its loss on a share of the batch, made the batch's, is not its loss on the "
+                                          "whole batch", losses=losses)
         return False
 
     def checked(self, module: nn.Module) -> bool:
