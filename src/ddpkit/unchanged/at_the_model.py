@@ -241,7 +241,7 @@ class AtTheModel:
         # computes it over all the processes' rows (``strategies.sync_bn``). So here it normalises by fixed ones,
         # as one that keeps them does: what its statistics do is not what this compares.
         free = [part for part in module.modules() if isinstance(part, nn.modules.batchnorm._BatchNorm)
-                and part.running_mean is None and part.num_features]
+                and part.running_mean is None]
         batch = (self.batch.weight, self.batch.whole, self.batch.gathered, self.batch.own_batches)
         devices = [torch.cuda.current_device()] if _device_of(module).type == "cuda" else []
         try:
