@@ -133,8 +133,8 @@ def test_only_optimizers_that_step_each_element_on_its_own_are_sharded():
     assert not steps_each_element(torch.optim.LBFGS([weight])) and not steps_each_element(Scaled([weight], lr=0.1))
 
 
-def test_an_optimizer_whose_step_is_not_elementwise_keeps_auto_on_the_replica_and_is_refused_by_always(monkeypatch,
-                                                                                                         caplog):
+def test_a_step_not_elementwise_or_a_sparse_layer_keeps_auto_on_the_replica_and_is_refused_by_always(
+        monkeypatch, caplog):
     from ddpkit.core.logs import logger
     from ddpkit.unchanged.adoption import Adoption
     from ddpkit.unchanged.batches import Batch
@@ -144,6 +144,9 @@ def test_an_optimizer_whose_step_is_not_elementwise_keeps_auto_on_the_replica_an
     optimizers = Optimizers(rank=0)
     lbfgs = torch.optim.LBFGS(model.parameters())  # the script holds its optimizer: Optimizers' hold is weak
     optimizers.built.add(lbfgs)  # (as the wrap of Optimizer.__init__ records it)
+    ratings = nn.Sequential(nn.Embedding(9, 4, sparse=True), nn.Linear(4, 1))  # (its gradients: sparse tensors)
+    sgd = torch.optim.SGD(ratings.parameters(), lr=0.1)
+    optimizers.built.add(sgd)
     monkeypatch.setattr(layouts, "device_memory", lambda device: (0, GiB))  # nothing free: auto would shard
     monkeypatch.setattr(layouts, "least_of_all_ranks", lambda memory, device: memory)
 
@@ -154,9 +157,12 @@ def test_an_optimizer_whose_step_is_not_elementwise_keeps_auto_on_the_replica_an
     try:
         with caplog.at_level(logging.INFO, logger=logger.name):
             assert models("auto").layout(model) == "replica"
+            assert models("auto").layout(ratings) == "replica"
     finally:
         logger.removeHandler(caplog.handler)
-    [said] = [record.getMessage() for record in caplog.records]
+    said, sparse = [record.getMessage() for record in caplog.records]
+    assert sparse.endswith("; but its Embedding has sparse gradients, which a shard cannot hold: it may run out of "
+                           "memory)")
     assert said.startswith("--unchanged: Sequential stays a whole replica on each of the 2 processes (--shard auto: "
                            "its training state adds ")
     assert said.endswith("; but LBFGS steps it, and over a shard its step would not be one device's: it may run out "
@@ -165,6 +171,10 @@ def test_an_optimizer_whose_step_is_not_elementwise_keeps_auto_on_the_replica_an
                                          r"of torch.optim's optimizers that update each element on its own .* Run with "
                                          r"--shard never"):
         models("always").layout(model)
+    with pytest.raises(UsageError, match=r"^--unchanged --shard: Sequential holds an Embedding with sparse=True, and a "
+                                         r"shard's gradients are dense: run with --shard never \(each process a whole "
+                                         r"replica\)$"):
+        models("always").layout(ratings)
 
 
 # -- runs: sharded on 2 processes against one device ---------------------------------------------------------------
@@ -534,12 +544,13 @@ def test_steps_that_take_the_gathered_way_train_sharded_as_on_one_process(shardi
     """tests/unchanged_steps_script.py under ``--shard always`` on 2 processes against 1: every printed line and every
     weight to 1e-9 (the gathered way with FSDP2's averaging). Its last part, a gradient penalty (a second backward
     through the sharded critic, which FSDP cannot take as one device would: 8.2e-3 before), is refused in one line,
-    exit status 2, at its first step."""
+    exit status 2, at its first step; the part after it (sparse embeddings, which a shard cannot hold) is not
+    reached."""
     from test_unchanged import assert_steps_as_on_one_process, steps_run
 
     weights, printed, said = steps_run(tmp_path, 2, "--shard", "always", expect=2)
     assert said.count("FSDP cannot differentiate twice through a sharded model") == 1 and "Traceback" not in said, said
-    one = ({part: value for part, value in steps_one[0].items() if part != "penalty"},
-           [line for line in steps_one[1] if not line.startswith("penalty ")], steps_one[2])
+    one = ({part: value for part, value in steps_one[0].items() if part not in ("penalty", "sparse")},
+           [line for line in steps_one[1] if not line.startswith(("penalty ", "sparse "))], steps_one[2])
     assert "penalty" not in weights and not any(line.startswith("penalty ") for line in printed), printed
     assert_steps_as_on_one_process(one, (weights, printed, said))

@@ -63,7 +63,7 @@ from torch.utils.data import DataLoader, TensorDataset
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
                                             "keywords", "auxiliary", "later", "inside", "returned", "loading",
                                             "augmented", "across"] + (
-    ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty"]
+    ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse"]
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
 result = {}
@@ -530,6 +530,32 @@ def penalty():
             step(generator_steps, -critic(generator(torch.randn(real.size(0), 4))).mean())
     return {**{f"generator.{k}": v for k, v in generator.state_dict().items()},
             **{f"critic.{k}": v for k, v in critic.state_dict().items()}}
+
+
+class Ratings(nn.Module):
+    """Matrix factorisation over sparse embeddings (``sparse=True``: their gradients are sparse tensors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.users, self.items = nn.Embedding(11, 4, sparse=True), nn.Embedding(7, 4, sparse=True)
+        self.bias = nn.Linear(8, 1)
+
+    def forward(self, users, items):
+        return self.bias(torch.cat([self.users(users), self.items(items)], 1)).squeeze(1)
+
+
+def sparse():
+    users, items, ratings = torch.randint(0, 11, (29,)), torch.randint(0, 7, (29,)), torch.rand(29) * 5
+    model = Ratings()
+    embeddings = torch.optim.SparseAdam([model.users.weight, model.items.weight], lr=0.05)
+    dense = torch.optim.SGD(model.bias.parameters(), lr=0.05)
+    for epoch in range(2):
+        for who, what, rated in loader(users, items, ratings):
+            loss = F.mse_loss(model(who, what), rated)
+            dense.zero_grad()
+            step(embeddings, loss, f"sparse {epoch}")
+            dense.step()
+    return model.state_dict()
 
 
 def metrics():

@@ -66,6 +66,9 @@ class Replica:
         self.name = type(module).__name__
         self.weight = weight
         self.parameters = list(module.parameters())
+        # (Layers whose gradients are sparse: DDP expects one from a parameter's own layer, ``reduced_over``.)
+        self.sparse = [layer for layer in module.modules() if isinstance(layer, (nn.Embedding, nn.EmbeddingBag))
+                       and layer.sparse]
         self.find_unused = find_unused  # look for unused parameters at every step, whatever the probe showed
         self.ddp: DistributedDataParallel | None = None
         self.trains: tuple[bool, ...] = ()  # which parameters required a gradient when ``ddp`` was built
@@ -170,7 +173,8 @@ class Replica:
         logger.debug(f"--unchanged: {self.name}'s DDP built over {sum(trains)} trainable parameters ({mode})")
         self.ddp = None  # (the reducer before it, its hooks with it)
         with _not_broadcast(synced and not INIT_SYNC):
-            self.ddp = DistributedDataParallel(nn.ParameterList(self.parameters), static_graph=mode == "static graph",
+            self.ddp = DistributedDataParallel(reduced_over(self.parameters, self.sparse),
+                                               static_graph=mode == "static graph",
                                                find_unused_parameters=mode == "unused parameters",
                                                **({"init_sync": False} if synced and INIT_SYNC else {}))
         self.ddp.register_comm_hook(self, Replica.reduce)
@@ -191,6 +195,18 @@ class Replica:
         decided = torch.tensor([mode], device=self.parameters[0].device)
         dist.all_reduce(decided, op=dist.ReduceOp.MAX)
         return MODES[int(decided.item())]
+
+
+def reduced_over(parameters: list[nn.Parameter], sparse: list[nn.Module]) -> nn.Module:
+    """What a ``Replica``'s DDP is built over: ``parameters`` in a ``ParameterList``, but for those of the ``sparse``
+    layers (an ``Embedding`` or ``EmbeddingBag`` with ``sparse=True``), held by their own layer, from which DDP learns
+    that their gradients are sparse (built over a list alone, it reads a sparse gradient as dense, and fails)."""
+    in_layers = {id(layer.weight) for layer in sparse}
+    holder = nn.Module()
+    holder.dense = nn.ParameterList([parameter for parameter in parameters if id(parameter) not in in_layers])
+    for index, layer in enumerate(sparse):
+        holder.add_module(f"sparse{index}", layer)  # (a reference: the layer itself is not changed)
+    return holder
 
 
 MODES = ("plain", "unused parameters", "static graph")

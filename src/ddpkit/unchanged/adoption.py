@@ -130,10 +130,16 @@ class Adoption:
             return "replica"
         stepped_by = self.optimizers.holding(module.parameters())
         odd = next((optimizer for optimizer in stepped_by if not steps_each_element(optimizer)), None)
+        sparse = next((layer for layer in module.modules() if isinstance(layer, (nn.Embedding, nn.EmbeddingBag))
+                       and layer.sparse), None)
         device = arriving or next(module.parameters()).device
         if self.shard == "always":
             if odd is not None:
                 raise UsageError(not_elementwise(odd, name), said_elsewhere=self.rank != 0)
+            if sparse is not None:
+                raise UsageError(f"--unchanged --shard: {name} holds an {type(sparse).__name__} with sparse=True, "
+                                 "and a shard's gradients are dense: run with --shard never (each process a whole "
+                                 "replica)", said_elsewhere=self.rank != 0)
             layout, why = "full", "--shard always"
         else:
             memory = layouts.device_memory(device)
@@ -143,7 +149,10 @@ class Adoption:
             estimate = layouts.estimate(module.parameters(), stepped_by, arriving=arriving is not None)
             layout, why = layouts.choose(estimate, world_size=self.world_size, free=free, total=total)
             why = f"--shard auto: {why}"
-            if layout != "replica" and odd is not None:
+            if layout != "replica" and sparse is not None:
+                layout, why = "replica", (f"{why}; but its {type(sparse).__name__} has sparse gradients, which a "
+                                          "shard cannot hold: it may run out of memory")
+            elif layout != "replica" and odd is not None:
                 layout, why = "replica", (f"{why}; but {type(odd).__name__} steps it, and over a shard its step would "
                                           "not be one device's: it may run out of memory")
         if arriving is not None:
