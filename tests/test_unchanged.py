@@ -81,6 +81,33 @@ def test_the_shared_stream_draws_the_same_order_whatever_the_global_stream_did_a
     assert orders[0] == orders[1] and orders[0][0] != orders[0][1][:10]
 
 
+def test_a_second_derivative_with_respect_to_weights_cut_at_the_model_is_refused_in_one_line_and_a_first_is_not():
+    """``torch.autograd.grad(..., create_graph=True)`` with respect to the weights of a model whose calls on this
+    batch were cut (a MAML inner step, a gradient-norm penalty: 1.2e-2 and 2.6e-2 from one process before) is refused
+    in one line; a first derivative, or a second where nothing was cut, is torch's own (no DDP built here: nothing to
+    reduce)."""
+    import types
+
+    from ddpkit.core.errors import UsageError
+    from ddpkit.unchanged.taken import TakenGradients
+
+    model = nn.Linear(2, 1)
+    replica = types.SimpleNamespace(name="Linear", parameters=list(model.parameters()), ddp=None)
+    cut = [True]
+    taken = TakenGradients(rank=0, owners=lambda: ([replica], []), cut=lambda: cut[0])
+    loss = (model(torch.ones(3, 2)) ** 2).sum()
+    expected = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    with pytest.raises(UsageError, match=r"^--unchanged: torch.autograd.grad\(..., create_graph=True\) with respect "
+                                         r"to Linear's parameters, on a batch whose model calls are cut .* run with "
+                                         r"--nproc-per-node 1$"):
+        taken(loss, list(model.parameters()), create_graph=True)
+    first = taken(loss, list(model.parameters()), retain_graph=True)
+    cut[0] = False
+    second = taken(loss, list(model.parameters()), None, True, True)  # (create_graph given by position)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(expected, first, second))
+    assert second[0].requires_grad and not first[0].requires_grad
+
+
 def test_the_setting_travels_as_one_word_and_a_bad_reduction_is_refused():
     assert Setting.decode(Setting(seed=3, loss_reduction="sum").encode()) == Setting(seed=3, loss_reduction="sum")
     assert Setting.decode(Setting().encode()) == Setting(seed=None, loss_reduction="mean")
@@ -747,8 +774,8 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     (weights_one, printed_one, _), (weights_two, printed_two, said) = one, two
     # (whether it finds a group, 10 steps a model but 6 of the binary one and 20 of the augmented one, 2 epochs' lines
     # of five models, a call that raised, and 2 of each epoch's metrics where torchmetrics is installed)
-    lines = (1 + (14 + ("penalty" in weights_one) + ("sparse" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1
-             + 4 * ("metrics" in weights_one))
+    lines = (1 + (14 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)) * 10
+             + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one))
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     for part, weights in weights_one.items():
         if part not in ("rows", "logs"):

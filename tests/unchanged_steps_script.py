@@ -63,7 +63,7 @@ from torch.utils.data import DataLoader, TensorDataset
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
                                             "keywords", "auxiliary", "later", "inside", "returned", "loading",
                                             "augmented", "across"] + (
-    ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse"]
+    ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse", "taken"]
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
 result = {}
@@ -556,6 +556,44 @@ def sparse():
             step(embeddings, loss, f"sparse {epoch}")
             dense.step()
     return model.state_dict()
+
+
+def taken():
+    """Gradients that the script takes itself and sets by hand: ``torch.autograd.grad`` with respect to the weights,
+    and per-sample gradients by torch.func (DP-SGD's clipping), each set as ``p.grad`` before the optimizer's step."""
+    from torch.func import functional_call, grad, vmap
+
+    x, y = torch.randn(29, 8), torch.randint(0, 3, (29,))
+    by_hand, per_sample, read = (nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)) for _ in range(3))
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (by_hand, per_sample, read)]
+
+    def sample_loss(weights, inputs, label):
+        return F.cross_entropy(functional_call(per_sample, weights, (inputs[None],)), label[None])
+
+    for epoch in range(2):
+        for inputs, labels in loader(x, y):
+            loss = F.cross_entropy(by_hand(inputs), labels)
+            for parameter, gradient in zip(by_hand.parameters(), torch.autograd.grad(loss, list(by_hand.parameters()))):
+                parameter.grad = gradient
+            optimizers[0].step()
+            print(f"taken {epoch}: loss {loss.item():.12f}")
+            weights = {name: parameter.detach() for name, parameter in per_sample.named_parameters()}
+            each = vmap(grad(sample_loss), in_dims=(None, 0, 0))(weights, inputs, labels)
+            norms = torch.stack([value.flatten(1).norm(dim=1) for value in each.values()]).norm(dim=0)
+            clipped = (1.0 / norms).clamp(max=1.0)
+            for name, parameter in per_sample.named_parameters():
+                parameter.grad = (each[name] * clipped.view(-1, *[1] * (each[name].dim() - 1))).sum(0) / len(inputs)
+            optimizers[1].step()
+            print(f"taken {epoch}: norms {norms.sum().item():.12f}")
+            # The gradient's norm read first (its graph kept: at the first step, through DDP's static graph, which
+            # reduces there), then a second call before one backward of both (before: a crash in DDP's backward).
+            loss = F.cross_entropy(read(inputs), labels)
+            norm = torch.cat([gradient.flatten() for gradient in torch.autograd.grad(
+                loss, list(read.parameters()), retain_graph=True)]).norm()
+            step(optimizers[2], loss + F.cross_entropy(read(inputs * 1.1), labels) / (1 + norm.detach()))
+    return {**{f"by_hand.{k}": v for k, v in by_hand.state_dict().items()},
+            **{f"per_sample.{k}": v for k, v in per_sample.state_dict().items()},
+            **{f"read.{k}": v for k, v in read.state_dict().items()}}
 
 
 def metrics():

@@ -82,6 +82,7 @@ class Replica:
         self.untouched: set[int] = set()
         self.received: set[int] = set()
         self.reduced = False  # the reducer's last backward pass reduced its last bucket
+        self.retired: DistributedDataParallel | None = None  # the one before ``ddp``, kept a while (``build``)
 
     def before(self, args: tuple, *, begin: bool = True, unused: bool = False) -> None:
         """A training call begins (gradients on, the module in training mode). ``begin``: DDP's forward with it (else
@@ -89,6 +90,8 @@ class Replica:
         ``unused``: the call's outputs are gathered from a whole batch (the same on every rank), and a step may leave
         some of them unused: DDP looks for unused parameters from then on (built again once, where it did not)."""
         trains = self.trainable()
+        if self.retired is not None and self.reduced:
+            self.retired = None  # (the new reducer reduced a backward: the graph of the step before is done)
         if unused and not self.outputs_may_go_unused:
             self.outputs_may_go_unused = True
             self.follow_gradients()
@@ -171,7 +174,12 @@ class Replica:
         """DDP over the parameters, as ``mode`` (``MODES``) says; ``synced``: they are rank 0's already (DDP need not
         broadcast them again, where its release can be told so)."""
         logger.debug(f"--unchanged: {self.name}'s DDP built over {sum(trains)} trainable parameters ({mode})")
-        self.ddp = None  # (the reducer before it, its hooks with it)
+        # The reducer before it goes, its hooks with it; but one whose outputs pass through DDP's own autograd
+        # function (a static graph's first iteration, or unused parameters looked for), which holds it weakly, is
+        # kept until the new one has reduced: a graph that the step made through it may still run backward (a
+        # gradient taken with create_graph=True, before the model's next call in the same step).
+        self.retired = self.ddp if self.mode in ("static graph", "unused parameters") else None
+        self.ddp = None
         with _not_broadcast(synced and not INIT_SYNC):
             self.ddp = DistributedDataParallel(reduced_over(self.parameters, self.sparse),
                                                static_graph=mode == "static graph",

@@ -31,6 +31,7 @@ from torch.nn.modules import module as module_hooks
 from torch.utils import _pytree as pytree
 
 from ddpkit.core.errors import UsageError
+from ddpkit.core.logs import logger
 from ddpkit.data.split_batches import share_sizes
 from ddpkit.strategies.in_place import Replica
 from ddpkit.unchanged.adoption import Adoption, class_name, is_trainable
@@ -39,6 +40,7 @@ from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.divided import KEYWORDS_SEEN, Call, Evaluations
 from ddpkit.unchanged.gathered import ScaleGradient, gathered
 from ddpkit.unchanged.randomness import Streams
+from ddpkit.unchanged.taken import TakenGradients
 
 
 RAISED = object()  # what ``Models.after`` gets for the output of a call that raised
@@ -71,6 +73,7 @@ class Models:
         # Models that return several outputs, none computed from another (a head and an auxiliary head; not a loss
         # computed from the logits it returns with them): a step may leave one unused. Decided at a first call.
         self.several_outputs: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.functional: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # called under torch.func (said once)
         self._outputs_seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def install(self) -> None:
@@ -87,9 +90,12 @@ class Models:
 
         if self.world_size > 1 and self.adoption.shard != "never":
             self._undo_moves = _moves_seen(self)
+        if self.world_size > 1:  # (gradients that the script takes itself: ``taken``)
+            self._undo_taken = TakenGradients.installed(rank=self.rank, adoption=self.adoption, batch=self.batch)
 
     def uninstall(self) -> None:
         self.off = True
+        getattr(self, "_undo_taken", lambda: None)()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -98,7 +104,7 @@ class Models:
 
     def before(self, module: nn.Module, args: tuple):
         self.depth += 1
-        if self.depth != 1 or self.off:
+        if self.depth != 1 or self.off or self._left_to_the_script(module):
             return None
         watch = self.watching()
         if watch is None:
@@ -171,6 +177,26 @@ class Models:
             replica.before(args, begin=not self._calls[-1].tried,
                            unused=self.batch.gathered_way and module in self.several_outputs)
         return _scaled_gradients(args, inputs) if share is not None else None
+
+    def _left_to_the_script(self, module: nn.Module) -> bool:
+        """Whether ``module``'s call is under torch.func (``_functional``), and left as it is: its gradients are the
+        script's own, not a call of the model's to cut or average. In training, said once; refused on a batch that
+        its loader split."""
+        if not _functional(module):
+            return False
+        if not (module.training and torch.is_grad_enabled()):
+            return True
+        if module not in self.functional and self.world_size > 1 and self.rank == 0:
+            logger.warning(f"--unchanged: {class_name(module)} is called under torch.func (vmap, grad or "
+                           "functional_call), and the script takes its gradients itself: every process computes "
+                           "each of its steps whole, as one device does (exact, and no faster)")
+        self.functional.add(module)
+        if self.world_size > 1 and self.batch.loader_share:
+            raise UsageError(f"--unchanged: {class_name(module)} is called under torch.func on a batch that its "
+                             "loader split (another model trains on it), and the gradients the script takes there "
+                             "would be this process's share's: train it on a loader of its own",
+                             said_elsewhere=self.rank != 0)
+        return True
 
     def evaluating(self, module: nn.Module, args: tuple):
         """A model called without training: its loader's pass learns it is an evaluation, and a whole batch is
@@ -354,6 +380,16 @@ def _scaled_gradients(tree, scale: float, but=()):
         return tree
     return pytree.tree_map_only(torch.Tensor, lambda t: ScaleGradient.apply(t, scale) if t.requires_grad and not any(
         t is other for other in but) else t, tree)
+
+
+def _functional(module: nn.Module) -> bool:
+    """Whether ``module`` is called under a transform of torch.func (``vmap``, ``grad``: per-sample gradients) or with
+    tensors of the script's own in place of its parameters (``torch.func.functional_call``). Such a call is left as it
+    is: the script takes its gradients itself, and sets them (``p.grad = ...``) where DDP's reducer would never see
+    them; with no training call of a model seen, its loader's batches stay whole on every process, which computes
+    each step as one device does."""
+    return (torch._C._functorch.peek_interpreter_stack() is not None
+            or any(not isinstance(parameter, nn.Parameter) for parameter in module.parameters()))
 
 
 class _Once(torch.autograd.Function):

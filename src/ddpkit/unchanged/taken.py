@@ -1,0 +1,115 @@
+"""Gradients that the script takes itself, with respect to a model's parameters (``ddpkit run --unchanged``, several
+processes): ``torch.autograd.grad(loss, model.parameters())``, whose result a script sets as the gradients by hand
+(``p.grad = g``), steps with, or makes fast weights from (MAML's inner step, ``create_graph=True``).
+
+DDP averages the gradients that a backward accumulates into ``.grad``; ``torch.autograd.grad`` accumulates nothing,
+so on its own each process would hold its part: its share's gradient, or on the gathered way its rows'. Here each
+such gradient is made the whole batch's as DDP's reducer would make it: the sum over the processes of each one's
+times the model's weight for this batch (``in_place.Replica.weight``). Its backward (``create_graph=True``) is the
+identity: every process computes the same loss from it, and the gradient that flows back through each process's part
+is its part of one device's, which DDP's reducer sums in the script's next backward.
+
+Every process takes the same gradients where this acts: the step is not proven on the split way (``step_rule``: a
+tensor that trains, used outside the model), so its loader takes the gathered way, where every process runs the
+script's code on the whole batch. Under ``--shard``, a sharded model's gradients exist only in FSDP's backward:
+refused in one line. (``torch.autograd.grad`` is replaced: PyTorch has no hook there.)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ddpkit.core.errors import UsageError
+
+
+class TakenGradients:
+    """The replacement of ``torch.autograd.grad``: the original's result, each gradient of a replica's parameter made
+    the whole batch's. ``owners`` gives the replicas (``in_place.Replica``) and the sharded models, as held now."""
+
+    def __init__(self, *, rank: int, owners: Callable[[], tuple[list, list[nn.Module]]], cut: Callable[[], bool]):
+        self.rank = rank
+        self.owners = owners
+        self.cut = cut  # the models' calls on this batch are cut across the processes, their outputs gathered
+        self.original = torch.autograd.grad
+        self.within = False  # a call of ours goes on (torch's function modes call this again, from the original)
+        functools.update_wrapper(self, self.original)
+
+    @classmethod
+    def installed(cls, *, rank: int, adoption, batch) -> Callable[[], None]:
+        """Installed for ``adoption``'s models (``unchanged.adoption``) on ``batch``'s calls; its ``uninstall``."""
+        taken = cls(rank=rank, owners=lambda: (list(adoption.replicas.values()), list(adoption.sharded)),
+                    cut=lambda: batch.gathered)
+        taken.install()
+        return taken.uninstall
+
+    def install(self) -> None:
+        torch.autograd.grad = self
+
+    def uninstall(self) -> None:
+        if torch.autograd.grad is self:
+            torch.autograd.grad = self.original
+
+    def __call__(self, outputs, inputs=None, *args, **kwargs):
+        if self.within:
+            return self.original(outputs, inputs, *args, **kwargs)
+        self.refuse_a_second_derivative(inputs, kwargs.get("create_graph", args[2] if len(args) > 2 else False))
+        self.within = True
+        try:
+            result = self.original(outputs, inputs, *args, **kwargs)
+        finally:
+            self.within = False
+        taken = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs or ())
+        replicas, sharded = self.owners()
+        if not taken or not (replicas or sharded):
+            return result
+        held = {id(parameter): replica for replica in replicas if replica.ddp is not None
+                for parameter in replica.parameters}
+        for module in sharded:
+            if any(any(tensor is parameter for parameter in module.parameters()) for tensor in taken):
+                raise UsageError(f"--unchanged --shard: torch.autograd.grad with respect to {type(module).__name__}'s "
+                                 "parameters, which are sharded: FSDP makes their gradients only in a backward "
+                                 "(loss.backward()). Run with --shard never", said_elsewhere=self.rank != 0)
+        if not any(id(tensor) in held for tensor in taken):
+            return result
+        return tuple(ReducedGradient.apply(gradient, held[id(tensor)].weight())
+                     if gradient is not None and id(tensor) in held else gradient
+                     for tensor, gradient in zip(taken, result))
+
+
+    def refuse_a_second_derivative(self, inputs, create_graph: bool) -> None:
+        """A gradient with respect to the parameters of a model whose calls on this batch were cut, with
+        ``create_graph=True``, is refused in one line: its first derivative is one device's, but the second, through
+        the gathered outputs (whose gradient each process divides by its weight, which DDP multiplies back in once),
+        would count each process's part of it twice."""
+        if not create_graph or not self.cut():
+            return
+        taken = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs or ())
+        replicas, _ = self.owners()
+        owner = next((replica for replica in replicas for parameter in replica.parameters
+                      if any(tensor is parameter for tensor in taken)), None)
+        if owner is not None:
+            raise UsageError(f"--unchanged: torch.autograd.grad(..., create_graph=True) with respect to {owner.name}'s "
+                             "parameters, on a batch whose model calls are cut across the processes: the second "
+                             "derivative would not be one device's. Such a step (a meta-learning inner step, a "
+                             "gradient-norm penalty) trains as one device's on one process: run with "
+                             "--nproc-per-node 1", said_elsewhere=self.rank != 0)
+
+
+class ReducedGradient(torch.autograd.Function):
+    """The sum over the processes of each one's ``gradient`` times its ``weight`` forward; the identity backward (see
+    the module)."""
+
+    @staticmethod
+    def forward(ctx, gradient: torch.Tensor, weight: float) -> torch.Tensor:
+        reduced = gradient.detach() * weight
+        dist.all_reduce(reduced)
+        return reduced
+
+    @staticmethod
+    def backward(ctx, upstream: torch.Tensor):
+        return upstream, None
