@@ -774,8 +774,8 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     (weights_one, printed_one, _), (weights_two, printed_two, said) = one, two
     # (whether it finds a group, 10 steps a model but 6 of the binary one and 20 of the augmented one, 2 epochs' lines
     # of five models, a call that raised, and 2 of each epoch's metrics where torchmetrics is installed)
-    lines = (1 + (14 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)) * 10
-             + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one))
+    lines = (1 + (14 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
+                  + ("scripted" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one))
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     for part, weights in weights_one.items():
         if part not in ("rows", "logs"):
@@ -807,6 +807,7 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     assert said.count("returns a loss that is not shown to be a mean or a sum over the rows of its batch") == (
         1 if KEYWORDS_SEEN else 4)
     assert said.count("a training step that is not proven exact on split batches") == 1, said
+    assert said.count("Sequential is a TorchScript module (torch.jit.script or trace)") == ("scripted" in weights_two)
     # A model called twice before a backward (two views) on the gathered way: both calls cut at the model (rank 0's
     # share of a batch of 6, and of the last of 5, is 3), from the first step on (a sharded model's first call whole).
     # (After its first call, the check's: that batch whole and this share, without gradients: ``check_both_ways``.)

@@ -63,7 +63,7 @@ from torch.utils.data import DataLoader, TensorDataset
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
                                             "keywords", "auxiliary", "later", "inside", "returned", "loading",
                                             "augmented", "across"] + (
-    ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse", "taken"]
+    ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse", "taken", "scripted"]
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
 result = {}
@@ -594,6 +594,17 @@ def taken():
     return {**{f"by_hand.{k}": v for k, v in by_hand.state_dict().items()},
             **{f"per_sample.{k}": v for k, v in per_sample.state_dict().items()},
             **{f"read.{k}": v for k, v in read.state_dict().items()}}
+
+
+def scripted():
+    """A TorchScript model, trained as it is (it takes no hooks of a module's own)."""
+    x, y = torch.randn(29, 8), torch.randint(0, 3, (29,))
+    model = torch.jit.script(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(2):
+        for inputs, labels in loader(x, y):
+            step(optimizer, F.cross_entropy(model(inputs), labels), f"scripted {epoch}")
+    return model.state_dict()
 
 
 def metrics():
