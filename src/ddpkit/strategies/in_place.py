@@ -181,7 +181,8 @@ class Replica:
         self.retired = self.ddp if self.mode in ("static graph", "unused parameters") else None
         self.ddp = None
         with _not_broadcast(synced and not INIT_SYNC):
-            self.ddp = DistributedDataParallel(reduced_over(self.parameters, self.sparse),
+            spare = mode == "unused parameters" and not self.find_unused  # (ddpkit's decision, not the flag's)
+            self.ddp = DistributedDataParallel(reduced_over(self.parameters, self.sparse, spare=spare),
                                                static_graph=mode == "static graph",
                                                find_unused_parameters=mode == "unused parameters",
                                                **({"init_sync": False} if synced and INIT_SYNC else {}))
@@ -205,12 +206,17 @@ class Replica:
         return MODES[int(decided.item())]
 
 
-def reduced_over(parameters: list[nn.Parameter], sparse: list[nn.Module]) -> nn.Module:
+def reduced_over(parameters: list[nn.Parameter], sparse: list[nn.Module], *, spare: bool = False) -> nn.Module:
     """What a ``Replica``'s DDP is built over: ``parameters`` in a ``ParameterList``, but for those of the ``sparse``
     layers (an ``Embedding`` or ``EmbeddingBag`` with ``sparse=True``), held by their own layer, from which DDP learns
-    that their gradients are sparse (built over a list alone, it reads a sparse gradient as dense, and fails)."""
+    that their gradients are sparse (built over a list alone, it reads a sparse gradient as dense, and fails).
+    ``spare``: one more parameter of one element, of ddpkit's, that no step uses (DDP looks for unused parameters,
+    where ddpkit decided that a step may leave some: it then finds one at every step, and does not warn, at a step
+    that used all of the model's, that the user should turn off a flag they never set)."""
     in_layers = {id(layer.weight) for layer in sparse}
     holder = nn.Module()
+    if spare:
+        holder.spare = nn.Parameter(torch.zeros(1, device=parameters[0].device))
     holder.dense = nn.ParameterList([parameter for parameter in parameters if id(parameter) not in in_layers])
     for index, layer in enumerate(sparse):
         holder.add_module(f"sparse{index}", layer)  # (a reference: the layer itself is not changed)
