@@ -85,7 +85,7 @@ def test_a_second_derivative_with_respect_to_weights_cut_at_the_model_is_refused
     """``torch.autograd.grad(..., create_graph=True)`` with respect to the weights of a model whose calls on this
     batch were cut (a MAML inner step, a gradient-norm penalty: 1.2e-2 and 2.6e-2 from one process before) is refused
     in one line; a first derivative, or a second where nothing was cut, is torch's own (no DDP built here: nothing to
-    reduce)."""
+    reduce). Under --shard, a gradient with respect to a sharded model's weights is refused in one line."""
     import types
 
     from ddpkit.core.errors import UsageError
@@ -106,6 +106,13 @@ def test_a_second_derivative_with_respect_to_weights_cut_at_the_model_is_refused
     second = taken(loss, list(model.parameters()), None, True, True)  # (create_graph given by position)
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(expected, first, second))
     assert second[0].requires_grad and not first[0].requires_grad
+    # Under --shard, any gradient taken with respect to a sharded model's weights: FSDP makes them only in a backward.
+    sharded = TakenGradients(rank=0, owners=lambda: ([], [model]), cut=lambda: False)
+    with pytest.raises(UsageError, match=r"^--unchanged --shard: torch.autograd.grad with respect to Linear's "
+                                         r"parameters, which are sharded: .* Run with --shard never$"):
+        sharded(loss, [model.weight], retain_graph=True)
+    other = torch.ones(1, requires_grad=True)  # (a gradient with respect to anything else: torch's own)
+    assert torch.equal(sharded((other * 3).sum(), other)[0], torch.full((1,), 3.0))
 
 
 def test_the_setting_travels_as_one_word_and_a_bad_reduction_is_refused():
