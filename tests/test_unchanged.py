@@ -781,7 +781,7 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     (weights_one, printed_one, _), (weights_two, printed_two, said) = one, two
     # (whether it finds a group, 10 steps a model but 6 of the binary one and 20 of the augmented one, 2 epochs' lines
     # of five models, a call that raised, and 2 of each epoch's metrics where torchmetrics is installed)
-    lines = (1 + (14 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
+    lines = (1 + (15 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
                   + ("scripted" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one))
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     for part, weights in weights_one.items():
@@ -814,6 +814,7 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     assert said.count("returns a loss that is not shown to be a mean or a sum over the rows of its batch") == (
         1 if KEYWORDS_SEEN else 4)
     assert said.count("a training step that is not proven exact on split batches") == 1, said
+    assert said.count("trains on each process's shares of batches that a split pass handed out, handed out") == 1, said
     # (A model of several outputs on the gathered way, whose DDP looks for unused parameters, ddpkit's decision: DDP
     # does not tell the user to turn off a flag they never set.)
     assert "find_unused_parameters=True was specified" not in said, said

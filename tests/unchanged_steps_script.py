@@ -62,7 +62,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
                                             "keywords", "auxiliary", "later", "inside", "returned", "loading",
-                                            "augmented", "across"] + (
+                                            "augmented", "across", "cycled"] + (
     ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse", "taken", "scripted"]
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
@@ -511,6 +511,21 @@ def across():
                                          noisy=torch.tensor(noisy.rows), free=torch.tensor(free.rows))
     return {**{f"towers.{k}": v for k, v in towers.state_dict().items()}, **centred.state_dict(),
             **{f"free.{k}": v for k, v in free.state_dict().items()}}
+
+
+def cycled():
+    """A loader read through ``itertools.cycle``, which keeps its first pass's batches (here, each process's shares)
+    and hands them out again, in their order, once the pass has ended (before: refused in one line at the first)."""
+    import itertools
+
+    x, y = torch.randn(29, 8), torch.randn(29, 1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batches = itertools.cycle(loader(x, y))
+    for number in range(10):
+        inputs, targets = next(batches)
+        step(optimizer, F.mse_loss(model(inputs), targets), f"cycled {number // 5}")
+    return model.state_dict()
 
 
 def penalty():

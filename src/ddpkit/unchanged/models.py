@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.modules import module as module_hooks
 from torch.utils import _pytree as pytree
@@ -74,6 +75,8 @@ class Models:
         # computed from the logits it returns with them): a step may leave one unused. Decided at a first call.
         self.several_outputs: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.functional: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # called under torch.func (said once)
+        self.split_trained: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # trained on a split loader's shares
+        self.held_said = False  # a share handed out again was trained on (``_held_share``)
         self._outputs_seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def install(self) -> None:
@@ -129,12 +132,10 @@ class Models:
         from_loader = self.batch.loader_passes > 0 and not self.batch.coupled
         # (One process: nothing to split. A model whose first call returned no loss: every call whole, below.)
         split = self.world_size > 1 and not from_loader and not first and not self.at_the_model.is_whole(module)
-        if split and not self.batch.coupled and module not in self.at_the_model.with_loss:
-            # First called on a loader's batches, now on one that no pass handed out: where it is the same on every
-            # rank (the script's own, from the shared streams), one device's computation, whole; else no way to it.
-            if not self.the_same_everywhere(args):
-                raise UsageError(NOT_FOLLOWED, said_elsewhere=self.rank != 0)
-            split = False
+        held = split and not self.batch.coupled and module not in self.at_the_model.with_loss
+        if held:  # on a batch no pass handed out: the same on every rank (the shared streams'), whole; else a share
+            # that a split pass handed out, handed out again (``_held_share``)
+            held, split = not self.the_same_everywhere(args) and self._held_share(module, args), False
         share, whole_args, cut = None, args, None
         if split:
             args, share = self.at_the_model.split(args)
@@ -149,7 +150,7 @@ class Models:
                 cut = self.at_the_model.split_first(module, args)
             if cut is not None:
                 args, share = cut
-        elif not from_loader:
+        elif not from_loader and not held:
             self.batch.set_whole()  # the same computation on every rank, from the shared streams: one device's
         if share is not None:
             self.streams.enter_forward()  # each rank's rows draw their own dropout, as rows of one batch do
@@ -159,6 +160,8 @@ class Models:
                                 keywords=call_keywords(module) if tried else {},
                                 learning=first and not self.batch.loader_passes and not self.batch.coupled,
                                 of_a_split_batch=from_loader and self.batch.loader_share and self.world_size > 1))
+        if self._calls[-1].of_a_split_batch:
+            self.split_trained.add(module)
         # What leaves through its inputs (to a model that made them: a GAN's generator) is unweighted again: the
         # weight of gathered outputs (``after``), and a sharded model's.
         inputs = self.batch.current_weight() if cut is not None else 1.0
@@ -177,6 +180,28 @@ class Models:
             replica.before(args, begin=not self._calls[-1].tried,
                            unused=self.batch.gathered_way and module in self.several_outputs)
         return _scaled_gradients(args, inputs) if share is not None else None
+
+    def _held_share(self, module: nn.Module, args: tuple) -> bool:
+        """A model trained on a split loader's shares, now on a batch that no pass handed out and that differs
+        across the processes: outside a pass nothing else can (the script's draws there come from the shared
+        streams), so it is each process's share of a batch that a split pass handed out, handed out again by what
+        kept it (``itertools.cycle(loader)`` replays a pass's batches in their order), and that pass's steps were
+        proven split (``step_rule``). Trained as that share: weighed by its rows over all the processes' (one
+        all-reduce), as its pass weighed it; said once. Else (a model never trained on a split loader's shares, or
+        no tensor argument to count): refused in one line."""
+        tensors = [arg for arg in args if isinstance(arg, torch.Tensor) and arg.dim() > 0]
+        if module not in self.split_trained or not tensors:
+            raise UsageError(NOT_FOLLOWED, said_elsewhere=self.rank != 0)
+        rows = tensors[0].size(0)
+        total = torch.tensor([float(rows)], dtype=torch.float64, device=tensors[0].device)
+        dist.all_reduce(total)
+        self.batch.set(rows / total.item() if total.item() else 0.0)
+        if not self.held_said and self.rank == 0:
+            logger.info(f"--unchanged: {class_name(module)} trains on each process's shares of batches that a split "
+                        "pass handed out, handed out again once the pass had ended (itertools.cycle(loader)): as "
+                        "the shares they are, each weighed by its rows")
+        self.held_said = True
+        return True
 
     def _left_to_the_script(self, module: nn.Module) -> bool:
         """Whether ``module``'s call is under torch.func (``_functional``), and left as it is: its gradients are the
