@@ -192,10 +192,12 @@ class Models:
         tensors = [arg for arg in args if isinstance(arg, torch.Tensor) and arg.dim() > 0]
         if module not in self.split_trained or not tensors:
             raise UsageError(NOT_FOLLOWED, said_elsewhere=self.rank != 0)
+        # (A stand-in, the row a rank without a sample of a small batch was given, is a copy of that batch's last
+        # row: the two weighed alike are the same mean as the one.)
         rows = tensors[0].size(0)
         total = torch.tensor([float(rows)], dtype=torch.float64, device=tensors[0].device)
         dist.all_reduce(total)
-        self.batch.set(rows / total.item() if total.item() else 0.0)
+        self.batch.set(rows / total.item())
         if not self.held_said and self.rank == 0:
             logger.info(f"--unchanged: {class_name(module)} trains on each process's shares of batches that a split "
                         "pass handed out, handed out again once the pass had ended (itertools.cycle(loader)): as "
