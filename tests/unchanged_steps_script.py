@@ -612,14 +612,18 @@ def taken():
 
 
 def scripted():
-    """A TorchScript model, trained as it is (it takes no hooks of a module's own)."""
+    """A TorchScript model, trained as it is (it takes no hooks of a module's own); a model of lazy modules, whose
+    parameters a dry run makes (before: DDP refused them, uninitialized, at that call)."""
     x, y = torch.randn(29, 8), torch.randint(0, 3, (29,))
     model = torch.jit.script(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    lazy = nn.Sequential(nn.LazyLinear(16), nn.Tanh(), nn.LazyLinear(3))
+    lazy(torch.zeros(2, 8))
+    optimizers = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(lazy.parameters(), lr=0.1)
     for epoch in range(2):
         for inputs, labels in loader(x, y):
-            step(optimizer, F.cross_entropy(model(inputs), labels), f"scripted {epoch}")
-    return model.state_dict()
+            step(optimizers[0], F.cross_entropy(model(inputs), labels), f"scripted {epoch}")
+            step(optimizers[1], F.cross_entropy(lazy(inputs), labels))
+    return {**model.state_dict(), **{f"lazy.{k}": v for k, v in lazy.state_dict().items()}}
 
 
 def metrics():

@@ -206,9 +206,13 @@ class Models:
         return True
 
     def _left_to_the_script(self, module: nn.Module) -> bool:
-        """Whether ``module``'s call is under torch.func (``_functional``), and left as it is: its gradients are the
-        script's own, not a call of the model's to cut or average. In training, said once; refused on a batch that
-        its loader split."""
+        """Whether ``module``'s call is left as it is: one under torch.func (``_functional``), whose gradients are the
+        script's own, not a call of the model's to cut or average (in training, said once; refused on a batch that
+        its loader split); a first call of a model with lazy modules (``nn.LazyLinear``), whose parameters it makes
+        (every process the same, from the shared streams: a script's dry run, or a pass's first batch, whole)."""
+        if module not in self.adoption.found and any(nn.parameter.is_lazy(parameter)
+                                                     for parameter in module.parameters()):
+            return True  # (lazy modules' shapes are not known yet: made at this call, found at the next)
         if not _functional(module):
             return False
         if not (module.training and torch.is_grad_enabled()):
