@@ -613,17 +613,23 @@ def taken():
 
 def scripted():
     """A TorchScript model, trained as it is (it takes no hooks of a module's own); a model of lazy modules, whose
-    parameters a dry run makes (before: DDP refused them, uninitialized, at that call)."""
+    parameters a dry run makes (before: DDP refused them, uninitialized, at that call); layers parametrized by
+    weight_norm and spectral_norm (before: torch's own part of them taken for the model)."""
     x, y = torch.randn(29, 8), torch.randint(0, 3, (29,))
     model = torch.jit.script(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)))
     lazy = nn.Sequential(nn.LazyLinear(16), nn.Tanh(), nn.LazyLinear(3))
     lazy(torch.zeros(2, 8))
-    optimizers = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(lazy.parameters(), lr=0.1)
+    # Layers parametrized by torch (which calls each parametrization as it registers it, from its own code).
+    normed = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(8, 16)), nn.Tanh(),
+                           nn.utils.parametrizations.spectral_norm(nn.Linear(16, 3)))
+    optimizers = [torch.optim.SGD(each.parameters(), lr=0.1) for each in (model, lazy, normed)]
     for epoch in range(2):
         for inputs, labels in loader(x, y):
             step(optimizers[0], F.cross_entropy(model(inputs), labels), f"scripted {epoch}")
             step(optimizers[1], F.cross_entropy(lazy(inputs), labels))
-    return {**model.state_dict(), **{f"lazy.{k}": v for k, v in lazy.state_dict().items()}}
+            step(optimizers[2], F.cross_entropy(normed(inputs), labels))
+    return {**model.state_dict(), **{f"lazy.{k}": v for k, v in lazy.state_dict().items()},
+            **{f"normed.{k}": v for k, v in normed.state_dict().items()}}
 
 
 def metrics():

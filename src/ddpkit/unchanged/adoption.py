@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch.nn.utils import parametrize
 
 from ddpkit.core.errors import UsageError
 from ddpkit.core.logs import logger
@@ -51,7 +52,9 @@ class Adoption:
     def adopt(self, module: nn.Module) -> bool:
         """Make ``module`` a replica, if it is a model; False for one that is not (nothing to train, or the script's
         own DDP or FSDP, which stands aside)."""
-        if not is_trainable(module):
+        if not is_trainable(module) or isinstance(module, parametrize.ParametrizationList):
+            # (Nothing to train; or torch's own part of a parametrized layer, which torch calls as it registers a
+            # parametrization, spectral_norm's or weight_norm's: a part of the model that holds the layer.)
             self.passed.add(module)
             return False
         if isinstance(module, torch.jit.ScriptModule):
