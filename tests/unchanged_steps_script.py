@@ -588,7 +588,7 @@ def taken():
     for epoch in range(2):
         for inputs, labels in loader(x, y):
             loss = F.cross_entropy(by_hand(inputs), labels)
-            for parameter, gradient in zip(by_hand.parameters(), torch.autograd.grad(loss, list(by_hand.parameters()))):
+            for parameter, gradient in zip(by_hand.parameters(), torch.autograd.grad(loss, by_hand.parameters())):
                 parameter.grad = gradient
             optimizers[0].step()
             print(f"taken {epoch}: loss {loss.item():.12f}")

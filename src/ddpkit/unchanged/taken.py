@@ -55,41 +55,39 @@ class TakenGradients:
             torch.autograd.grad = self.original
 
     def __call__(self, outputs, inputs=None, *args, **kwargs):
-        if self.within:
+        if self.within or inputs is None:
             return self.original(outputs, inputs, *args, **kwargs)
-        self.refuse_a_second_derivative(inputs, kwargs.get("create_graph", args[2] if len(args) > 2 else False))
+        if not isinstance(inputs, torch.Tensor):
+            inputs = tuple(inputs)  # (``model.parameters()``, a generator, read once here: torch reads a tuple too)
+        taken = (inputs,) if isinstance(inputs, torch.Tensor) else inputs
+        replicas, sharded = self.owners()
+        self.refuse(taken, replicas, sharded, kwargs.get("create_graph", args[2] if len(args) > 2 else False))
         self.within = True
         try:
             result = self.original(outputs, inputs, *args, **kwargs)
         finally:
             self.within = False
-        taken = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs or ())
-        replicas, sharded = self.owners()
-        if not taken or not (replicas or sharded):
-            return result
         held = {id(parameter): replica for replica in replicas if replica.ddp is not None
                 for parameter in replica.parameters}
-        for module in sharded:
-            if any(any(tensor is parameter for parameter in module.parameters()) for tensor in taken):
-                raise UsageError(f"--unchanged --shard: torch.autograd.grad with respect to {type(module).__name__}'s "
-                                 "parameters, which are sharded: FSDP makes their gradients only in a backward "
-                                 "(loss.backward()). Run with --shard never", said_elsewhere=self.rank != 0)
         if not any(id(tensor) in held for tensor in taken):
             return result
         return tuple(ReducedGradient.apply(gradient, held[id(tensor)].weight())
                      if gradient is not None and id(tensor) in held else gradient
                      for tensor, gradient in zip(taken, result))
 
-
-    def refuse_a_second_derivative(self, inputs, create_graph: bool) -> None:
-        """A gradient with respect to the parameters of a model whose calls on this batch were cut, with
-        ``create_graph=True``, is refused in one line: its first derivative is one device's, but the second, through
-        the gathered outputs (whose gradient each process divides by its weight, which DDP multiplies back in once),
+    def refuse(self, taken: tuple, replicas: list, sharded: list[nn.Module], create_graph: bool) -> None:
+        """One line, before anything is computed, for a gradient with respect to a sharded model's parameters (FSDP
+        makes them only in a backward), and for one with respect to the parameters of a model whose calls on this
+        batch were cut, with ``create_graph=True``: its first derivative is one device's, but the second, through the
+        gathered outputs (whose gradient each process divides by its weight, which DDP multiplies back in once),
         would count each process's part of it twice."""
+        for module in sharded:
+            if any(any(tensor is parameter for parameter in module.parameters()) for tensor in taken):
+                raise UsageError(f"--unchanged --shard: torch.autograd.grad with respect to {type(module).__name__}'s "
+                                 "parameters, which are sharded: FSDP makes their gradients only in a backward "
+                                 "(loss.backward()). Run with --shard never", said_elsewhere=self.rank != 0)
         if not create_graph or not self.cut():
             return
-        taken = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs or ())
-        replicas, _ = self.owners()
         owner = next((replica for replica in replicas for parameter in replica.parameters
                       if any(tensor is parameter for tensor in taken)), None)
         if owner is not None:
