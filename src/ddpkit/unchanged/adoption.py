@@ -61,9 +61,9 @@ class Adoption:
             self.passed.add(module)
             if self.world_size > 1 and self.rank == 0:
                 logger.warning(f"--unchanged: {getattr(module, 'original_name', class_name(module))} is a TorchScript "
-                               "module (torch.jit.script or trace), which "
-                               "takes no hooks of a module's own: it is left as it is, and every process computes each "
-                               "of its steps whole, as one device does (exact, and no faster)")
+                               "module (torch.jit.script or trace), which takes no hooks of a module's own: it is left "
+                               "as it is, and every process computes each of its steps whole, as one device does "
+                               "(exact, and no faster)")
             return False
         if self.part_of_a_model(module):
             self.passed.add(module)  # a part of a model found already, called on its own: that model's replica

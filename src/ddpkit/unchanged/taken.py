@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit.core.errors import UsageError
+from ddpkit.unchanged.adoption import class_name
 
 
 class TakenGradients:
@@ -83,7 +84,7 @@ class TakenGradients:
         would count each process's part of it twice."""
         for module in sharded:
             if any(any(tensor is parameter for parameter in module.parameters()) for tensor in taken):
-                raise UsageError(f"--unchanged --shard: torch.autograd.grad with respect to {type(module).__name__}'s "
+                raise UsageError(f"--unchanged --shard: torch.autograd.grad with respect to {class_name(module)}'s "
                                  "parameters, which are sharded: FSDP makes their gradients only in a backward "
                                  "(loss.backward()). Run with --shard never", said_elsewhere=self.rank != 0)
         if not create_graph or not self.cut():
