@@ -62,7 +62,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
                                             "keywords", "auxiliary", "later", "inside", "returned", "loading",
-                                            "augmented", "across", "cycled"] + (
+                                            "augmented", "across", "cycled", "single"] + (
     ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse", "taken", "scripted"]
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
@@ -525,6 +525,22 @@ def cycled():
     for number in range(10):
         inputs, targets = next(batches)
         step(optimizer, F.mse_loss(model(inputs), targets), f"cycled {number // 5}")
+    return model.state_dict()
+
+
+def single():
+    """BatchNorm in training on a batch of one sample (7 samples in batches of 6): torch refuses it on one device
+    (a ValueError, which the script catches), and so it does split across the processes, where one of them holds a
+    stand-in (before: ddpkit's BatchNorm over every process trained on it)."""
+    x, y = torch.randn(7, 8), torch.randint(0, 3, (7,))
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(2):
+        for inputs, labels in loader(x, y):
+            try:
+                step(optimizer, F.cross_entropy(model(inputs), labels))
+            except ValueError as error:
+                print(f"single {epoch}: {error}")
     return model.state_dict()
 
 

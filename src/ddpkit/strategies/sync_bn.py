@@ -98,6 +98,11 @@ class _OverRanks(torch.autograd.Function):
         sums = sums * counted
         dist.all_reduce(sums, group=_statistics_group())
         count = sums[-1].item()
+        if count <= 1:  # (one value a channel over the whole batch: torch's BatchNorm refuses it, as on one device,
+            if bn.track_running_stats:  # having counted the batch first)
+                bn.num_batches_tracked.add_(1)
+            raise ValueError("Expected more than 1 value per channel when training, got input size "
+                             f"{torch.Size([1, *x.shape[1:]])}")
         mean = sums[:channels] / count
         var = (sums[channels:2 * channels] / count - mean * mean).clamp(min=0)
         if bn.track_running_stats:
