@@ -210,11 +210,15 @@ class Models:
         script's own, not a call of the model's to cut or average (in training, said once; refused on a batch that
         its loader split); a first call of a model with lazy modules (``nn.LazyLinear``), whose parameters it makes
         (every process the same, from the shared streams: a script's dry run, or a pass's first batch, whole)."""
-        if module not in self.adoption.found and any(nn.parameter.is_lazy(parameter)
-                                                     for parameter in module.parameters()):
-            return True  # (lazy modules' shapes are not known yet: made at this call, found at the next)
-        if not _functional(module):
-            return False
+        if module in self.adoption.found or module in self.adoption.passed:  # (not read again: the hot path)
+            if torch._C._functorch.peek_interpreter_stack() is None:
+                return False
+        else:
+            parameters = list(module.parameters())
+            if any(nn.parameter.is_lazy(parameter) for parameter in parameters):
+                return True  # (lazy modules' shapes are not known yet: made at this call, found at the next)
+            if not _functional(parameters):
+                return False
         if not (module.training and torch.is_grad_enabled()):
             return True
         if module not in self.functional and self.world_size > 1 and self.rank == 0:
@@ -413,14 +417,15 @@ def _scaled_gradients(tree, scale: float, but=()):
         t is other for other in but) else t, tree)
 
 
-def _functional(module: nn.Module) -> bool:
-    """Whether ``module`` is called under a transform of torch.func (``vmap``, ``grad``: per-sample gradients) or with
-    tensors of the script's own in place of its parameters (``torch.func.functional_call``). Such a call is left as it
-    is: the script takes its gradients itself, and sets them (``p.grad = ...``) where DDP's reducer would never see
-    them; with no training call of a model seen, its loader's batches stay whole on every process, which computes
-    each step as one device does."""
+def _functional(parameters: list[torch.Tensor]) -> bool:
+    """Whether a module whose ``parameters`` these are now is called under a transform of torch.func (``vmap``,
+    ``grad``: per-sample gradients) or with tensors of the script's own in place of its parameters
+    (``torch.func.functional_call``). Such a call is left as it is: the script takes its gradients itself, and sets
+    them (``p.grad = ...``) where DDP's reducer would never see them; with no training call of a model seen, its
+    loader's batches stay whole on every process, which computes each step as one device does. (A model found
+    already, ``functional_call`` alone, is read as a call of its own: ``Models._left_to_the_script``.)"""
     return (torch._C._functorch.peek_interpreter_stack() is not None
-            or any(not isinstance(parameter, nn.Parameter) for parameter in module.parameters()))
+            or any(not isinstance(parameter, nn.Parameter) for parameter in parameters))
 
 
 class _Once(torch.autograd.Function):
