@@ -67,8 +67,7 @@ class Replica:
         self.weight = weight
         self.parameters = list(module.parameters())
         # (Layers whose gradients are sparse: DDP expects one from a parameter's own layer, ``reduced_over``.)
-        self.sparse = [layer for layer in module.modules() if isinstance(layer, (nn.Embedding, nn.EmbeddingBag))
-                       and layer.sparse]
+        self.sparse = sparse_layers(module)
         self.find_unused = find_unused  # look for unused parameters at every step, whatever the probe showed
         self.ddp: DistributedDataParallel | None = None
         self.trains: tuple[bool, ...] = ()  # which parameters required a gradient when ``ddp`` was built
@@ -204,6 +203,11 @@ class Replica:
         decided = torch.tensor([mode], device=self.parameters[0].device)
         dist.all_reduce(decided, op=dist.ReduceOp.MAX)
         return MODES[int(decided.item())]
+
+
+def sparse_layers(module: nn.Module) -> list[nn.Module]:
+    """``module``'s layers whose gradients are sparse: an ``Embedding`` or ``EmbeddingBag`` with ``sparse=True``."""
+    return [layer for layer in module.modules() if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.sparse]
 
 
 def reduced_over(parameters: list[nn.Parameter], sparse: list[nn.Module], *, spare: bool = False) -> nn.Module:

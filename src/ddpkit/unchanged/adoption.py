@@ -22,7 +22,7 @@ from torch.nn.utils import parametrize
 from ddpkit.core.errors import UsageError
 from ddpkit.core.logs import logger
 from ddpkit.strategies import distributed_already
-from ddpkit.strategies.in_place import Added, Replica, added_since, hooks_and_keys, keep_plain
+from ddpkit.strategies.in_place import Added, Replica, added_since, hooks_and_keys, keep_plain, sparse_layers
 from ddpkit.unchanged import layouts
 from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.optimizers import not_elementwise, steps_each_element
@@ -141,8 +141,7 @@ class Adoption:
             return "replica"
         stepped_by = self.optimizers.holding(module.parameters())
         odd = next((optimizer for optimizer in stepped_by if not steps_each_element(optimizer)), None)
-        sparse = next((layer for layer in module.modules() if isinstance(layer, (nn.Embedding, nn.EmbeddingBag))
-                       and layer.sparse), None)
+        sparse = next(iter(sparse_layers(module)), None)
         device = arriving or next(module.parameters()).device
         if self.shard == "always":
             if odd is not None:

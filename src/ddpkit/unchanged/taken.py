@@ -62,26 +62,27 @@ class TakenGradients:
             inputs = tuple(inputs)  # (``model.parameters()``, a generator, read once here: torch reads a tuple too)
         taken = (inputs,) if isinstance(inputs, torch.Tensor) else inputs
         replicas, sharded = self.owners()
-        self.refuse(taken, replicas, sharded, kwargs.get("create_graph", args[2] if len(args) > 2 else False))
+        # (Each taken tensor's replica, where it is one of its parameters: the tensors live, so their ids are theirs.)
+        owners = {id(parameter): replica for replica in replicas for parameter in replica.parameters}
+        owned = [owners.get(id(tensor)) for tensor in taken]
+        self.refuse(taken, owned, sharded, kwargs.get("create_graph", args[2] if len(args) > 2 else False))
         self.within = True
         try:
             result = self.original(outputs, inputs, *args, **kwargs)
         finally:
             self.within = False
-        held = {id(parameter): replica for replica in replicas if replica.ddp is not None
-                for parameter in replica.parameters}
-        if not any(id(tensor) in held for tensor in taken):
+        if not any(owner is not None and owner.ddp is not None for owner in owned):
             return result
-        return tuple(ReducedGradient.apply(gradient, held[id(tensor)].weight())
-                     if gradient is not None and id(tensor) in held else gradient
-                     for tensor, gradient in zip(taken, result))
+        return tuple(ReducedGradient.apply(gradient, owner.weight())
+                     if gradient is not None and owner is not None and owner.ddp is not None else gradient
+                     for owner, gradient in zip(owned, result))
 
-    def refuse(self, taken: tuple, replicas: list, sharded: list[nn.Module], create_graph: bool) -> None:
+    def refuse(self, taken: tuple, owned: list, sharded: list[nn.Module], create_graph: bool) -> None:
         """One line, before anything is computed, for a gradient with respect to a sharded model's parameters (FSDP
         makes them only in a backward), and for one with respect to the parameters of a model whose calls on this
-        batch were cut, with ``create_graph=True``: its first derivative is one device's, but the second, through the
-        gathered outputs (whose gradient each process divides by its weight, which DDP multiplies back in once),
-        would count each process's part of it twice."""
+        batch were cut (``owned``: each taken tensor's replica, or None), with ``create_graph=True``: its first
+        derivative is one device's, but the second, through the gathered outputs (whose gradient each process divides
+        by its weight, which DDP multiplies back in once), would count each process's part of it twice."""
         for module in sharded:
             if any(any(tensor is parameter for parameter in module.parameters()) for tensor in taken):
                 raise UsageError(f"--unchanged --shard: torch.autograd.grad with respect to {class_name(module)}'s "
@@ -89,8 +90,7 @@ class TakenGradients:
                                  "(loss.backward()). Run with --shard never", said_elsewhere=self.rank != 0)
         if not create_graph or not self.cut():
             return
-        owner = next((replica for replica in replicas for parameter in replica.parameters
-                      if any(tensor is parameter for tensor in taken)), None)
+        owner = next((replica for replica in owned if replica is not None), None)
         if owner is not None:
             raise UsageError(f"--unchanged: torch.autograd.grad(..., create_graph=True) with respect to {owner.name}'s "
                              "parameters, on a batch whose model calls are cut across the processes: the second "
