@@ -629,7 +629,7 @@ def taken():
 
 def scripted():
     """A TorchScript model, trained as it is (it takes no hooks of a module's own); a model of lazy modules, whose
-    parameters a dry run makes (before: DDP refused them, uninitialized, at that call); layers parametrized by
+    parameters a dry run makes (before: DDP refused them, uninitialized, at that call), and one without; layers parametrized by
     weight_norm and spectral_norm (before: torch's own part of them taken for the model)."""
     x, y = torch.randn(29, 8), torch.randint(0, 3, (29,))
     model = torch.jit.script(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)))
@@ -644,8 +644,18 @@ def scripted():
             step(optimizers[0], F.cross_entropy(model(inputs), labels), f"scripted {epoch}")
             step(optimizers[1], F.cross_entropy(lazy(inputs), labels))
             step(optimizers[2], F.cross_entropy(normed(inputs), labels))
+    # Lazy modules without a dry run, on a loader of their own: made at the pass's first step, whose batch is whole on
+    # every process, their optimizer after it (before: that batch, which no adopted model took, was read as one
+    # fetched ahead by a wrapper, and said so).
+    made, made_optimizer = nn.Sequential(nn.LazyLinear(16), nn.Tanh(), nn.LazyLinear(3)), None
+    for epoch in range(2):
+        for inputs, labels in loader(x, y):
+            loss = F.cross_entropy(made(inputs), labels)
+            made_optimizer = made_optimizer or torch.optim.SGD(made.parameters(), lr=0.1)
+            step(made_optimizer, loss)
     return {**model.state_dict(), **{f"lazy.{k}": v for k, v in lazy.state_dict().items()},
-            **{f"normed.{k}": v for k, v in normed.state_dict().items()}}
+            **{f"normed.{k}": v for k, v in normed.state_dict().items()},
+            **{f"made.{k}": v for k, v in made.state_dict().items()}}
 
 
 def metrics():

@@ -216,6 +216,8 @@ class Models:
         else:
             parameters = list(module.parameters())
             if any(nn.parameter.is_lazy(parameter) for parameter in parameters):
+                if module.training and torch.is_grad_enabled():
+                    self.witness(training=True)  # (its pass trains: not a batch fetched ahead of a step)
                 return True  # (lazy modules' shapes are not known yet: made at this call, found at the next)
             if not _functional(parameters):
                 return False
