@@ -63,7 +63,7 @@ from torch.utils.data import DataLoader, TensorDataset
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
                                             "keywords", "auxiliary", "later", "inside", "returned", "loading",
                                             "augmented", "across", "cycled", "single"] + (
-    ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse", "taken", "scripted"]
+    ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse", "taken", "scripted", "again"]
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
 result = {}
@@ -686,6 +686,23 @@ def metrics():
                 tested.update(len(inputs))
         scored = scores.compute()
         print(f"metrics {epoch}: tested {tested.compute():.0f} scores {len(scored)} sum {scored.sum():.12f}")
+    return model.state_dict()
+
+
+def again():
+    """Two losses of one call, each differentiated on its own (``backward(retain_graph=True)``, then another), then
+    one optimizer step: one device's gradient is their sum, which DDP cannot average (it reduces one backward pass per
+    call: before, the first step silently kept the second pass's gradients each process's own, and the next failed
+    in DDP's backward, "marked as ready twice"). Refused in one line at the first step on several processes."""
+    x = torch.randn(12, 8)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 11))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for inputs, in loader(x):
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        outputs[:, :3].pow(2).mean().backward(retain_graph=True)
+        F.mse_loss(outputs[:, 3:], inputs).backward()
+        optimizer.step()
     return model.state_dict()
 
 

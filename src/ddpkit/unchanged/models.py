@@ -64,6 +64,7 @@ class Models:
         self.streams = streams
         self.depth = 0
         self.off = False
+        self.taken: TakenGradients | None = None  # (installed where several processes train: ``install``)
         self._calls: list[Call] = []  # the open root call
         self.at_the_model = AtTheModel(rank=rank, world_size=world_size, batch=batch,
                                        current_call=lambda: self._calls[-1] if self._calls else None)
@@ -94,11 +95,12 @@ class Models:
         if self.world_size > 1 and self.adoption.shard != "never":
             self._undo_moves = _moves_seen(self)
         if self.world_size > 1:  # (gradients that the script takes itself: ``taken``)
-            self._undo_taken = TakenGradients.installed(rank=self.rank, adoption=self.adoption, batch=self.batch)
+            self.taken = TakenGradients.installed(rank=self.rank, adoption=self.adoption, batch=self.batch)
 
     def uninstall(self) -> None:
         self.off = True
-        getattr(self, "_undo_taken", lambda: None)()
+        if self.taken is not None:
+            self.taken.uninstall()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -289,6 +291,8 @@ class Models:
             if independent_outputs(output) > 1:
                 self.several_outputs.add(module)
         replica = self.adoption.replicas.get(module)
+        if replica is not None and replica.needed >= 0:  # (the reducer's first step: one backward pass per call)
+            output = _reached_once(output, replica.name, self.rank, lambda: self.taken.within)
         if call.tried and replica is not None:
             replica.begin()
         if not split and self.world_size > 1:
@@ -428,6 +432,47 @@ def _functional(parameters: list[torch.Tensor]) -> bool:
     already, ``functional_call`` alone, is read as a call of its own: ``Models._left_to_the_script``.)"""
     return (torch._C._functorch.peek_interpreter_stack() is not None
             or any(not isinstance(parameter, nn.Parameter) for parameter in parameters))
+
+
+class _Reached(torch.autograd.Function):
+    """The identity over the output tensors of one call of a replica's, whose backward counts the backward passes that
+    reach them (``_reached_once``)."""
+
+    @staticmethod
+    def forward(ctx, state: dict, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        ctx.set_materialize_grads(False)
+        return tuple(tensor.view_as(tensor) for tensor in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple:
+        state = ctx.state
+        if not state["taking"]():  # (a gradient the script takes, ``torch.autograd.grad``, accumulates nothing)
+            if state["reached"]:
+                raise UsageError(AGAIN.format(name=state["name"]), said_elsewhere=state["rank"] != 0)
+            state["reached"] = True
+        return (None, *grads)
+
+
+AGAIN = ("--unchanged: the outputs of one call of {name} were differentiated by a second backward pass before its next "
+         "call (backward(retain_graph=True), then another), which DDP cannot average: each call's gradients are "
+         "averaged in one backward pass. Add the losses and call backward once (the same gradients, one device's)")
+
+
+def _reached_once(output, name: str, rank: int, taking: Callable[[], bool]):
+    """``output``, its tensors that require a gradient through ``_Reached``, on the reducer's first step (its probe,
+    the first step of every DDP built): a second backward pass through one call, whose gradients DDP would leave this
+    process's (its static graph's first step reduces the first backward pass's alone, and the steps after it
+    fail, "marked as ready twice"), is refused in one line, on every process alike, before the first optimizer
+    step. ``taking``: whether a gradient that the script takes goes on."""
+    leaves, spec = pytree.tree_flatten(output)
+    at = [index for index, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+    if not at:
+        return output
+    state = {"name": name, "rank": rank, "taking": taking, "reached": False}
+    for index, tensor in zip(at, _Reached.apply(state, *(leaves[index] for index in at))):
+        leaves[index] = tensor
+    return pytree.tree_unflatten(leaves, spec)
 
 
 class _Once(torch.autograd.Function):

@@ -41,12 +41,13 @@ class TakenGradients:
         functools.update_wrapper(self, self.original)
 
     @classmethod
-    def installed(cls, *, rank: int, adoption, batch) -> Callable[[], None]:
-        """Installed for ``adoption``'s models (``unchanged.adoption``) on ``batch``'s calls; its ``uninstall``."""
+    def installed(cls, *, rank: int, adoption, batch) -> TakenGradients:
+        """Installed for ``adoption``'s models (``unchanged.adoption``) on ``batch``'s calls (``uninstall`` undoes
+        it)."""
         taken = cls(rank=rank, owners=lambda: (list(adoption.replicas.values()), list(adoption.sharded)),
                     cut=lambda: batch.gathered)
         taken.install()
-        return taken.uninstall
+        return taken
 
     def install(self) -> None:
         torch.autograd.grad = self
