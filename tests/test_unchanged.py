@@ -780,9 +780,10 @@ def steps_run(tmp: Path, nproc: int, *flags: str, expect: int = 0) -> tuple[dict
 def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     (weights_one, printed_one, _), (weights_two, printed_two, said) = one, two
     # (whether it finds a group, 10 steps a model but 6 of the binary one and 20 of the augmented one, 2 epochs' lines
-    # of five models, a call that raised, and 2 of each epoch's metrics where torchmetrics is installed)
+    # of five models, a call that raised, 2 of each epoch's metrics where torchmetrics is installed, and 2 of the model
+    # called on each sample of a list)
     lines = (1 + (15 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
-                  + ("scripted" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one) + 2)
+                  + ("scripted" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one) + 2 + 2)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     for part, weights in weights_one.items():
         if part not in ("rows", "logs"):
@@ -821,6 +822,7 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     assert said.count("Sequential is a TorchScript module (torch.jit.script or trace)") == ("scripted" in weights_two)
     assert "ParametrizationList" not in said, said
     assert "fetches its batches ahead" not in said, said  # (no wrapper: a lazy model's first call, left whole)
+    assert said.count("Sequential is given fewer rows than there are processes (1 of them, 2 processes)") == 1, said
     # A model called twice before a backward (two views) on the gathered way: both calls cut at the model (rank 0's
     # share of a batch of 6, and of the last of 5, is 3), from the first step on (a sharded model's first call whole).
     # (After its first call, the check's: that batch whole and this share, without gradients: ``check_both_ways``.)

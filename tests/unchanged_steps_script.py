@@ -62,7 +62,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
                                             "keywords", "auxiliary", "later", "inside", "returned", "loading",
-                                            "augmented", "across", "cycled", "single"] + (
+                                            "augmented", "across", "cycled", "single", "listed"] + (
     ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse", "taken", "scripted", "again"]
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
@@ -541,6 +541,21 @@ def single():
                 step(optimizer, F.cross_entropy(model(inputs), labels))
             except ValueError as error:
                 print(f"single {epoch}: {error}")
+    return model.state_dict()
+
+
+def listed():
+    """A loader that hands out lists of samples (``collate_fn`` keeps them), the model called on each sample, the loss
+    divided by ``len(batch)``: a batch of one row cannot be cut across the processes, and the model is computed whole
+    (before: said to compute across the rows of its batch, which it does not)."""
+    samples = TensorDataset(torch.randn(7, 8), torch.randint(0, 3, (7,)))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(2):
+        for batch in DataLoader(samples, batch_size=4, shuffle=True, collate_fn=lambda batch: batch):
+            loss = sum(F.cross_entropy(model(inputs[None]), label[None]) for inputs, label in batch) / len(batch)
+            step(optimizer, loss)
+        print(f"listed {epoch}: loss {loss.item():.12f} of {len(batch)}")
     return model.state_dict()
 
 

@@ -64,7 +64,8 @@ class AtTheModel:
         # its batch, or could not be shown not to be (computed whole on a whole batch, as ``writes_buffers``).
         self.losses_kept: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
         self.on_a_share = False  # a loss computed both ways, on this rank's share: the group is found (``own_group``)
-        self.couples_rows: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        # (Each with what it does: computes across its rows, or is given too few of them to be cut.)
+        self.couples_rows: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self.rows_kept: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # computed both ways, and found row by row
 
     def split(self, args: tuple) -> tuple[tuple, Share]:
@@ -188,8 +189,12 @@ class AtTheModel:
         found = torch.tensor([float(whole is not None and (bool(places) or not losses))], device=_device_of(module))
         dist.all_reduce(found, op=dist.ReduceOp.MIN)
         if found.item() == 0:  # (no loss in evaluation, or outputs that could not be computed, on some rank)
-            self.computed_across_rows(module, f"its {'losses' if losses else 'outputs'} could not be computed both "
-                                              "ways", losses=losses)
+            if rows is not None and rows < self.world_size:  # (the same on every rank: its whole batch)
+                self.computed_across_rows(module, f"{rows} of them, {self.world_size} processes", losses=losses,
+                                          what="is given fewer rows than there are processes")
+            else:
+                self.computed_across_rows(module, f"its {'losses' if losses else 'outputs'} could not be computed "
+                                                  "both ways", losses=losses)
             return False
         summed = given.get("num_items_in_batch") is not None  # (each share's loss a part of the batch's sum)
         share = share_of(range(rows), self.rank, self.world_size)
@@ -286,16 +291,18 @@ class AtTheModel:
         dist.all_reduce(torch.zeros(len(at), dtype=torch.float64, device=device))
         return output
 
-    def computed_across_rows(self, module: nn.Module, why: str, *, losses: bool = True) -> None:
+    def computed_across_rows(self, module: nn.Module, why: str, *, losses: bool = True, what: str | None = None
+                             ) -> None:
         """``module`` computes across the rows of its batch (``why``): the loss it returns (``losses``), or its
-        outputs. Its calls on a loader's batches are computed whole on every process from then on, its loader's
-        batches whole (the gathered way), so that what it computes is one device's. Said once."""
+        outputs; or ``what`` it does instead (a call given fewer rows than processes, which cannot be cut). Its calls
+        on a loader's batches are computed whole on every process from then on, its loader's batches whole (the
+        gathered way), so that what it computes is one device's. Said once."""
         if module in self.couples_rows:
             return
-        self.couples_rows.add(module)
+        self.couples_rows[module] = what or "computes across the rows of its batch"
         if self.rank == 0:
-            what = ("returns a loss that is not shown to be a mean or a sum over the rows of its batch" if losses else
-                    "computes across the rows of its batch")
+            what = what or ("returns a loss that is not shown to be a mean or a sum over the rows of its batch"
+                            if losses else "computes across the rows of its batch")
             logger.warning(f"--unchanged: {class_name(module)} {what} ({why}): every process computes its calls on "
                            "the whole batch, so that it computes as one device does (exact, and no faster for that "
                            "model)")

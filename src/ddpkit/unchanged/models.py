@@ -259,7 +259,7 @@ class Models:
             if module in self.at_the_model.writes_buffers:
                 watch.unproven(f"{class_name(module)} writes buffers of its own in a training call")
             if module in self.at_the_model.couples_rows:
-                watch.unproven(f"{class_name(module)} computes across the rows of its batch")
+                watch.unproven(f"{class_name(module)} {self.at_the_model.couples_rows[module]}")
             watch.resume()
         return result
 
