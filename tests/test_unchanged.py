@@ -782,7 +782,7 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # (whether it finds a group, 10 steps a model but 6 of the binary one and 20 of the augmented one, 2 epochs' lines
     # of five models, a call that raised, 2 of each epoch's metrics where torchmetrics is installed, and 2 of the model
     # called on each sample of a list)
-    lines = (1 + (15 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
+    lines = (1 + (16 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
                   + ("scripted" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one) + 2 + 2)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     for part, weights in weights_one.items():
@@ -823,6 +823,10 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     assert "ParametrizationList" not in said, said
     assert "fetches its batches ahead" not in said, said  # (no wrapper: a lazy model's first call, left whole)
     assert said.count("Sequential is given fewer rows than there are processes (1 of them, 2 processes)") == 1, said
+    assert said.count("Sequential runs hooks of the script's own inside it, which would read a share of its batch "
+                      "(a forward hook on its layer 1, a Tanh)") == 1, said
+    assert said.count("KeepsItsOwn keeps tensors that it computes on itself, which would be a share's (self.hidden)"
+                      ) == 1, said
     # A model called twice before a backward (two views) on the gathered way: both calls cut at the model (rank 0's
     # share of a batch of 6, and of the last of 5, is 3), from the first step on (a sharded model's first call whole).
     # (After its first call, the check's: that batch whole and this share, without gradients: ``check_both_ways``.)

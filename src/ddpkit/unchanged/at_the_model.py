@@ -363,7 +363,8 @@ class AtTheModel:
         were; the batch whole again) and the model is computed whole, as before; where it returned a loss on every
         rank, its losses are computed both ways first (``check_both_ways``, which the caller runs where this leaves
         the model undecided), and its call made again, whole, decides (``learn``)."""
-        decided = torch.tensor([float(batch_shaped(output, rows) and module not in self.writes_buffers),
+        decided = torch.tensor([float(batch_shaped(output, rows) and module not in self.writes_buffers
+                                      and module not in self.couples_rows),
                                 float(returns_a_loss(output) and self.checks())], device=_device_of(module))
         dist.all_reduce(decided, op=dist.ReduceOp.MIN)  # (a loss on every rank: a share of one row shows none apart)
         kept = self._kept.pop(module)

@@ -17,6 +17,7 @@ on the way where ``--shard`` says so (``Adoption.move``).
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import site
 import sys
@@ -38,7 +39,7 @@ from ddpkit.strategies.in_place import Replica
 from ddpkit.unchanged.adoption import Adoption, class_name, is_trainable
 from ddpkit.unchanged.at_the_model import NOT_FOLLOWED, AtTheModel, call_keywords, returns_a_loss
 from ddpkit.unchanged.batches import Batch
-from ddpkit.unchanged.divided import KEYWORDS_SEEN, Call, Evaluations
+from ddpkit.unchanged.divided import KEYWORDS_SEEN, Call, Evaluations, rows_of
 from ddpkit.unchanged.gathered import ScaleGradient, gathered
 from ddpkit.unchanged.randomness import Streams
 from ddpkit.unchanged.taken import TakenGradients
@@ -131,6 +132,8 @@ class Models:
                 return None
             first = True
         self.witness(training=True)
+        if first and self.world_size > 1:
+            self._hooked(module)
         from_loader = self.batch.loader_passes > 0 and not self.batch.coupled
         # (One process: nothing to split. A model whose first call returned no loss: every call whole, below.)
         split = self.world_size > 1 and not from_loader and not first and not self.at_the_model.is_whole(module)
@@ -148,7 +151,7 @@ class Models:
             # gathered. A sharded model's first call is whole: it shows the way.)
             if not first:
                 cut = self.at_the_model.split_whole(module, args)
-            elif module not in self.adoption.sharded:
+            elif module not in self.adoption.sharded and module not in self.at_the_model.couples_rows:
                 cut = self.at_the_model.split_first(module, args)
             if cut is not None:
                 args, share = cut
@@ -156,14 +159,7 @@ class Models:
             self.batch.set_whole()  # the same computation on every rank, from the shared streams: one device's
         if share is not None:
             self.streams.enter_forward()  # each rank's rows draw their own dropout, as rows of one batch do
-        tried = first and cut is not None
-        self._calls.append(Call(module, whole_args, share=share, gathered=cut is not None, tried=tried,
-                                buffers=own_buffers(module) if first else None,
-                                keywords=call_keywords(module) if tried else {},
-                                learning=first and not self.batch.loader_passes and not self.batch.coupled,
-                                of_a_split_batch=from_loader and self.batch.loader_share and self.world_size > 1))
-        if self._calls[-1].of_a_split_batch:
-            self.split_trained.add(module)
+        self._open(module, whole_args, share=share, cut=cut, first=first, from_loader=from_loader)
         # What leaves through its inputs (to a model that made them: a GAN's generator) is unweighted again: the
         # weight of gathered outputs (``after``), and a sharded model's.
         inputs = self.batch.current_weight() if cut is not None else 1.0
@@ -182,6 +178,40 @@ class Models:
             replica.before(args, begin=not self._calls[-1].tried,
                            unused=self.batch.gathered_way and module in self.several_outputs)
         return _scaled_gradients(args, inputs) if share is not None else None
+
+    def _hooked(self, module: nn.Module) -> None:
+        """A model's first training call, on several processes: where it holds hooks of the script's own, what they
+        read would be a share's rows, so its calls are computed whole (``computed_across_rows``)."""
+        hooked = _hooks_of_the_script(module)
+        if hooked is not None:
+            self.at_the_model.computed_across_rows(module, hooked, what="runs hooks of the script's own inside it, "
+                                                   "which would read a share of its batch")
+
+    def _open(self, module: nn.Module, whole_args: tuple, *, share, cut, first: bool, from_loader: bool) -> None:
+        """The root call's ``Call``: at a model's first training call, what it holds (its buffers, and the tensors
+        kept on its layers: ``_left_behind``)."""
+        tried = first and cut is not None
+        self._calls.append(Call(module, whole_args, share=share, gathered=cut is not None, tried=tried,
+                                buffers=own_buffers(module) if first else None,
+                                attributes=held_tensors(module) if first and self.world_size > 1 else None,
+                                keywords=call_keywords(module) if tried else {},
+                                learning=first and not self.batch.loader_passes and not self.batch.coupled,
+                                of_a_split_batch=from_loader and self.batch.loader_share and self.world_size > 1))
+        if self._calls[-1].of_a_split_batch:
+            self.split_trained.add(module)
+
+    def _left_behind(self, module: nn.Module, call: Call) -> None:
+        """What a model's first training call left that a call cut at the model would leave a share's: buffers that
+        it wrote, tensors that it kept on itself. Such a model is computed whole from then on."""
+        if call.buffers is not None and any(not torch.equal(buffer, value) for buffer, value in call.buffers):
+            self.at_the_model.writes_buffers_in_training(module)
+        if call.attributes is None:
+            return
+        kept = kept_on_itself(module, call.attributes,
+                              len(call.share.indices) if call.share is not None else rows_of(call.whole_args))
+        if kept is not None:  # (the script may read it: the whole batch's only where the call is whole)
+            self.at_the_model.computed_across_rows(module, kept, what="keeps tensors that it computes on itself, "
+                                                   "which would be a share's")
 
     def _held_share(self, module: nn.Module, args: tuple) -> bool:
         """A model trained on a split loader's shares, now on a batch that no pass handed out and that differs
@@ -277,8 +307,7 @@ class Models:
         split = share is not None
         if split:
             self.streams.leave_forward()
-        if call.buffers is not None and any(not torch.equal(buffer, value) for buffer, value in call.buffers):
-            self.at_the_model.writes_buffers_in_training(module)
+        self._left_behind(module, call)
         if call.tried and not self.at_the_model.cut_as_tried(
                 module, len(share.indices), output, lambda: self._both_ways(module, call.whole_args, call.keywords,
                                                                             losses=False)):
@@ -404,6 +433,33 @@ def independent_outputs(output) -> int:
                     if following in nodes:
                         under.add(following)
     return len(nodes - under)
+
+
+def held_tensors(module: nn.Module) -> dict[tuple[int, str], set[int]]:
+    """The tensors that ``module``'s layers hold as attributes of their own (not parameters nor buffers), each
+    attribute's (in a list, tuple or dict too) by id: read before a model's first training call (``kept_on_itself``)."""
+    return {(id(layer), name): {id(leaf) for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)}
+            for layer in module.modules() for name, value in vars(layer).items()
+            if not name.startswith("__") and isinstance(value, (torch.Tensor, list, tuple, dict))}
+
+
+def kept_on_itself(module: nn.Module, before: dict[tuple[int, str], set[int]], rows: int | None) -> str | None:
+    """Where a model's training call on ``rows`` rows left on one of its layers a tensor that it computed from its
+    batch (``self.hidden = ...``, an auxiliary loss kept for the loop to add, as mixture-of-experts layers keep
+    theirs), which one, said as the run says it; else None. The script may read it outside the call: cut at the
+    model, it would be a share's. Told from the tensor: made in this call, with a gradient to come, and a row per
+    sample or a single value (a weight recomputed from the parameters at each call, as the older ``weight_norm``
+    keeps it, is neither: it splits)."""
+    for name, layer in module.named_modules():
+        for attribute, value in vars(layer).items():
+            if attribute.startswith("__") or not isinstance(value, (torch.Tensor, list, tuple, dict)):
+                continue
+            held = before.get((id(layer), attribute), set())
+            if any(isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None and id(leaf) not in held
+                   and (leaf.numel() == 1 or (leaf.dim() > 0 and leaf.size(0) == rows))
+                   for leaf in pytree.tree_leaves(value)):
+                return f"self.{name}.{attribute}" if name else f"self.{attribute}"
+    return None
 
 
 def own_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -541,6 +597,27 @@ def _moves_seen(models: Models) -> Callable[[], None]:
         nn.Module.to, nn.Module.cuda = original_to, original_cuda
 
     return undo
+
+
+HOOKS = {"_forward_pre_hooks": "a forward pre-hook", "_forward_hooks": "a forward hook",
+         "_backward_pre_hooks": "a backward pre-hook", "_backward_hooks": "a backward hook"}
+
+
+def _hooks_of_the_script(module: nn.Module) -> str | None:
+    """Where ``module`` or one of its layers holds a hook of the script's own code (a function written in the
+    script, not in a library, torch or ddpkit: ``register_forward_hook`` to read an activation, as a feature penalty,
+    distillation or Grad-CAM does), which of them, said as the run says it; else None. Read at a model's first
+    training call: a call cut at the model would give such a hook a share of its batch's rows."""
+    for name, layer in module.named_modules():
+        for kind, said in HOOKS.items():
+            for hook in getattr(layer, kind, {}).values():
+                function = inspect.unwrap(getattr(hook, "func", hook))  # (a functools.partial's function)
+                function = getattr(function, "__func__", function)  # (a bound method's)
+                code = getattr(function, "__code__", None) or getattr(type(function).__call__, "__code__", None)
+                if code is not None and not code.co_filename.startswith("<") \
+                        and not code.co_filename.startswith(_installed()):
+                    return f"{said} on {f'its layer {name}, a' if name else 'it, a'} {class_name(layer)}"
+    return None
 
 
 def _by_the_script(frame) -> bool:
