@@ -579,17 +579,18 @@ class Kept:
 
 
 class KeepsItsOwn(nn.Module):
-    """A mixture of two experts that keeps its hidden rows and its load-balancing loss on itself, for the loop."""
+    """A mixture of two experts that keeps its hidden rows on itself, and appends its load-balancing loss to a list
+    of its own, for the loop."""
 
     def __init__(self):
         super().__init__()
         self.gate, self.experts = nn.Linear(8, 2), nn.ModuleList([nn.Linear(8, 3), nn.Linear(8, 3)])
-        self.hidden, self.balance = None, None
+        self.hidden, self.balances = None, []
 
     def forward(self, inputs):
         self.hidden = self.gate(inputs).softmax(1)
         load = self.hidden.mean(0)
-        self.balance = 2 * (load * load).sum()
+        self.balances.append(2 * (load * load).sum())
         return sum(self.hidden[:, index:index + 1] * expert(inputs) for index, expert in enumerate(self.experts))
 
 
@@ -597,7 +598,9 @@ def hooked():
     """A penalty on a hidden layer's activations, which forward hooks of the script's own keep (a function, and an
     object of a class); a model that keeps its hidden rows and its balancing loss on itself, which the loop adds: a
     call cut at the model would give them a share's rows (before: 1.1e-2 and 6.2e-3 from one process, silently, the
-    printed loss each process's own). Both computed whole on every process, said once each."""
+    printed loss each process's own). Both computed whole on every process, said once each, the list's first entry
+    taken back where the first call, tried on a share, is made again whole. The loop skips each epoch's first batch
+    before any model sees it (before: read as a batch that a wrapper fetched ahead, and said so)."""
     x, y = torch.randn(29, 8), torch.randint(0, 3, (29,))
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
     kept, hidden, mixture = Kept(), {}, KeepsItsOwn()
@@ -605,10 +608,13 @@ def hooked():
     model[3].register_forward_hook(kept)
     optimizers = [torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(mixture.parameters(), lr=0.1)]
     for epoch in range(2):
-        for inputs, labels in loader(x, y):
+        for index, (inputs, labels) in enumerate(loader(x, y)):
+            if index == 0:
+                continue
             loss = F.cross_entropy(model(inputs), labels)
             step(optimizers[0], loss + hidden["tanh"].pow(2).sum() / 20 + kept.output.sum() / 50, f"hooked {epoch}")
-            loss = F.cross_entropy(mixture(inputs), labels) + mixture.hidden[:, 0].sum() / 30 + mixture.balance
+            loss = F.cross_entropy(mixture(inputs), labels) + mixture.hidden[:, 0].sum() / 30 + sum(mixture.balances)
+            mixture.balances.clear()
             step(optimizers[1], loss)
     return {**model.state_dict(), **{f"mixture.{k}": v for k, v in mixture.state_dict().items()}}
 

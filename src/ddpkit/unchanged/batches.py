@@ -317,9 +317,10 @@ class Loaders:
         for this in [this for this in self._passes if this.drained]:
             self._end(this)
 
-    def witness(self, *, training: bool) -> None:
+    def witness(self, *, training: bool, current: bool = False) -> None:
         """One of the script's models was called (``unchanged.models``): in training (gradients on, training mode),
-        or not. The pass that handed out a batch last learns what its batches are for."""
+        or not. The pass that handed out a batch last learns what its batches are for. ``current``: the call was
+        given rows of that batch (the batches handed out before it were skipped by the loop, not fetched ahead)."""
         if not self._passes:
             return
         this = self._passes[-1]
@@ -331,7 +332,7 @@ class Loaders:
         if not this.training:
             this.training = True
             if this.sampler is not None:  # (a stream's batches stay whole, and so do its streams: every rank reads it)
-                this.ahead = this.ahead or self.fetched_ahead(this.sampler, held)
+                this.ahead = this.ahead or self.fetched_ahead(this.sampler, 1 if current else held)
                 if not self.watches():  # (split from here on, but at the models; or shares, gathered)
                     this.sampler.whole = (self.batch.coupled or this.ahead) and not this.shares_gathered
                     if not this.ahead:

@@ -16,6 +16,7 @@ on the way where ``--shard`` says so (``Adoption.move``).
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import os
@@ -42,6 +43,7 @@ from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.divided import KEYWORDS_SEEN, Call, Evaluations, rows_of
 from ddpkit.unchanged.gathered import ScaleGradient, gathered
 from ddpkit.unchanged.randomness import Streams
+from ddpkit.unchanged.step_rule import ROWS
 from ddpkit.unchanged.taken import TakenGradients
 
 
@@ -110,7 +112,7 @@ class Models:
 
     def before(self, module: nn.Module, args: tuple):
         self.depth += 1
-        if self.depth != 1 or self.off or self._left_to_the_script(module):
+        if self.depth != 1 or self.off or self._left_to_the_script(module, args):
             return None
         watch = self.watching()
         if watch is None:
@@ -131,7 +133,7 @@ class Models:
             if module in self.adoption.passed or not self.adoption.adopt(module):
                 return None
             first = True
-        self.witness(training=True)
+        self.witness(training=True, current=self._current(args))
         if first and self.world_size > 1:
             self._hooked(module)
         from_loader = self.batch.loader_passes > 0 and not self.batch.coupled
@@ -179,6 +181,12 @@ class Models:
                            unused=self.batch.gathered_way and module in self.several_outputs)
         return _scaled_gradients(args, inputs) if share is not None else None
 
+    def _current(self, args: tuple) -> bool:
+        """Whether a training call is given rows of the batch that its loader handed out last (as the watch of that
+        step follows them): a loop that skipped batches before it, not a wrapper that fetched this one ahead."""
+        watch = self.watching()
+        return watch is not None and any(watch.kind(leaf) == ROWS for leaf in pytree.tree_leaves(args))
+
     def _hooked(self, module: nn.Module) -> None:
         """A model's first training call, on several processes: where it holds hooks of the script's own, what they
         read would be a share's rows, so its calls are computed whole (``computed_across_rows``)."""
@@ -212,6 +220,8 @@ class Models:
         if kept is not None:  # (the script may read it: the whole batch's only where the call is whole)
             self.at_the_model.computed_across_rows(module, kept, what="keeps tensors that it computes on itself, "
                                                    "which would be a share's")
+            if call.tried:  # (made again whole, ``cut_as_tried``: what it appended to its lists, taken back)
+                put_back(call.attributes)
 
     def _held_share(self, module: nn.Module, args: tuple) -> bool:
         """A model trained on a split loader's shares, now on a batch that no pass handed out and that differs
@@ -237,7 +247,7 @@ class Models:
         self.held_said = True
         return True
 
-    def _left_to_the_script(self, module: nn.Module) -> bool:
+    def _left_to_the_script(self, module: nn.Module, args: tuple) -> bool:
         """Whether ``module``'s call is left as it is: one under torch.func (``_functional``), whose gradients are the
         script's own, not a call of the model's to cut or average (in training, said once; refused on a batch that
         its loader split); a first call of a model with lazy modules (``nn.LazyLinear``), whose parameters it makes
@@ -249,7 +259,7 @@ class Models:
             parameters = list(module.parameters())
             if any(nn.parameter.is_lazy(parameter) for parameter in parameters):
                 if module.training and torch.is_grad_enabled():
-                    self.witness(training=True)  # (its pass trains: not a batch fetched ahead of a step)
+                    self.witness(training=True, current=self._current(args))  # (its pass trains)
                 return True  # (lazy modules' shapes are not known yet: made at this call, found at the next)
             if not _functional(parameters):
                 return False
@@ -435,15 +445,38 @@ def independent_outputs(output) -> int:
     return len(nodes - under)
 
 
-def held_tensors(module: nn.Module) -> dict[tuple[int, str], set[int]]:
+def held_tensors(module: nn.Module) -> dict[tuple[int, str], tuple[set[int], object]]:
     """The tensors that ``module``'s layers hold as attributes of their own (not parameters nor buffers), each
-    attribute's (in a list, tuple or dict too) by id: read before a model's first training call (``kept_on_itself``)."""
-    return {(id(layer), name): {id(leaf) for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)}
+    attribute's (in a list, tuple or dict too) by id, with a copy of each list's and dict's items: read before a
+    model's first training call (``kept_on_itself``, ``put_back``)."""
+    return {(id(layer), name): ({id(leaf) for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)},
+                                (value, copy.copy(value)) if isinstance(value, (list, dict)) else None)
             for layer in module.modules() for name, value in vars(layer).items()
-            if not name.startswith("__") and isinstance(value, (torch.Tensor, list, tuple, dict))}
+            if name not in _torch_own() and isinstance(value, (torch.Tensor, list, tuple, dict))}
 
 
-def kept_on_itself(module: nn.Module, before: dict[tuple[int, str], set[int]], rows: int | None) -> str | None:
+@functools.cache
+def _torch_own() -> frozenset[str]:
+    """The attributes that torch's ``Module`` keeps on every module (its parameters', buffers', layers' and hooks'
+    dictionaries): not the model's own."""
+    return frozenset(vars(nn.Module())) | {"__getstate__"}
+
+
+def put_back(before: dict[tuple[int, str], tuple[set[int], object]]) -> None:
+    """Each list and dict that a layer held before a model's first call, with the items it held then: that call,
+    tried on a share, is made again whole (an auxiliary loss appended to a list is then appended once, the whole
+    batch's)."""
+    for _, kept in before.values():
+        if kept is not None:
+            held, items = kept
+            if isinstance(held, list):
+                held[:] = items
+            else:
+                held.clear()
+                held.update(items)
+
+
+def kept_on_itself(module: nn.Module, before: dict, rows: int | None) -> str | None:
     """Where a model's training call on ``rows`` rows left on one of its layers a tensor that it computed from its
     batch (``self.hidden = ...``, an auxiliary loss kept for the loop to add, as mixture-of-experts layers keep
     theirs), which one, said as the run says it; else None. The script may read it outside the call: cut at the
@@ -452,9 +485,9 @@ def kept_on_itself(module: nn.Module, before: dict[tuple[int, str], set[int]], r
     keeps it, is neither: it splits)."""
     for name, layer in module.named_modules():
         for attribute, value in vars(layer).items():
-            if attribute.startswith("__") or not isinstance(value, (torch.Tensor, list, tuple, dict)):
+            if attribute in _torch_own() or not isinstance(value, (torch.Tensor, list, tuple, dict)):
                 continue
-            held = before.get((id(layer), attribute), set())
+            held = before.get((id(layer), attribute), (set(),))[0]
             if any(isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None and id(leaf) not in held
                    and (leaf.numel() == 1 or (leaf.dim() > 0 and leaf.size(0) == rows))
                    for leaf in pytree.tree_leaves(value)):
