@@ -19,7 +19,8 @@ batch and from the models' outputs, outside the models, is
 - **a mean that ddpkit accounts for** on the split way: a loss of ``torch.nn.functional`` with ``reduction="mean"``
   (``counted``: its value is then the whole batch's), or a plain ``.mean()`` over everything (its gradient is weighed
   by the share; its value is the share's, so the script must not read it), then sums and constant multiples of such;
-- and the backward starts from such a mean.
+- and the backward starts from a mean valued whole (a loss that holds a plain ``.mean()`` is the share's, and a loop
+  reads its loss after the step, where no watch sees it, as often as in it).
 
 Anything else is not proven, and the loader's steps take the gathered way from then on (said once, with the first
 reason seen): a product of rows with each other (``z @ z.t()``), a sum over the batch, a division by a count the
@@ -204,7 +205,10 @@ class StepWatch(TorchFunctionMode):
         if any(kind is None and leaf.requires_grad for leaf, kind in zip(leaves, kinds)):
             raise Unproven(f"a tensor that trains is used outside the model, with the batch's ({name})")
         if name in ("backward", "grad"):
-            if set(tracked) <= {LOSS, MEAN}:
+            if MEAN in tracked:  # (its gradient would be one device's, but the loop may read its value after the step)
+                raise Unproven("its backward starts from a mean that its share computes (.mean() of the batch's "
+                               "rows), whose value the loop may read after the step")
+            if set(tracked) <= {LOSS}:
                 self.backward = True
                 return None
             raise Unproven("its backward starts from something other than a mean over the batch")
