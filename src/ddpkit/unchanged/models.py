@@ -647,15 +647,19 @@ def _hooks_of_the_script(module: nn.Module) -> str | None:
                 function = inspect.unwrap(getattr(hook, "func", hook))  # (a functools.partial's function)
                 function = getattr(function, "__func__", function)  # (a bound method's)
                 code = getattr(function, "__code__", None) or getattr(type(function).__call__, "__code__", None)
-                if code is not None and not code.co_filename.startswith("<") \
-                        and not code.co_filename.startswith(_installed()):
+                if code is not None and _written_by_the_script(code.co_filename):
                     return f"{said} on {f'its layer {name}, a' if name else 'it, a'} {class_name(layer)}"
     return None
 
 
 def _by_the_script(frame) -> bool:
     """Whether ``frame`` runs the script's own code: not Python's installation, nor a library installed in it."""
-    path = frame.f_code.co_filename
+    return _written_by_the_script(frame.f_code.co_filename)
+
+
+def _written_by_the_script(path: str) -> bool:
+    """Whether code of the file ``path`` is the script's own: not Python's installation, nor a library installed in
+    it, nor ddpkit, nor code made from a string."""
     return not path.startswith("<") and not path.startswith(_installed())
 
 
