@@ -65,6 +65,22 @@ def test_a_summed_loss_counts_its_share_as_the_whole_batch_but_a_stand_in_and_a_
     assert Batch(world_size=2).output_scale() == 1.0
 
 
+def test_a_batch_cut_by_hand_is_split_by_its_positional_tensors_or_else_by_its_keywords_and_refused_without_rows():
+    from ddpkit.core.errors import UsageError
+    from ddpkit.unchanged.at_the_model import AtTheModel
+
+    batch = Batch(world_size=2)
+    cut = AtTheModel(rank=1, world_size=2, batch=batch, current_call=lambda: None)
+    (rows, name), share = cut.split((torch.arange(5), "name"))
+    assert rows.tolist() == [3, 4] and name == "name" and share.samples == 5 and batch.weight == 0.4
+    assert cut.split(("only words",)) == (("only words",), None)  # (its keywords decide: ``split_keywords``)
+    assert cut.split_keywords({"idx": torch.zeros(6, 2), "targets": torch.zeros(6), "scale": 2.0}).indices == [3, 4, 5]
+    with pytest.raises(UsageError, match=r"do not share a batch size \(first dimensions \[1, 6\]\)"):
+        cut.split_keywords({"idx": torch.zeros(6, 2), "positions": torch.zeros(1, 2)})
+    with pytest.raises(UsageError, match="this call gives it no tensor with a row per sample to split"):
+        cut.split_keywords({"scale": torch.tensor(2.0)})
+
+
 def test_the_shared_stream_draws_the_same_order_whatever_the_global_stream_did_and_leaves_it_as_it_was():
     orders = []
     for noise in (1, 2):
@@ -781,10 +797,15 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     (weights_one, printed_one, _), (weights_two, printed_two, said) = one, two
     # (whether it finds a group, 10 steps a model but 6 of the binary one and 20 of the augmented one, 2 epochs' lines
     # of five models, a call that raised, 2 of each epoch's metrics where torchmetrics is installed, and 2 of the model
-    # called on each sample of a list, less the 2 batches that the hooked part skips, and 2 of the straight part)
+    # called on each sample of a list, less the 2 batches that the hooked part skips, 2 of the straight part, and the
+    # 10 steps of the model over batches cut by hand)
     lines = (1 + (16 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
-                  + ("scripted" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one) + 2 + 2 - 2 + 2)
+                  + ("scripted" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one) + 2 + 2 - 2 + 2
+             + 10)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
+    # Batches cut by hand, given by keyword: each call but the first (whole) cut at the model, its keyword tensors too.
+    assert weights_one["rows"]["byhand"].tolist() == [6] * 10
+    assert weights_two["rows"]["byhand"].tolist() == [6] + [3] * 9, weights_two["rows"]["byhand"]
     for part, weights in weights_one.items():
         if part not in ("rows", "logs"):
             assert relative_norm(weights, weights_two[part]) < 1e-9, part

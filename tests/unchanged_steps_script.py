@@ -60,9 +60,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+# (byhand after cycled, whose loader's last pass was split: a gathered loader's last pass is held open until another
+# begins, in case a wrapper fetched its last batch ahead, and a batch cut by hand meanwhile would be taken for its own.)
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
                                             "keywords", "auxiliary", "later", "inside", "returned", "loading",
-                                            "augmented", "across", "cycled", "single", "listed", "hooked", "straight"] + (
+                                            "augmented", "across", "cycled", "byhand", "single", "listed", "hooked", "straight"] + (
     ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse", "taken", "scripted", "again"]
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
@@ -645,6 +647,39 @@ def straight():
             loss = F.cross_entropy(rounded, labels) + 0.1 * (rounded - outputs).pow(2).mean()
             step(optimizer, loss)
         print(f"straight {epoch}: loss {loss.item():.12f}")
+    return model.state_dict()
+
+
+class Tokens(nn.Module):
+    """A next-token model over batches that the loop cuts by hand, returning its logits and its loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+        self.embedding, self.head = nn.Embedding(11, 8), Counted(8, 11, self.rows)
+
+    def forward(self, idx, targets):
+        logits = self.head(torch.tanh(self.embedding(idx)))
+        return logits, F.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1))
+
+
+def byhand():
+    """Batches that the loop cuts by hand from one sequence (nanoGPT's ``get_batch``: no DataLoader), given to the
+    model by keyword alone (``model(idx=x, targets=y)``), then its targets alone by keyword (``model(x, targets=y)``,
+    as transformers' models take their labels). Its calls are cut at the model from its second on (its first, whole,
+    shows it returns its loss), keywords and all (before: the first refused, saying that the model returned no loss;
+    the second crashed on targets that were not cut); their rows go into ``rows``' ``byhand``."""
+    text = torch.randint(0, 11, (200,))
+    model = Tokens()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for keyword in (True, False):
+        for _ in range(5):
+            starts = torch.randint(len(text) - 7, (6,))
+            x = torch.stack([text[start:start + 6] for start in starts])
+            y = torch.stack([text[start + 1:start + 7] for start in starts])
+            _, loss = model(idx=x, targets=y) if keyword else model(x, targets=y)
+            step(optimizer, loss, f"byhand {int(keyword)}")
+    result.setdefault("rows", {}).update(byhand=torch.tensor(model.rows))
     return model.state_dict()
 
 

@@ -33,6 +33,10 @@ NOT_SPLIT = ("--unchanged: this model's batches come from no DataLoader; it retu
              "they are split where they enter it, but it returns none now, and a loss computed outside it would meet "
              "targets that were not split: return the loss from every call, or give the script a DataLoader over a "
              "map-style data set, or run it without --unchanged")
+NO_ROWS = ("--unchanged: this model's batches come from no DataLoader and it returned its loss at its first call, so "
+           "they are split where they enter it, but this call gives it no tensor with a row per sample to split: "
+           "give it its batch as tensors, or give the script a DataLoader over a map-style data set, or run it "
+           "without --unchanged")
 # A model first called on a DataLoader's batches, then trained on a batch that no pass handed out and that differs
 # across the ranks (a loader's share that could not be followed to the model): there is no one device's batch to cut.
 NOT_FOLLOWED = ("--unchanged: this model was first called on a DataLoader's batches, and now trains on a batch that "
@@ -68,18 +72,31 @@ class AtTheModel:
         self.couples_rows: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self.rows_kept: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # computed both ways, and found row by row
 
-    def split(self, args: tuple) -> tuple[tuple, Share]:
+    def split(self, args: tuple) -> tuple[tuple, Share | None]:
         """This rank's share of the batch in ``args``: each tensor argument cut along its first dimension. (With a
-        loss that couples the batch, each rank's gradient then weighs 1, or 0 for a stand-in: ``gathered``.)"""
+        loss that couples the batch, each rank's gradient then weighs 1, or 0 for a stand-in: ``gathered``.) None
+        where no positional argument is a tensor (``model(idx=x, targets=y)``): the call's keywords show its rows
+        (``split_keywords``), and they are cut alike where there are positional ones (``keywords_and_items``)."""
         sizes = {arg.shape[0] for arg in args if isinstance(arg, torch.Tensor) and arg.dim() > 0}
+        if not sizes:
+            return args, None
+        share = self._share_of_rows(sizes)
+        return rows_of_share(args, share), share
+
+    def split_keywords(self, kwargs: dict) -> Share:
+        """This rank's share of a batch that no DataLoader split, given to a model's call by keyword alone."""
+        return self._share_of_rows({value.shape[0] for value in kwargs.values()
+                                    if isinstance(value, torch.Tensor) and value.dim() > 0})
+
+    def _share_of_rows(self, sizes: set[int]) -> Share:
         if len(sizes) != 1:
-            raise UsageError(NOT_SPLIT if not sizes else
+            raise UsageError(NO_ROWS if not sizes else
                              f"--unchanged: the model's tensor arguments do not share a batch size (first dimensions "
                              f"{sorted(sizes)}), so they cannot be split across the processes: give the script a "
                              "DataLoader, or run it without --unchanged", said_elsewhere=self.rank != 0)
         share = share_of(range(sizes.pop()), self.rank, self.world_size)
         self.batch.set(float(share.weight > 0) if self.batch.coupled else share.weight)
-        return rows_of_share(args, share), share
+        return share
 
     def computed_whole(self, module: nn.Module) -> None:
         """``module``'s inputs come from no split DataLoader and its first call returned no loss (the script computes
@@ -405,10 +422,13 @@ class AtTheModel:
 
     def keywords_and_items(self, module: nn.Module, args: tuple, kwargs: dict):
         """A model's own forward pre-hook: the keyword tensors of a call cut at the model cut alike (this rank's
-        rows), then a count of items given to it made the whole batch's (``items_of_the_batch``)."""
+        rows; of a batch cut by hand, those with a row per sample: ``model(x, targets=y)``), then a count of items
+        given to it made the whole batch's (``items_of_the_batch``)."""
         call = self.current_call()
-        names = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor) and value.dim() > 0]
-        cut = call is not None and call.module is module and call.gathered and call.share is not None and names
+        ours = call is not None and call.module is module and call.share is not None
+        names = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor) and value.dim() > 0
+                 and (not ours or not call.by_hand or value.shape[0] == call.share.samples)]
+        cut = ours and (call.gathered or call.by_hand) and names
         if cut:
             kwargs = {**kwargs, **dict(zip(names, rows_of_share(tuple(kwargs[name] for name in names), call.share)))}
         changed = self.items_of_the_batch(module, args, kwargs)

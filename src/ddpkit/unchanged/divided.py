@@ -48,6 +48,7 @@ class Call:
     attributes: dict | None = None  # and the tensors its layers held as attributes before it (``held_tensors``)
     keywords: dict = dataclasses.field(default_factory=dict)  # a tried call's own (to compute it again, whole)
     of_a_split_batch: bool = False  # a training call on this rank's share of a batch that its loader split
+    by_hand: bool = False  # a training call on this rank's share of a batch that no loader split (``AtTheModel.split``)
 
 
 class Evaluations:

@@ -73,7 +73,7 @@ class Models:
                                        current_call=lambda: self._calls[-1] if self._calls else None)
         self.adoption = Adoption(rank=rank, world_size=world_size, batch=batch, shard=shard, optimizers=optimizers,
                                  wait_for_rank_0=wait_for_rank_0, stand_aside=stand_aside,
-                                 items_hook=self.at_the_model.keywords_and_items, find_unused=find_unused)
+                                 items_hook=self._keywords, find_unused=find_unused)
         self.evaluations = Evaluations(rank=rank, world_size=world_size)
         # Models that return several outputs, none computed from another (a head and an auxiliary head; not a loss
         # computed from the logits it returns with them): a step may leave one unused. Decided at a first call.
@@ -161,7 +161,7 @@ class Models:
             self.batch.set_whole()  # the same computation on every rank, from the shared streams: one device's
         if share is not None:
             self.streams.enter_forward()  # each rank's rows draw their own dropout, as rows of one batch do
-        self._open(module, whole_args, share=share, cut=cut, first=first, from_loader=from_loader)
+        self._open(module, whole_args, share=share, cut=cut, first=first, from_loader=from_loader, by_hand=split)
         # What leaves through its inputs (to a model that made them: a GAN's generator) is unweighted again: the
         # weight of gathered outputs (``after``), and a sharded model's.
         inputs = self.batch.current_weight() if cut is not None else 1.0
@@ -181,6 +181,16 @@ class Models:
                            unused=self.batch.gathered_way and module in self.several_outputs)
         return _scaled_gradients(args, inputs) if share is not None else None
 
+    def _keywords(self, module: nn.Module, args: tuple, kwargs: dict):
+        """A model's own forward pre-hook (the global one, ``before``, is not given the call's keywords): a batch that
+        no loader split, given by keyword alone, split here (``AtTheModel.split_keywords``); then its keyword tensors
+        cut (``AtTheModel.keywords_and_items``)."""
+        call = self._calls[-1] if self._calls else None
+        if call is not None and call.module is module and call.by_hand and call.share is None:
+            call.share = self.at_the_model.split_keywords(kwargs)
+            self.streams.enter_forward()  # (as ``_before`` does for a share of positional tensors)
+        return self.at_the_model.keywords_and_items(module, args, kwargs)
+
     def _current(self, args: tuple) -> bool:
         """Whether a training call is given rows of the batch that its loader handed out last (as the watch of that
         step follows them): a loop that skipped batches before it, not a wrapper that fetched this one ahead."""
@@ -195,11 +205,12 @@ class Models:
             self.at_the_model.computed_across_rows(module, hooked, what="runs hooks of the script's own inside it, "
                                                    "which would read a share of its batch")
 
-    def _open(self, module: nn.Module, whole_args: tuple, *, share, cut, first: bool, from_loader: bool) -> None:
+    def _open(self, module: nn.Module, whole_args: tuple, *, share, cut, first: bool, from_loader: bool,
+              by_hand: bool) -> None:
         """The root call's ``Call``: at a model's first training call, what it holds (its buffers, and the tensors
         kept on its layers: ``_left_behind``)."""
         tried = first and cut is not None
-        self._calls.append(Call(module, whole_args, share=share, gathered=cut is not None, tried=tried,
+        self._calls.append(Call(module, whole_args, share=share, gathered=cut is not None, tried=tried, by_hand=by_hand,
                                 buffers=own_buffers(module) if first else None,
                                 attributes=held_tensors(module) if first and self.world_size > 1 else None,
                                 keywords=call_keywords(module) if tried else {},
