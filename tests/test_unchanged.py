@@ -74,9 +74,11 @@ def test_a_batch_cut_by_hand_is_split_by_its_positional_tensors_or_else_by_its_k
     (rows, name), share = cut.split((torch.arange(5), "name"))
     assert rows.tolist() == [3, 4] and name == "name" and share.samples == 5 and batch.weight == 0.4
     assert cut.split(("only words",)) == (("only words",), None)  # (its keywords decide: ``split_keywords``)
-    assert cut.split_keywords({"idx": torch.zeros(6, 2), "targets": torch.zeros(6), "scale": 2.0}).indices == [3, 4, 5]
+    # By keyword alone, the first tensor's rows are the batch's (a class weight, positions of one row: given whole).
+    assert cut.split_keywords({"scale": 2.0, "idx": torch.zeros(6, 2), "targets": torch.zeros(6),
+                               "weight": torch.ones(3), "positions": torch.zeros(1, 2)}).indices == [3, 4, 5]
     with pytest.raises(UsageError, match=r"do not share a batch size \(first dimensions \[1, 6\]\)"):
-        cut.split_keywords({"idx": torch.zeros(6, 2), "positions": torch.zeros(1, 2)})
+        cut.split((torch.zeros(6, 2), torch.zeros(1, 2)))
     with pytest.raises(UsageError, match="this call gives it no tensor with a row per sample to split"):
         cut.split_keywords({"scale": torch.tensor(2.0)})
 

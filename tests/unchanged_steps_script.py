@@ -658,26 +658,27 @@ class Tokens(nn.Module):
         self.rows = []
         self.embedding, self.head = nn.Embedding(11, 8), Counted(8, 11, self.rows)
 
-    def forward(self, idx, targets):
+    def forward(self, idx, targets, weight=None):
         logits = self.head(torch.tanh(self.embedding(idx)))
-        return logits, F.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1))
+        return logits, F.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1), weight=weight)
 
 
 def byhand():
     """Batches that the loop cuts by hand from one sequence (nanoGPT's ``get_batch``: no DataLoader), given to the
-    model by keyword alone (``model(idx=x, targets=y)``), then its targets alone by keyword (``model(x, targets=y)``,
-    as transformers' models take their labels). Its calls are cut at the model from its second on (its first, whole,
+    model by keyword alone with a class weight (``model(idx=x, targets=y, weight=w)``: the first tensor's rows are the
+    batch's, the weight's 11 given whole), then its targets alone by keyword (``model(x, targets=y)``, as transformers'
+    models take their labels). Its calls are cut at the model from its second on (its first, whole,
     shows it returns its loss), keywords and all (before: the first refused, saying that the model returned no loss;
     the second crashed on targets that were not cut); their rows go into ``rows``' ``byhand``."""
     text = torch.randint(0, 11, (200,))
-    model = Tokens()
+    model, weights = Tokens(), torch.rand(11) + 0.5
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for keyword in (True, False):
         for _ in range(5):
             starts = torch.randint(len(text) - 7, (6,))
             x = torch.stack([text[start:start + 6] for start in starts])
             y = torch.stack([text[start + 1:start + 7] for start in starts])
-            _, loss = model(idx=x, targets=y) if keyword else model(x, targets=y)
+            _, loss = model(idx=x, targets=y, weight=weights) if keyword else model(x, targets=y)
             step(optimizer, loss, f"byhand {int(keyword)}")
     result.setdefault("rows", {}).update(byhand=torch.tensor(model.rows))
     return model.state_dict()

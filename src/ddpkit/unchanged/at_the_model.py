@@ -84,9 +84,11 @@ class AtTheModel:
         return rows_of_share(args, share), share
 
     def split_keywords(self, kwargs: dict) -> Share:
-        """This rank's share of a batch that no DataLoader split, given to a model's call by keyword alone."""
-        return self._share_of_rows({value.shape[0] for value in kwargs.values()
-                                    if isinstance(value, torch.Tensor) and value.dim() > 0})
+        """This rank's share of a batch that no DataLoader split, given to a model's call by keyword alone: its first
+        tensor's rows (as a positional call's first argument is its batch), which every keyword tensor with as many
+        rows shares (``keywords_and_items``); another (a class weight, positions of shape (1, T)) is given whole."""
+        first = next((value for value in kwargs.values() if isinstance(value, torch.Tensor) and value.dim() > 0), None)
+        return self._share_of_rows(set() if first is None else {first.shape[0]})
 
     def _share_of_rows(self, sizes: set[int]) -> Share:
         if len(sizes) != 1:
