@@ -800,14 +800,17 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # (whether it finds a group, 10 steps a model but 6 of the binary one and 20 of the augmented one, 2 epochs' lines
     # of five models, a call that raised, 2 of each epoch's metrics where torchmetrics is installed, and 2 of the model
     # called on each sample of a list, less the 2 batches that the hooked part skips, 2 of the straight part, and the
-    # 10 steps of the model over batches cut by hand)
+    # 15 steps of the models over batches cut by hand)
     lines = (1 + (16 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
                   + ("scripted" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one) + 2 + 2 - 2 + 2
-             + 10)
+             + 15)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     # Batches cut by hand, given by keyword: each call but the first (whole) cut at the model, its keyword tensors too.
     assert weights_one["rows"]["byhand"].tolist() == [6] * 10
     assert weights_two["rows"]["byhand"].tolist() == [6] + [3] * 9, weights_two["rows"]["byhand"]
+    # And its logits read by the loop at its first step: gathered on each share from then on (the counts printed equal).
+    assert weights_two["rows"]["read"].tolist() == [6, 3, 3, 3, 3], weights_two["rows"]["read"]
+    assert said.count("the loop reads Tokens's outputs beside its loss, on batches cut by hand") == 1, said
     for part, weights in weights_one.items():
         if part not in ("rows", "logs"):
             assert relative_norm(weights, weights_two[part]) < 1e-9, part

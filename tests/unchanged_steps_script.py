@@ -669,7 +669,10 @@ def byhand():
     batch's, the weight's 11 given whole), then its targets alone by keyword (``model(x, targets=y)``, as transformers'
     models take their labels). Its calls are cut at the model from its second on (its first, whole,
     shows it returns its loss), keywords and all (before: the first refused, saying that the model returned no loss;
-    the second crashed on targets that were not cut); their rows go into ``rows``' ``byhand``."""
+    the second crashed on targets that were not cut); their rows go into ``rows``' ``byhand``. Then another such model
+    whose logits the loop reads (each step's count of right predictions against the batch's targets, printed): its
+    logits on each share are gathered, as its first step showed them read (before: a crash on shapes that did not
+    match); its rows into ``read``."""
     text = torch.randint(0, 11, (200,))
     model, weights = Tokens(), torch.rand(11) + 0.5
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -680,8 +683,17 @@ def byhand():
             y = torch.stack([text[start + 1:start + 7] for start in starts])
             _, loss = model(idx=x, targets=y, weight=weights) if keyword else model(x, targets=y)
             step(optimizer, loss, f"byhand {int(keyword)}")
-    result.setdefault("rows", {}).update(byhand=torch.tensor(model.rows))
-    return model.state_dict()
+    reader = Tokens()
+    reading = torch.optim.SGD(reader.parameters(), lr=0.5)
+    for _ in range(5):
+        starts = torch.randint(len(text) - 7, (6,))
+        x = torch.stack([text[start:start + 6] for start in starts])
+        y = torch.stack([text[start + 1:start + 7] for start in starts])
+        logits, loss = reader(x, y)
+        step(reading, loss)
+        print(f"byhand 2: {int((logits.argmax(-1) == y).sum())} right")
+    result.setdefault("rows", {}).update(byhand=torch.tensor(model.rows), read=torch.tensor(reader.rows))
+    return {**model.state_dict(), **{f"reader.{key}": value for key, value in reader.state_dict().items()}}
 
 
 def penalty():

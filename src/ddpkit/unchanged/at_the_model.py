@@ -60,6 +60,8 @@ class AtTheModel:
         self._kept: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()  # a tried call's buffers
         # Models whose first call, on batches no loader split, returned their loss: split at their calls from then on.
         self.with_loss: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        # Those whose other outputs (logits) the script read at that first step: gathered on its shares from then on.
+        self.outputs_read: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # Models whose training call wrote buffers of their own (not BatchNorm's): computed whole on a whole batch.
         self.writes_buffers: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # Models whose first call on a loader's whole batch returned a loss, computed both ways (``check_both_ways``):

@@ -38,12 +38,12 @@ from ddpkit.core.logs import logger
 from ddpkit.data.split_batches import share_sizes
 from ddpkit.strategies.in_place import Replica
 from ddpkit.unchanged.adoption import Adoption, class_name, is_trainable
-from ddpkit.unchanged.at_the_model import NOT_FOLLOWED, AtTheModel, call_keywords, returns_a_loss
+from ddpkit.unchanged.at_the_model import NOT_FOLLOWED, AtTheModel, call_keywords, is_a_loss, returns_a_loss
 from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.divided import KEYWORDS_SEEN, Call, Evaluations, rows_of
-from ddpkit.unchanged.gathered import ScaleGradient, gathered
+from ddpkit.unchanged.gathered import Gather, ScaleGradient, gathered
 from ddpkit.unchanged.randomness import Streams
-from ddpkit.unchanged.step_rule import ROWS
+from ddpkit.unchanged.step_rule import ROWS, OutputsRead
 from ddpkit.unchanged.taken import TakenGradients
 
 
@@ -82,6 +82,7 @@ class Models:
         self.split_trained: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # trained on a split loader's shares
         self.held_said = False  # a share handed out again was trained on (``_held_share``)
         self._outputs_seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._reading: tuple[nn.Module, OutputsRead] | None = None  # a first step on a batch cut by hand (``_learned``)
 
     def install(self) -> None:
         # torch warns a script that compiles a module that global hooks fire once more around the compiled module:
@@ -102,6 +103,7 @@ class Models:
 
     def uninstall(self) -> None:
         self.off = True
+        self._read_until_now()
         if self.taken is not None:
             self.taken.uninstall()
         for handle in self._handles:
@@ -112,6 +114,8 @@ class Models:
 
     def before(self, module: nn.Module, args: tuple):
         self.depth += 1
+        if self._reading is not None and self._reading[0] is module:
+            self._read_until_now()
         if self.depth != 1 or self.off or self._left_to_the_script(module, args):
             return None
         watch = self.watching()
@@ -304,6 +308,8 @@ class Models:
             return None
         call = self._calls[-1]
         result = self._after(module, args, kwargs, output)
+        if self._reading is not None and self._reading[0] is module and self._reading[1] is None:
+            self._watch_reads(module, output if result is None else result)
         watch = self.watching()
         if watch is not None and output is not RAISED:
             watch.outputs(output if result is None else result, training=not call.evaluating)
@@ -362,6 +368,8 @@ class Models:
                               rows=len(share.indices), with_gradients=True)
         elif split:
             output = self.at_the_model.whole_batch_losses(output)
+            if module in self.at_the_model.outputs_read:
+                output = self._gathered_by_hand(share, output)
         elif self.batch.loader_passes and not self.batch.whole and not self.batch.coupled and returns_a_loss(output):
             # A loss the model computed from this rank's share of a loader's batch: the value the script reads is the
             # whole batch's (its gradient the share's, which DDP weighs).
@@ -389,6 +397,44 @@ class Models:
         return gathered(_scaled_gradients(output, 1.0 / weight, but=kept), rank=self.rank, rows=rows,
                         sizes=share_sizes(share.samples, world_size=self.world_size), with_gradients=True, kept=kept)
 
+    def _watch_reads(self, module: nn.Module, output) -> None:
+        """A first call on a batch cut by hand returned its loss: what the script does with its other outputs (as it
+        gets them, DDP's forward ended), until the model's next call (``_read_until_now``)."""
+        others = [leaf for leaf in pytree.tree_leaves(output)
+                  if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and not is_a_loss(leaf)]
+        self._reading = (module, OutputsRead(module, others)) if others else None
+        if others:
+            self._reading[1].start()
+
+    def _read_until_now(self) -> None:
+        """The end of a first step on a batch cut by hand: where the script read the model's outputs beside its loss,
+        they are gathered on its shares from then on (``_gathered_by_hand``)."""
+        if self._reading is not None:
+            module, reading = self._reading
+            self._reading = None
+            if reading is not None and reading.end():
+                self.at_the_model.outputs_read.add(module)
+                if self.rank == 0:
+                    logger.info(f"--unchanged: the loop reads {class_name(module)}'s outputs beside its loss, on batches "
+                                "cut by hand: each call's are gathered into the whole batch's, as on one device")
+
+    def _gathered_by_hand(self, share, output):
+        """The outputs of a call on this rank's share of a batch cut by hand, whose loss is valued whole already: the
+        others with a row per sample gathered into the whole batch's (its logits, which the loop compares with the
+        batch's labels), as DataParallel gathers them. The gradient of this rank's rows is its part of one device's:
+        divided by its weight, which DDP multiplies back in; the loss's gradient is the share's already."""
+        weight, rows = self.batch.current_weight(), len(share.indices)
+        sizes = share_sizes(share.samples, world_size=self.world_size)
+
+        def gather(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.dim() == 0 or tensor.size(0) != rows or is_a_loss(tensor):
+                return tensor
+            if tensor.requires_grad:
+                tensor = ScaleGradient.apply(tensor, 1.0 / weight if weight else 0.0)
+            return Gather.apply(tensor, sizes, self.rank)
+
+        return pytree.tree_map_only(torch.Tensor, gather, output)
+
     def _learned(self, module: nn.Module, call: Call, kwargs: dict, output) -> None:
         """What a whole training call of ``module`` shows, on several processes: where no loader made its batch, at its
         first call, whether it returns its loss (split at its calls from then on) or not (computed whole); on a
@@ -396,6 +442,8 @@ class Models:
         if call.learning:
             if returns_a_loss(output):
                 self.at_the_model.with_loss.add(module)  # split at its calls from now on
+                self._read_until_now()
+                self._reading = (module, None)  # (its outputs as the script gets them: ``after``)
             else:
                 self.at_the_model.computed_whole(module)
         elif self.batch.loader_passes and self.batch.whole and not self.batch.coupled:
