@@ -438,12 +438,15 @@ class ReplicaGroup:
                 return
 
     def _stop_beats(self) -> None:
-        """No more beats, and the last one withdrawn: a process that ends is not fenced."""
+        """No more beats, and a last one that asks for no fence: a process that ends is not fenced. (Not the key
+        deleted: the launcher's fence, which finds the key and then reads it, would wait for it there, up to the
+        store's timeout, a minute in which the fence and the launcher's end hang.)"""
         if self._beats is not None:
             self._stopping.set()
             self._beats.join()
             self._beats = None
-            self._launcher_store.delete_key(beat_key(self.group, self.rank))
+            ended = {"pid": os.getpid(), "t": time.time(), "moved_s": None, "stall_s": None, "where": "ended"}
+            self._launcher_store.set(beat_key(self.group, self.rank), json.dumps(ended))
 
     def finish(self) -> None:
         """Tell the launcher that this group trained to the end: a group restarted from now on stops at once
