@@ -800,16 +800,19 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # (whether it finds a group, 10 steps a model but 6 of the binary one and 20 of the augmented one, 2 epochs' lines
     # of five models, a call that raised, 2 of each epoch's metrics where torchmetrics is installed, and 2 of the model
     # called on each sample of a list, less the 2 batches that the hooked part skips, 2 of the straight part, and the
-    # 15 steps of the models over batches cut by hand)
+    # 20 steps of the models over batches cut by hand)
     lines = (1 + (16 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
                   + ("scripted" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one) + 2 + 2 - 2 + 2
-             + 15)
+             + 20)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
-    # Batches cut by hand, given by keyword: each call but the first (whole) cut at the model, its keyword tensors too.
+    # Batches cut by hand, given by keyword: each call but the first (whole, then computed both ways: the whole batch
+    # and this process's share, its loss a mean over rows) cut at the model, its keyword tensors too.
     assert weights_one["rows"]["byhand"].tolist() == [6] * 10
-    assert weights_two["rows"]["byhand"].tolist() == [6] + [3] * 9, weights_two["rows"]["byhand"]
+    assert weights_two["rows"]["byhand"].tolist() == [6, 6, 3] + [3] * 9, weights_two["rows"]["byhand"]
     # And its logits read by the loop at its first step: gathered on each share from then on (the counts printed equal).
-    assert weights_two["rows"]["read"].tolist() == [6, 3, 3, 3, 3], weights_two["rows"]["read"]
+    assert weights_two["rows"]["read"].tolist() == [6, 6, 3, 3, 3, 3, 3], weights_two["rows"]["read"]
+    # Towers whose in-batch loss the check shows not to be a mean over rows: every call whole (said below).
+    assert weights_two["rows"]["inbatch"].tolist() == [6, 6, 3, 6, 6, 6, 6], weights_two["rows"]["inbatch"]
     assert said.count("the loop reads Tokens's outputs beside its loss, on batches cut by hand") == 1, said
     for part, weights in weights_one.items():
         if part not in ("rows", "logs"):
@@ -839,7 +842,7 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # same, not a loss (batches of 13, 13 and 3: rank 0 computes 7 and 2 of them).
     assert weights_two["rows"]["binary"].tolist() == ([13, 7, 2, 7, 7, 2] if KEYWORDS_SEEN else [13, 13, 3] * 2)
     assert said.count("returns a loss that is not shown to be a mean or a sum over the rows of its batch") == (
-        1 if KEYWORDS_SEEN else 4)
+        2 if KEYWORDS_SEEN else 5), said
     assert said.count("a training step that is not proven exact on split batches") == 1, said
     assert said.count("trains on each process's shares of batches that a split pass handed out, handed out") == 1, said
     # (A model of several outputs on the gathered way, whose DDP looks for unused parameters, ddpkit's decision: DDP

@@ -658,30 +658,44 @@ class Tokens(nn.Module):
         self.rows = []
         self.embedding, self.head = nn.Embedding(11, 8), Counted(8, 11, self.rows)
 
-    def forward(self, idx, targets, weight=None):
+    def forward(self, idx, targets):
         logits = self.head(torch.tanh(self.embedding(idx)))
-        return logits, F.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1), weight=weight)
+        return logits, F.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1))
+
+
+class InBatch(nn.Module):
+    """Two towers returning their in-batch contrastive loss: each row's loss depends on every other row."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+        self.query, self.document = Counted(8, 4, self.rows), nn.Linear(8, 4)
+
+    def forward(self, queries, documents):
+        similarity = F.normalize(self.query(queries), dim=1) @ F.normalize(self.document(documents), dim=1).T
+        return F.cross_entropy(similarity / 0.1, torch.arange(len(queries)))
 
 
 def byhand():
     """Batches that the loop cuts by hand from one sequence (nanoGPT's ``get_batch``: no DataLoader), given to the
-    model by keyword alone with a class weight (``model(idx=x, targets=y, weight=w)``: the first tensor's rows are the
-    batch's, the weight's 11 given whole), then its targets alone by keyword (``model(x, targets=y)``, as transformers'
-    models take their labels). Its calls are cut at the model from its second on (its first, whole,
-    shows it returns its loss), keywords and all (before: the first refused, saying that the model returned no loss;
+    model by keyword alone (``model(idx=x, targets=y)``), then its targets alone by keyword (``model(x, targets=y)``,
+    as transformers' models take their labels). Its first call, whole, shows it returns its loss, which is computed
+    both ways (the whole batch, then this process's share, in evaluation): a mean over its rows. Its later calls are
+    cut at the model, keywords and all (before: the first refused, saying that the model returned no loss;
     the second crashed on targets that were not cut); their rows go into ``rows``' ``byhand``. Then another such model
     whose logits the loop reads (each step's count of right predictions against the batch's targets, printed): its
     logits on each share are gathered, as its first step showed them read (before: a crash on shapes that did not
-    match); its rows into ``read``."""
+    match); its rows into ``read``. Last, two towers returning an in-batch contrastive loss, which the check shows not
+    to be a mean over rows: computed whole (before: split, silently 1.1e-1 from one process); rows into ``towers``."""
     text = torch.randint(0, 11, (200,))
-    model, weights = Tokens(), torch.rand(11) + 0.5
+    model = Tokens()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for keyword in (True, False):
         for _ in range(5):
             starts = torch.randint(len(text) - 7, (6,))
             x = torch.stack([text[start:start + 6] for start in starts])
             y = torch.stack([text[start + 1:start + 7] for start in starts])
-            _, loss = model(idx=x, targets=y, weight=weights) if keyword else model(x, targets=y)
+            _, loss = model(idx=x, targets=y) if keyword else model(x, targets=y)
             step(optimizer, loss, f"byhand {int(keyword)}")
     reader = Tokens()
     reading = torch.optim.SGD(reader.parameters(), lr=0.5)
@@ -692,8 +706,15 @@ def byhand():
         logits, loss = reader(x, y)
         step(reading, loss)
         print(f"byhand 2: {int((logits.argmax(-1) == y).sum())} right")
-    result.setdefault("rows", {}).update(byhand=torch.tensor(model.rows), read=torch.tensor(reader.rows))
-    return {**model.state_dict(), **{f"reader.{key}": value for key, value in reader.state_dict().items()}}
+    towers, samples = InBatch(), torch.randn(40, 8)
+    pairing = torch.optim.SGD(towers.parameters(), lr=0.1)
+    for _ in range(5):
+        chosen = torch.randperm(40)[:6]
+        step(pairing, towers(samples[chosen], samples[chosen] + 0.1 * torch.randn(6, 8)), "byhand 3")
+    result.setdefault("rows", {}).update(byhand=torch.tensor(model.rows), read=torch.tensor(reader.rows),
+                                         inbatch=torch.tensor(towers.rows))
+    return {**model.state_dict(), **{f"reader.{key}": value for key, value in reader.state_dict().items()},
+            **{f"towers.{key}": value for key, value in towers.state_dict().items()}}
 
 
 def penalty():

@@ -214,11 +214,12 @@ class Models:
         """The root call's ``Call``: at a model's first training call, what it holds (its buffers, and the tensors
         kept on its layers: ``_left_behind``)."""
         tried = first and cut is not None
+        learning = first and not self.batch.loader_passes and not self.batch.coupled
         self._calls.append(Call(module, whole_args, share=share, gathered=cut is not None, tried=tried, by_hand=by_hand,
                                 buffers=own_buffers(module) if first else None,
                                 attributes=held_tensors(module) if first and self.world_size > 1 else None,
-                                keywords=call_keywords(module) if tried else {},
-                                learning=first and not self.batch.loader_passes and not self.batch.coupled,
+                                keywords=call_keywords(module) if tried or learning else {},
+                                learning=learning,
                                 of_a_split_batch=from_loader and self.batch.loader_share and self.world_size > 1))
         if self._calls[-1].of_a_split_batch:
             self.split_trained.add(module)
@@ -397,6 +398,18 @@ class Models:
         return gathered(_scaled_gradients(output, 1.0 / weight, but=kept), rank=self.rank, rows=rows,
                         sizes=share_sizes(share.samples, world_size=self.world_size), with_gradients=True, kept=kept)
 
+    def _whole_by_hand(self, module: nn.Module, call: Call, kwargs: dict) -> bool:
+        """A model's first call on a batch cut by hand returned its loss: computed both ways (``_both_ways``), whether
+        that loss is a mean or a sum over the rows of its batch, which a split keeps. Where it is not shown to be one
+        (an in-batch contrastive loss computed inside the model), every call is computed whole on every process."""
+        if not self.at_the_model.checks():
+            return False
+        keywords = kwargs if KEYWORDS_SEEN else call.keywords  # (this torch's global hooks are not given them)
+        if keywords is None:  # (a torch whose module code reads otherwise: the call cannot be made again)
+            self.at_the_model.computed_across_rows(module, "its call's keywords cannot be read on this torch")
+            return True
+        return not self._both_ways(module, call.whole_args, keywords)
+
     def _watch_reads(self, module: nn.Module, output) -> None:
         """A first call on a batch cut by hand returned its loss: what the script does with its other outputs (as it
         gets them, DDP's forward ended), until the model's next call (``_read_until_now``)."""
@@ -440,7 +453,9 @@ class Models:
         first call, whether it returns its loss (split at its calls from then on) or not (computed whole); on a
         loader's whole batch, whether its calls can be cut (``AtTheModel.learn``) and what the loss it returns is."""
         if call.learning:
-            if returns_a_loss(output):
+            if returns_a_loss(output) and self._whole_by_hand(module, call, kwargs):
+                self.at_the_model.whole.add(module)  # (said: ``computed_across_rows``)
+            elif returns_a_loss(output):
                 self.at_the_model.with_loss.add(module)  # split at its calls from now on
                 self._read_until_now()
                 self._reading = (module, None)  # (its outputs as the script gets them: ``after``)
