@@ -218,7 +218,7 @@ class Models:
         self._calls.append(Call(module, whole_args, share=share, gathered=cut is not None, tried=tried, by_hand=by_hand,
                                 buffers=own_buffers(module) if first else None,
                                 attributes=held_tensors(module) if first and self.world_size > 1 else None,
-                                keywords=call_keywords(module) if tried or learning else {},
+                                keywords=call_keywords(module) if tried or learning and not KEYWORDS_SEEN else {},
                                 learning=learning,
                                 of_a_split_batch=from_loader and self.batch.loader_share and self.world_size > 1))
         if self._calls[-1].of_a_split_batch:
@@ -453,14 +453,14 @@ class Models:
         first call, whether it returns its loss (split at its calls from then on) or not (computed whole); on a
         loader's whole batch, whether its calls can be cut (``AtTheModel.learn``) and what the loss it returns is."""
         if call.learning:
-            if returns_a_loss(output) and self._whole_by_hand(module, call, kwargs):
+            if not returns_a_loss(output):
+                self.at_the_model.computed_whole(module)
+            elif self._whole_by_hand(module, call, kwargs):
                 self.at_the_model.whole.add(module)  # (said: ``computed_across_rows``)
-            elif returns_a_loss(output):
+            else:
                 self.at_the_model.with_loss.add(module)  # split at its calls from now on
                 self._read_until_now()
                 self._reading = (module, None)  # (its outputs as the script gets them: ``after``)
-            else:
-                self.at_the_model.computed_whole(module)
         elif self.batch.loader_passes and self.batch.whole and not self.batch.coupled:
             if not self.at_the_model.checked(module) and returns_a_loss(output) and self.at_the_model.checks():
                 if KEYWORDS_SEEN:

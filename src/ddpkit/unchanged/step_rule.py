@@ -33,7 +33,6 @@ lists prove, they never guess.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import weakref
 from collections.abc import Mapping
@@ -357,15 +356,15 @@ class OutputsRead(TorchFunctionMode):
 
     def _by_the_script(self, frame) -> bool:
         """Whether the code that called a torch function is the script's (or a library's it calls), not ddpkit's nor
-        the model's own call (its hooks): the first frame outside torch decides."""
+        the model's own call (its hooks): the innermost caller outside torch and Python's standard library decides,
+        by its package (as ``own_group.group_seen`` and ``outputs._writer`` read theirs)."""
         while frame is not None:
-            path = frame.f_code.co_filename
-            if path.startswith(_DDPKIT):
+            package = frame.f_globals.get("__name__", "").partition(".")[0]
+            if package == "torch" and frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl") and (
+                    frame.f_locals.get("self") is self.module):
                 return False
-            if frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl") and frame.f_locals.get("self") is self.module:
-                return False
-            if not path.startswith(_TORCH):
-                return True
+            if package and package != "torch" and package not in sys.stdlib_module_names:
+                return package != "ddpkit"
             frame = frame.f_back
         return True
 
@@ -382,7 +381,3 @@ class OutputsRead(TorchFunctionMode):
             self.read = True
         self.on, self.tensors = False, []
         return self.read
-
-
-_TORCH = os.path.dirname(torch.__file__) + os.sep
-_DDPKIT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
