@@ -83,6 +83,41 @@ def test_a_batch_cut_by_hand_is_split_by_its_positional_tensors_or_else_by_its_k
         cut.split_keywords({"scale": torch.tensor(2.0)})
 
 
+@pytest.mark.parametrize("code, kept", [
+    ("logits, loss = model(x, y)\nloss.backward()", None),  # (nanoGPT's loop: its logits never loaded again)
+    ("_, loss = model(x, y) if x is None else model(y, x)", None),  # (past the jump that ends one branch)
+    ("loss = model(x, y)[1]\nmodel(x, y)[1].backward()\nout = model(x, y)\nout[1].backward()", None),
+    ("logits, loss = model(x, y)\nif x is None:\n    print(logits.argmax(-1))", "logits"),  # (a read some steps make)
+    ("def step():\n    out = model(x, y)\n    return out[0]\nstep()", "out"),
+    ("def step():\n    pair = model(x, y)\n    return lambda: pair[0]\nstep()", "pair"),  # (a closure's cell)
+    ("def forward():\n    return model(x, y)\nlogits, loss = forward()\nprint(logits)", "logits"),  # (followed out)
+    ("def forward():\n    return model(x, y)\nlogits, loss = forward()", None),
+    ("def report():\n    print(logits)\nlogits, loss = model(x, y)", "logits"),  # (a function reads the global)
+    ("kept = {}\nkept['logits'], loss = model(x, y)", "where ddpkit cannot follow them"),
+    ("print(model(x, y))", "where ddpkit cannot follow them"),
+])
+def test_what_the_code_that_called_a_model_keeps_of_its_outputs_beside_its_loss_and_reads_again(code, kept):
+    """A model over batches cut by hand that returns its loss: what its caller's code does with its other outputs,
+    read from its bytecode, decides whether they are gathered on the shares (``kept.read_again``)."""
+    from ddpkit.unchanged.at_the_model import is_a_loss
+    from ddpkit.unchanged.kept import read_again
+
+    output, seen = (torch.zeros(4, 3), torch.tensor(1.0, requires_grad=True)), []
+
+    def model(*args):
+        seen.append(read_again(sys._getframe(1), output, is_a_loss))
+        return output
+
+    exec(compile(code, "script.py", "exec"), {"model": model, "x": None, "y": None, "print": lambda *args: None})
+    assert seen and set(seen) == {kept}, seen
+    if kept is None and code.startswith("logits, loss"):  # (nanoGPT's own train.py: its logits are never loaded)
+        from ddpkit.unchanged.kept import _loads
+
+        train = CORPUS / "nanogpt" / "train.py"
+        assert "logits, loss = model(X, Y)" in train.read_text()
+        assert not list(_loads(compile(train.read_text(), str(train), "exec"), "logits", "global"))
+
+
 def test_the_shared_stream_draws_the_same_order_whatever_the_global_stream_did_and_leaves_it_as_it_was():
     orders = []
     for noise in (1, 2):
@@ -800,20 +835,22 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # (whether it finds a group, 10 steps a model but 6 of the binary one and 20 of the augmented one, 2 epochs' lines
     # of five models, a call that raised, 2 of each epoch's metrics where torchmetrics is installed, and 2 of the model
     # called on each sample of a list, less the 2 batches that the hooked part skips, 2 of the straight part, and the
-    # 20 steps of the models over batches cut by hand)
+    # 17 lines of the models over batches cut by hand: 10 steps, 2 of the reader's 5, 5)
     lines = (1 + (16 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
                   + ("scripted" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one) + 2 + 2 - 2 + 2
-             + 20)
+             + 17)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     # Batches cut by hand, given by keyword: each call but the first (whole, then computed both ways: the whole batch
     # and this process's share, its loss a mean over rows) cut at the model, its keyword tensors too.
     assert weights_one["rows"]["byhand"].tolist() == [6] * 10
     assert weights_two["rows"]["byhand"].tolist() == [6, 6, 3] + [3] * 9, weights_two["rows"]["byhand"]
-    # And its logits read by the loop at its first step: gathered on each share from then on (the counts printed equal).
+    # And its logits, which the loop reads from its second step on, every other step: gathered on each share from the
+    # second call (the loop's code loads them again; the counts printed equal).
     assert weights_two["rows"]["read"].tolist() == [6, 6, 3, 3, 3, 3, 3], weights_two["rows"]["read"]
     # Towers whose in-batch loss the check shows not to be a mean over rows: every call whole (said below).
     assert weights_two["rows"]["inbatch"].tolist() == [6, 6, 3, 6, 6, 6, 6], weights_two["rows"]["inbatch"]
-    assert said.count("the loop reads Tokens's outputs beside its loss, on batches cut by hand") == 1, said
+    assert said.count("the loop keeps Tokens's outputs beside its loss as `logits` and reads them, on batches cut by "
+                      "hand") == 1, said
     for part, weights in weights_one.items():
         if part not in ("rows", "logs"):
             assert relative_norm(weights, weights_two[part]) < 1e-9, part

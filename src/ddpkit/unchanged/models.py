@@ -42,8 +42,9 @@ from ddpkit.unchanged.at_the_model import NOT_FOLLOWED, AtTheModel, call_keyword
 from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.divided import KEYWORDS_SEEN, Call, Evaluations, rows_of
 from ddpkit.unchanged.gathered import Gather, ScaleGradient, gathered
+from ddpkit.unchanged.kept import read_again, script_frame
 from ddpkit.unchanged.randomness import Streams
-from ddpkit.unchanged.step_rule import ROWS, OutputsRead
+from ddpkit.unchanged.step_rule import ROWS
 from ddpkit.unchanged.taken import TakenGradients
 
 
@@ -82,7 +83,7 @@ class Models:
         self.split_trained: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # trained on a split loader's shares
         self.held_said = False  # a share handed out again was trained on (``_held_share``)
         self._outputs_seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        self._reading: tuple[nn.Module, OutputsRead] | None = None  # a first step on a batch cut by hand (``_learned``)
+        self._keeping: nn.Module | None = None  # a first call on a batch cut by hand that returned its loss (``_learned``)
 
     def install(self) -> None:
         # torch warns a script that compiles a module that global hooks fire once more around the compiled module:
@@ -103,7 +104,6 @@ class Models:
 
     def uninstall(self) -> None:
         self.off = True
-        self._read_until_now()
         if self.taken is not None:
             self.taken.uninstall()
         for handle in self._handles:
@@ -114,8 +114,6 @@ class Models:
 
     def before(self, module: nn.Module, args: tuple):
         self.depth += 1
-        if self._reading is not None and self._reading[0] is module:
-            self._read_until_now()
         if self.depth != 1 or self.off or self._left_to_the_script(module, args):
             return None
         watch = self.watching()
@@ -309,8 +307,9 @@ class Models:
             return None
         call = self._calls[-1]
         result = self._after(module, args, kwargs, output)
-        if self._reading is not None and self._reading[0] is module and self._reading[1] is None:
-            self._watch_reads(module, output if result is None else result)
+        if self._keeping is module:
+            self._keeping = None
+            self._kept(module, output if result is None else result)
         watch = self.watching()
         if watch is not None and output is not RAISED:
             watch.outputs(output if result is None else result, training=not call.evaluating)
@@ -410,26 +409,22 @@ class Models:
             return True
         return not self._both_ways(module, call.whole_args, keywords)
 
-    def _watch_reads(self, module: nn.Module, output) -> None:
-        """A first call on a batch cut by hand returned its loss: what the script does with its other outputs (as it
-        gets them, DDP's forward ended), until the model's next call (``_read_until_now``)."""
-        others = [leaf for leaf in pytree.tree_leaves(output)
-                  if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and not is_a_loss(leaf)]
-        self._reading = (module, OutputsRead(module, others)) if others else None
-        if others:
-            self._reading[1].start()
-
-    def _read_until_now(self) -> None:
-        """The end of a first step on a batch cut by hand: where the script read the model's outputs beside its loss,
-        they are gathered on its shares from then on (``_gathered_by_hand``)."""
-        if self._reading is not None:
-            module, reading = self._reading
-            self._reading = None
-            if reading is not None and reading.end():
-                self.at_the_model.outputs_read.add(module)
-                if self.rank == 0:
-                    logger.info(f"--unchanged: the loop reads {class_name(module)}'s outputs beside its loss, on batches "
-                                "cut by hand: each call's are gathered into the whole batch's, as on one device")
+    def _kept(self, module: nn.Module, output) -> None:
+        """A first call on a batch cut by hand returned its loss, and ``output`` as the script gets it (DDP's forward
+        ended): where the script's code keeps its other outputs and reads them again, at any step (``kept``), they
+        are gathered on its shares from then on (``_gathered_by_hand``)."""
+        if not any(isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and not is_a_loss(leaf)
+                   for leaf in pytree.tree_leaves(output)):
+            return
+        kept = read_again(script_frame(sys._getframe(1)), output, is_a_loss)
+        if kept is None:
+            return
+        self.at_the_model.outputs_read.add(module)
+        if self.rank == 0:
+            how = (f"keeps {class_name(module)}'s outputs beside its loss as `{kept}` and reads them"
+                   if kept.isidentifier() else f"uses {class_name(module)}'s outputs beside its loss {kept}")
+            logger.info(f"--unchanged: the loop {how}, on batches cut by hand: each call's are gathered into the "
+                        "whole batch's, as on one device")
 
     def _gathered_by_hand(self, share, output):
         """The outputs of a call on this rank's share of a batch cut by hand, whose loss is valued whole already: the
@@ -459,8 +454,7 @@ class Models:
                 self.at_the_model.whole.add(module)  # (said: ``computed_across_rows``)
             else:
                 self.at_the_model.with_loss.add(module)  # split at its calls from now on
-                self._read_until_now()
-                self._reading = (module, None)  # (its outputs as the script gets them: ``after``)
+                self._keeping = module  # (its outputs as the script gets them: ``after``)
         elif self.batch.loader_passes and self.batch.whole and not self.batch.coupled:
             if not self.at_the_model.checked(module) and returns_a_loss(output) and self.at_the_model.checks():
                 if KEYWORDS_SEEN:

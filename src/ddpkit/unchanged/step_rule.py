@@ -33,7 +33,6 @@ lists prove, they never guess.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import weakref
 from collections.abc import Mapping
 
@@ -330,54 +329,3 @@ def _keeps_rows(index) -> bool:
         return not isinstance(index, tuple) or all(part is None or isinstance(part, (slice, int))
                                                    for part in index[1:])
     return isinstance(first, slice) and first == slice(None) and isinstance(index, tuple)
-
-
-class OutputsRead(TorchFunctionMode):
-    """Whether the script reads any of ``tensors`` (a model's outputs beside its loss, at its first call on a batch cut
-    by hand, as the script got them) in a torch function, from ``start`` to ``end`` (the model's next call): its
-    logits compared with the batch's labels, a hidden state detached and passed back, a library's metric updated with
-    them. Reads by ddpkit's code and by the model's own hooks (FSDP's, after its forward) are not the script's. Then
-    the model's outputs on its shares are gathered (``unchanged.models``); else, as nanoGPT's loop, which reads only
-    the loss, the shares' stay apart."""
-
-    def __init__(self, module, tensors: list[torch.Tensor]):
-        super().__init__()
-        self.module = module
-        self.tensors = tensors  # (held until ``end``: ids of freed tensors are reused)
-        self.read = False
-        self.on = False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not self.read and any(isinstance(leaf, torch.Tensor) and any(leaf is tensor for tensor in self.tensors)
-                                 for leaf in pytree.tree_leaves((args, kwargs))):
-            self.read = self._by_the_script(sys._getframe(1))
-        return func(*args, **kwargs)
-
-    def _by_the_script(self, frame) -> bool:
-        """Whether the code that called a torch function is the script's (or a library's it calls), not ddpkit's nor
-        the model's own call (its hooks): the innermost caller outside torch and Python's standard library decides,
-        by its package (as ``own_group.group_seen`` and ``outputs._writer`` read theirs)."""
-        while frame is not None:
-            package = frame.f_globals.get("__name__", "").partition(".")[0]
-            if package == "torch" and frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl") and (
-                    frame.f_locals.get("self") is self.module):
-                return False
-            if package and package != "torch" and package not in sys.stdlib_module_names:
-                return package != "ddpkit"
-            frame = frame.f_back
-        return True
-
-    def start(self) -> None:
-        self.__enter__()
-        self.on = True
-
-    def end(self) -> bool:
-        """Out of torch's function modes: whether the outputs were read. Where another mode was entered above ours and
-        is still there, ours cannot leave before it: it stays, reading nothing more, and the outputs count as read."""
-        if self.on and _get_current_function_mode() is self:
-            self.__exit__(None, None, None)
-        elif self.on:
-            self.read = True
-        self.on, self.tensors = False, []
-        return self.read
