@@ -545,13 +545,14 @@ def test_steps_that_take_the_gathered_way_train_sharded_as_on_one_process(shardi
     weight to 1e-9 (the gathered way with FSDP2's averaging). Its part penalty, a gradient penalty (a second backward
     through the sharded critic, which FSDP cannot take as one device would: 8.2e-3 before), is refused in one line,
     exit status 2, at its first step; the parts after it (sparse embeddings, which a shard cannot hold; gradients
-    taken with respect to sharded weights; a TorchScript model; two backward passes through one call) are not
+    taken with respect to sharded weights; a TorchScript model; experts that a router skips on some shares only, whose
+    sharded blocks would not all-gather alike on every rank; two backward passes through one call) are not
     reached."""
     from test_unchanged import assert_steps_as_on_one_process, steps_run
 
     weights, printed, said = steps_run(tmp_path, 2, "--shard", "always", expect=2)
     assert said.count("FSDP cannot differentiate twice through a sharded model") == 1 and "Traceback" not in said, said
-    late = ("penalty", "sparse", "taken", "scripted", "again")  # (the refused part, and those after it)
+    late = ("penalty", "sparse", "taken", "scripted", "routed", "again")  # (the refused part, and those after it)
     one = ({part: value for part, value in steps_one[0].items() if part not in late},
            [line for line in steps_one[1] if line.split(" ")[0] not in late], steps_one[2])
     assert not set(late) & set(weights) and not any(line.split(" ")[0] in late for line in printed), printed

@@ -65,7 +65,7 @@ from torch.utils.data import DataLoader, TensorDataset
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
                                             "keywords", "auxiliary", "later", "inside", "returned", "loading",
                                             "augmented", "across", "cycled", "byhand", "single", "listed", "hooked", "straight"] + (
-    ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse", "taken", "scripted", "again"]
+    ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse", "taken", "scripted", "routed", "again"]
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
 result = {}
@@ -262,6 +262,23 @@ class WithAuxiliary(nn.Module):
     def forward(self, x):
         hidden = torch.tanh(self.trunk(x))
         return self.head(hidden), self.auxiliary(hidden)
+
+
+class Routed(nn.Module):
+    """Two experts, each row routed to one by the sign of its first feature; an expert that no row reaches is not
+    called (a branch on its data: ``branches``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.experts = nn.Linear(8, 8), nn.ModuleList([nn.Linear(8, 3), nn.Linear(8, 3)])
+
+    def forward(self, x):
+        hidden, out = torch.tanh(self.trunk(x)), torch.zeros(len(x), 3)
+        for index, expert in enumerate(self.experts):
+            rows = (x[:, 0] > 0) == bool(index)
+            if rows.any():
+                out = out.index_put((rows,), expert(hidden[rows]))
+        return out
 
 
 def auxiliary():
@@ -716,6 +733,23 @@ def byhand():
                                          inbatch=torch.tensor(towers.rows))
     return {**model.state_dict(), **{f"reader.{key}": value for key, value in reader.state_dict().items()},
             **{f"towers.{key}": value for key, value in towers.state_dict().items()}}
+
+
+def routed():
+    """Experts that a router skips where no row reaches them, on split batches (its loader in order: the first batch
+    routes rows to both experts in each process's share, the second to the second expert in one share only, the third
+    to none, whose step leaves that expert without a gradient on one device too). Before, the second step stopped the
+    run (exit status 2, naming --find-unused-parameters): DDP was built plain after a first step that used every
+    parameter; now its first step's forward shows that it reads its data, and DDP looks for unused parameters."""
+    x, y = torch.randn(29, 8), torch.randint(0, 3, (29,))
+    x[:, 0] = -x[:, 0].abs()
+    x[[0, 3, 5, 8, 20], 0] *= -1  # (rows routed to the second expert)
+    model = Routed()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for epoch in range(2):
+        for inputs, labels in DataLoader(TensorDataset(x, y), batch_size=6):
+            step(optimizer, F.cross_entropy(model(inputs), labels))
+    return model.state_dict()
 
 
 def penalty():

@@ -76,6 +76,9 @@ class Replica:
         # Trained on whole batches cut at the model (``ddpkit.unchanged``'s gathered way): a step may leave outputs
         # unused (a loss term that some batches have), which DDP meets only when it looks for unused parameters.
         self.outputs_may_go_unused = False
+        # Its first step's forward read its tensors' values (a branch on its data: ``ddpkit.unchanged.branches``): a
+        # later step may leave parameters unused that this one used.
+        self.reads_its_data = False
         # Then, a backward's parameters that an unused output left without a gradient (DDP zero-fills those it
         # reduces; one device leaves them None), and those that got one: ``untouched_again``.
         self.untouched: set[int] = set()
@@ -197,8 +200,8 @@ class Replica:
     def needs(self, output) -> str:
         """What ``output``'s graph needs of DDP on every rank (``MODES``): the most that any rank's needs."""
         reached, reentrant = graph_of(output)
-        unused = self.find_unused or self.outputs_may_go_unused or any(train and id(parameter) not in reached
-                                         for train, parameter in zip(self.trains, self.parameters))
+        unused = self.find_unused or self.outputs_may_go_unused or self.reads_its_data or any(
+            train and id(parameter) not in reached for train, parameter in zip(self.trains, self.parameters))
         mode = 2 if reentrant else 1 if unused else 0
         decided = torch.tensor([mode], device=self.parameters[0].device)
         dist.all_reduce(decided, op=dist.ReduceOp.MAX)

@@ -40,6 +40,7 @@ from ddpkit.strategies.in_place import Replica
 from ddpkit.unchanged.adoption import Adoption, class_name, is_trainable
 from ddpkit.unchanged.at_the_model import NOT_FOLLOWED, AtTheModel, call_keywords, is_a_loss, returns_a_loss
 from ddpkit.unchanged.batches import Batch
+from ddpkit.unchanged.branches import ReadsItsData
 from ddpkit.unchanged.divided import KEYWORDS_SEEN, Call, Evaluations, rows_of
 from ddpkit.unchanged.gathered import Gather, ScaleGradient, gathered
 from ddpkit.unchanged.kept import read_again, script_frame
@@ -84,6 +85,7 @@ class Models:
         self.held_said = False  # a share handed out again was trained on (``_held_share``)
         self._outputs_seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._keeping: nn.Module | None = None  # a first call on a batch cut by hand that returned its loss (``_learned``)
+        self._reading: tuple[nn.Module, ReadsItsData] | None = None  # a call of a replica's first step (``_before``)
 
     def install(self) -> None:
         # torch warns a script that compiles a module that global hooks fire once more around the compiled module:
@@ -104,6 +106,7 @@ class Models:
 
     def uninstall(self) -> None:
         self.off = True
+        self._read_its_data()
         if self.taken is not None:
             self.taken.uninstall()
         for handle in self._handles:
@@ -181,6 +184,8 @@ class Models:
             # some batches have, which DDP meets only where it looks for unused parameters.)
             replica.before(args, begin=not self._calls[-1].tried,
                            unused=self.batch.gathered_way and module in self.several_outputs)
+            if replica.needed >= 0 and not _compiled(module):  # (its first step: does its forward read its data?)
+                self._reading = (module, ReadsItsData().start())
         return _scaled_gradients(args, inputs) if share is not None else None
 
     def _keywords(self, module: nn.Module, args: tuple, kwargs: dict):
@@ -306,6 +311,7 @@ class Models:
         if self.depth != 0 or not self._calls or self._calls[-1].module is not module:
             return None
         call = self._calls[-1]
+        self._read_its_data()
         result = self._after(module, args, kwargs, output)
         if self._keeping is module:
             self._keeping = None
@@ -408,6 +414,15 @@ class Models:
             self.at_the_model.computed_across_rows(module, "its call's keywords cannot be read on this torch")
             return True
         return not self._both_ways(module, call.whole_args, keywords)
+
+    def _read_its_data(self) -> None:
+        """The end of a forward of a replica's first step: where it read its tensors' values (a branch on its data,
+        ``branches``), DDP looks for unused parameters from then on (``Replica.needs``)."""
+        if self._reading is not None:
+            module, reading = self._reading
+            self._reading = None
+            if reading.end():
+                self.adoption.replicas[module].reads_its_data = True
 
     def _kept(self, module: nn.Module, output) -> None:
         """A first call on a batch cut by hand returned its loss, and ``output`` as the script gets it (DDP's forward
@@ -738,3 +753,10 @@ def _installed() -> tuple[str, ...]:
     folders.update(site.getsitepackages() + [site.getusersitepackages()])
     folders.add(os.path.dirname(os.path.dirname(__file__)))  # ddpkit's own moves (wherever it is installed)
     return tuple(os.path.join(os.path.abspath(folder), "") for folder in folders if folder)
+
+
+def _compiled(module: nn.Module) -> bool:
+    """A module that torch.compile compiles, or holds one that it compiles (``torch.compile(model)``,
+    ``model.compile()``): no mode is entered around its forward, which would be compiled again without it."""
+    return any(type(layer).__name__ == "OptimizedModule" or layer.__dict__.get("_compiled_call_impl") is not None
+               for layer in module.modules())
