@@ -735,12 +735,33 @@ def byhand():
             **{f"towers.{key}": value for key, value in towers.state_dict().items()}}
 
 
+class Detector(nn.Module):
+    """Returns its losses in a dict, its box loss only where its batch holds a positive: a loss that its data decides
+    whether to compute, inside its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.classes, self.boxes = nn.Linear(8, 16), nn.Linear(16, 2), nn.Linear(16, 4)
+
+    def forward(self, x, labels, boxes):
+        hidden = torch.tanh(self.body(x))
+        losses = {"classes": F.cross_entropy(self.classes(hidden), labels)}
+        positive = labels > 0
+        if positive.any():
+            losses["boxes"] = F.smooth_l1_loss(self.boxes(hidden)[positive], boxes[positive])
+        return losses
+
+
 def routed():
     """Experts that a router skips where no row reaches them, on split batches (its loader in order: the first batch
     routes rows to both experts in each process's share, the second to the second expert in one share only, the third
     to none, whose step leaves that expert without a gradient on one device too). Before, the second step stopped the
     run (exit status 2, naming --find-unused-parameters): DDP was built plain after a first step that used every
-    parameter; now its first step's forward shows that it reads its data, and DDP looks for unused parameters."""
+    parameter; now its first step's forward shows that it reads its data, and DDP looks for unused parameters. Then a
+    detector whose box loss, computed inside its forward, only the batches with a positive have, on the same order:
+    its first step's forward shows the loss inside an ``if`` on its data, and it is computed whole, its batches whole
+    (before: the second step's shares computed that loss on one process only, and the run failed on collectives that
+    no longer paired up, "Is there a distributed collective mismatch"; on NCCL, a hang)."""
     x, y = torch.randn(29, 8), torch.randint(0, 3, (29,))
     x[:, 0] = -x[:, 0].abs()
     x[[0, 3, 5, 8, 20], 0] *= -1  # (rows routed to the second expert)
@@ -749,7 +770,14 @@ def routed():
     for epoch in range(2):
         for inputs, labels in DataLoader(TensorDataset(x, y), batch_size=6):
             step(optimizer, F.cross_entropy(model(inputs), labels))
-    return model.state_dict()
+    labels, boxes = torch.zeros(29, dtype=torch.long), torch.randn(29, 4)
+    labels[[0, 3, 5, 8, 20]] = 1
+    detector = Detector()
+    optimizer = torch.optim.SGD(detector.parameters(), lr=0.1, momentum=0.9)
+    for epoch in range(2):
+        for inputs, targets, placed in DataLoader(TensorDataset(x, labels, boxes), batch_size=6):
+            step(optimizer, sum(detector(inputs, targets, placed).values()))
+    return {**model.state_dict(), **{f"detector.{key}": value for key, value in detector.state_dict().items()}}
 
 
 def penalty():

@@ -11,13 +11,22 @@ first step runs under ``ReadsItsData``, a torch function mode that notes whether
 model's, a library's it calls; a read inside torch's own modules counts for the code that called them) calls one of
 those functions. Where it does on any process, DDP looks for unused parameters from then on
 (``find_unused_parameters``): a parameter that one process's share left without a gradient gets the batch's, and one
-that the whole batch left without one keeps none, as on one device. No function's result changes. A branch on
-something else than a tensor (Python's ``random``, a counter of the model's own) is not seen.
+that the whole batch left without one keeps none, as on one device.
+
+The same mode notes a loss of torch's whose mean ddpkit makes the batch's with an all-reduce at each call
+(``counted``) called inside the block of an ``if`` whose condition was a tensor's truth, or which follows a read of a
+tensor's number in the same code (``guarded``): a loss that its data decides whether to compute, which some
+processes' shares would compute and others' not, leaving the others' all-reduces unpaired. The model is then computed
+whole (``unchanged.models``). No function's result changes. A branch on something else than a tensor (Python's
+``random``, a counter of the model's own) is not seen.
 """
 
 from __future__ import annotations
 
+import dis
+import functools
 import sys
+import types
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
@@ -32,20 +41,43 @@ READS = frozenset({
 })
 
 
+# Reads of a tensor's number, which a later ``if`` of the same code may test (``if positive.sum().item() > 0:``).
+NUMBERS = frozenset({Tensor.item, Tensor.tolist, Tensor.__int__, Tensor.__float__, Tensor.__index__})
+# torch.nn.functional's losses whose mean ddpkit makes the batch's with one all-reduce at each call on a split batch
+# (``counted``): a call that only some processes make leaves the others' collectives unpaired.
+COUNTED = ("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+           "binary_cross_entropy", "binary_cross_entropy_with_logits")
+
+
 class ReadsItsData(TorchFunctionMode):
     """From ``start`` to ``end``: whether code other than ddpkit's called a function of ``READS``, or
-    ``torch.where`` with a condition alone, or indexed a tensor with a boolean mask."""
+    ``torch.where`` with a condition alone, or indexed a tensor with a boolean mask (``read``); and whether it called
+    one of the ``COUNTED`` losses inside the block of an ``if`` (or ``while``, ``and``, ``or``) whose condition was a
+    tensor's truth (``guarded``: ``if positive.any(): losses["boxes"] = F.smooth_l1_loss(...)``), which its data
+    decides whether to compute."""
 
     def __init__(self):
         super().__init__()
         self.read = False
+        self.guarded = ""  # the loss called in such a block, by its name
         self.on = False
+        self._jumps: list[tuple[types.CodeType, int]] = []  # (code, offset) of each jump on a tensor's truth
+        self._values: list[tuple[types.CodeType, int]] = []  # (code, offset) of each read of a tensor's number
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.read and (func in READS or func is torch.where and len(args) + len(kwargs) == 1 or (
-                func is Tensor.__getitem__ and len(args) == 2 and _a_mask(args[1]))):
-            self.read = _outside(sys._getframe(1))
+        if func in READS or func is torch.where and len(args) + len(kwargs) == 1 or (
+                func is Tensor.__getitem__ and len(args) == 2 and _a_mask(args[1])):
+            caller = _caller(sys._getframe(1))
+            self.read = self.read or caller is not None
+            if func is Tensor.__bool__ and caller is not None:
+                self._jumps.append((caller.f_code, caller.f_lasti))
+            elif func in NUMBERS and caller is not None:
+                self._values.append((caller.f_code, caller.f_lasti))
+        elif ((self._jumps or self._values) and not self.guarded
+              and getattr(func, "__module__", "") == "torch.nn.functional" and getattr(func, "__name__", "") in COUNTED
+              and _guarded(sys._getframe(1), self._jumps, self._values)):
+            self.guarded = func.__name__
         return func(*args, **kwargs)
 
     def start(self) -> ReadsItsData:
@@ -70,12 +102,48 @@ def _a_mask(index) -> bool:
     return any(isinstance(part, torch.Tensor) and part.dtype == torch.bool for part in parts)
 
 
-def _outside(frame) -> bool:
-    """Whether the innermost caller outside torch and Python's standard library (torch's own modules read for the code
-    that called them) is not ddpkit's."""
+def _caller(frame):
+    """The innermost calling frame outside torch and Python's standard library (torch's own modules read for the code
+    that called them), where it is not ddpkit's; else None."""
     while frame is not None:
         package = frame.f_globals.get("__name__", "").partition(".")[0]
         if package != "torch" and package not in sys.stdlib_module_names:
-            return package != "ddpkit"
+            return frame if package != "ddpkit" else None
+        frame = frame.f_back
+    return None
+
+
+def _guarded(frame, jumps: list, values: list) -> bool:
+    """Whether a frame from ``frame`` outwards (the code that called a loss, and the code that called it, to the
+    script's) stands inside the block that a conditional forward jump of its code skips, where that jump tested a
+    tensor's truth (one of ``jumps``), or came after a read of a tensor's number in the same code (one of
+    ``values``)."""
+    while frame is not None:
+        code, at = frame.f_code, frame.f_lasti
+        tested = {offset for seen, offset in jumps if seen is code}
+        read = min((offset for seen, offset in values if seen is code), default=None)
+        for offset, target in _conditional_jumps(code) if tested or read is not None else ():
+            if offset < at < target and (any(offset <= seen <= _end_of(code, offset) for seen in tested)
+                                         or read is not None and read < offset):
+                return True
         frame = frame.f_back
     return False
+
+
+@functools.lru_cache(maxsize=256)
+def _conditional_jumps(code: types.CodeType) -> tuple[tuple[int, int], ...]:
+    """(offset, target) of each conditional forward jump of ``code`` (an ``if``'s, a ``while``'s, ``and``'s and
+    ``or``'s), as ``dis`` lists them."""
+    return tuple((instruction.offset, instruction.argval) for instruction in dis.get_instructions(code)
+                 if "JUMP" in instruction.opname and "IF" in instruction.opname
+                 and "BACKWARD" not in instruction.opname and isinstance(instruction.argval, int)
+                 and instruction.argval > instruction.offset)
+
+
+@functools.lru_cache(maxsize=256)
+def _end_of(code: types.CodeType, offset: int) -> int:
+    """The last offset that the instruction at ``offset`` covers with its caches (where a frame that runs it may
+    point: the next listed instruction's offset, less one)."""
+    offsets = [instruction.offset for instruction in dis.get_instructions(code)]
+    later = [each for each in offsets if each > offset]
+    return later[0] - 1 if later else offset

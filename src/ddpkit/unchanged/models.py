@@ -106,7 +106,7 @@ class Models:
 
     def uninstall(self) -> None:
         self.off = True
-        self._read_its_data()
+        self._read_its_data(agreed=False)
         if self.taken is not None:
             self.taken.uninstall()
         for handle in self._handles:
@@ -415,14 +415,29 @@ class Models:
             return True
         return not self._both_ways(module, call.whole_args, keywords)
 
-    def _read_its_data(self) -> None:
-        """The end of a forward of a replica's first step: where it read its tensors' values (a branch on its data,
-        ``branches``), DDP looks for unused parameters from then on (``Replica.needs``)."""
-        if self._reading is not None:
-            module, reading = self._reading
-            self._reading = None
-            if reading.end():
-                self.adoption.replicas[module].reads_its_data = True
+    def _read_its_data(self, *, agreed: bool = True) -> None:
+        """The end of a forward of a replica's first step (every process ends the same ones: one all-reduce agrees on
+        what any of them saw, ``branches``). Where it read its tensors' values (a branch on its data), DDP looks for
+        unused parameters from then on (``Replica.needs``). Where it computed a loss that its data decides whether to
+        compute (inside ``if positive.any():``), which some processes' shares would compute and others' not, its
+        calls are computed whole from then on, its loader's batches whole (``computed_across_rows``)."""
+        if self._reading is None:
+            return
+        module, reading = self._reading
+        self._reading = None
+        read = reading.end()
+        if not agreed:
+            return
+        replica = self.adoption.replicas[module]
+        seen = torch.tensor([float(read), float(bool(reading.guarded))], device=replica.parameters[0].device)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        read, guarded = (bool(value) for value in seen.tolist())
+        replica.reads_its_data = replica.reads_its_data or read
+        if guarded:
+            self.at_the_model.computed_across_rows(
+                module, f"{reading.guarded or 'a loss'} inside an `if` on a tensor of its data", losses=False,
+                what="computes a loss inside its forward that its data decides whether to compute, which some "
+                     "processes' shares of a batch would compute and others' not")
 
     def _kept(self, module: nn.Module, output) -> None:
         """A first call on a batch cut by hand returned its loss, and ``output`` as the script gets it (DDP's forward
