@@ -540,6 +540,21 @@ def test_an_averaged_model_over_buffers_too_is_refused_in_one_line_before_traini
 
 
 @pytest.mark.slow
+def test_a_model_that_calls_a_sharded_block_only_where_its_data_says_is_refused_in_one_line(sharding_torch, tmp_path):
+    """The steps script's part routed under ``--shard always``: experts that a router calls only where a row reaches
+    them (``if rows.any():``), each a sharded block. Its first call, whole, shows it, and the run stops there in one
+    line, exit status 2, on every process alike (before: the second batch's shares skipped an expert on one process,
+    and FSDP's all-gather of its parameters waited forever on the other)."""
+    from test_unchanged import STEPS
+
+    done = run_ddpkit("run", "--unchanged", "--seed", "3", "--shard", "always", "--nproc-per-node", "2", STEPS,
+                      str(tmp_path), "routed", timeout=90, cwd=tmp_path)
+    assert done.returncode == 2, f"{done.stdout}\n{done.stderr}"
+    assert done.stderr.count("--unchanged --shard: Routed calls its block Linear only where its data says so") == 1
+    assert "Traceback" not in done.stderr and "run with --shard never" in done.stderr
+
+
+@pytest.mark.slow
 def test_steps_that_take_the_gathered_way_train_sharded_as_on_one_process(sharding_torch, tmp_path, steps_one):
     """tests/unchanged_steps_script.py under ``--shard always`` on 2 processes against 1: every printed line and every
     weight to 1e-9 (the gathered way with FSDP2's averaging). Its part penalty, a gradient penalty (a second backward

@@ -17,7 +17,9 @@ The same mode notes a loss of torch's whose mean ddpkit makes the batch's with a
 (``counted``) called inside the block of an ``if`` whose condition was a tensor's truth, or which follows a read of a
 tensor's number in the same code (``guarded``): a loss that its data decides whether to compute, which some
 processes' shares would compute and others' not, leaving the others' all-reduces unpaired. The model is then computed
-whole (``unchanged.models``). No function's result changes. A branch on something else than a tensor (Python's
+whole (``unchanged.models``). A sharded model's first call runs under it too: one of its sharded blocks called in
+such a block of code would be skipped on some processes' shares and not on others', where FSDP's all-gather of its
+parameters would wait forever, and the run is refused in one line. No function's result changes. A branch on something else than a tensor (Python's
 ``random``, a counter of the model's own) is not seen.
 """
 
@@ -41,8 +43,6 @@ READS = frozenset({
 })
 
 
-# Reads of a tensor's number, which a later ``if`` of the same code may test (``if positive.sum().item() > 0:``).
-NUMBERS = frozenset({Tensor.item, Tensor.tolist, Tensor.__int__, Tensor.__float__, Tensor.__index__})
 # torch.nn.functional's losses whose mean ddpkit makes the batch's with one all-reduce at each call on a split batch
 # (``counted``): a call that only some processes make leaves the others' collectives unpaired.
 COUNTED = ("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
@@ -60,6 +60,7 @@ class ReadsItsData(TorchFunctionMode):
         super().__init__()
         self.read = False
         self.guarded = ""  # the loss called in such a block, by its name
+        self.block = ""  # a sharded block of the model called in such a block, by its class (``unchanged.models``)
         self.on = False
         self._jumps: list[tuple[types.CodeType, int]] = []  # (code, offset) of each jump on a tensor's truth
         self._values: list[tuple[types.CodeType, int]] = []  # (code, offset) of each read of a tensor's number
@@ -72,13 +73,17 @@ class ReadsItsData(TorchFunctionMode):
             self.read = self.read or caller is not None
             if func is Tensor.__bool__ and caller is not None:
                 self._jumps.append((caller.f_code, caller.f_lasti))
-            elif func in NUMBERS and caller is not None:
+            elif caller is not None:  # (a number, or a size, that a later ``if`` of the same code may test)
                 self._values.append((caller.f_code, caller.f_lasti))
-        elif ((self._jumps or self._values) and not self.guarded
-              and getattr(func, "__module__", "") == "torch.nn.functional" and getattr(func, "__name__", "") in COUNTED
-              and _guarded(sys._getframe(1), self._jumps, self._values)):
+        elif (not self.guarded and getattr(func, "__module__", "") == "torch.nn.functional"
+              and getattr(func, "__name__", "") in COUNTED and self.guards(sys._getframe(1))):
             self.guarded = func.__name__
         return func(*args, **kwargs)
+
+    def guards(self, frame) -> bool:
+        """Whether what runs at ``frame`` (a loss called, a block of the model called) stands inside a block that
+        its data decides whether to run (``_guarded``)."""
+        return bool(self._jumps or self._values) and _guarded(frame, self._jumps, self._values)
 
     def start(self) -> ReadsItsData:
         self.__enter__()
@@ -116,8 +121,8 @@ def _caller(frame):
 def _guarded(frame, jumps: list, values: list) -> bool:
     """Whether a frame from ``frame`` outwards (the code that called a loss, and the code that called it, to the
     script's) stands inside the block that a conditional forward jump of its code skips, where that jump tested a
-    tensor's truth (one of ``jumps``), or came after a read of a tensor's number in the same code (one of
-    ``values``)."""
+    tensor's truth (one of ``jumps``), or came after a read of a tensor's number or a size its data decides in the
+    same code (one of ``values``: ``if positive.sum().item() > 0:``, ``if len(rows.nonzero()):``)."""
     while frame is not None:
         code, at = frame.f_code, frame.f_lasti
         tested = {offset for seen, offset in jumps if seen is code}

@@ -117,6 +117,8 @@ class Models:
 
     def before(self, module: nn.Module, args: tuple):
         self.depth += 1
+        if self.depth > 1 and self._reading is not None and self._reading[0] in self.adoption.sharded:
+            self._block_called(module)
         if self.depth != 1 or self.off or self._left_to_the_script(module, args):
             return None
         watch = self.watching()
@@ -176,6 +178,8 @@ class Models:
 
                 # fully_shard's pre-forward hook (it gathers the root's parameters) was added during this call: run it.
                 args, _ = fsdp2().fully_shard.state(module)._pre_forward(module, args, {})
+            if first and not _compiled(module):  # (its first call, whole: does it skip a block on some data?)
+                self._reading = (module, ReadsItsData().start())
             factor = self.sharded_weight()
             return _differentiated_once(_scaled_gradients(args, inputs / factor if factor else 0.0), module, self.rank)
         replica = self.adoption.replicas.get(module)
@@ -428,6 +432,9 @@ class Models:
         read = reading.end()
         if not agreed:
             return
+        if module in self.adoption.sharded:
+            self._blocks_skipped(module, reading.block)
+            return
         replica = self.adoption.replicas[module]
         seen = torch.tensor([float(read), float(bool(reading.guarded))], device=replica.parameters[0].device)
         dist.all_reduce(seen, op=dist.ReduceOp.MAX)
@@ -438,6 +445,29 @@ class Models:
                 module, f"{reading.guarded or 'a loss'} inside an `if` on a tensor of its data", losses=False,
                 what="computes a loss inside its forward that its data decides whether to compute, which some "
                      "processes' shares of a batch would compute and others' not")
+
+    def _block_called(self, module: nn.Module) -> None:
+        """A module called inside a sharded model's first call, watched (``_reading``): one of its sharded blocks,
+        called inside a block of code that its data decides whether to run, is noted (``_blocks_skipped``)."""
+        from ddpkit.strategies.fsdp import is_fsdp2
+
+        reading = self._reading[1]
+        if not reading.block and is_fsdp2(module) and reading.guards(sys._getframe(2)):
+            reading.block = class_name(module)
+
+    def _blocks_skipped(self, module: nn.Module, block: str) -> None:
+        """The end of a sharded model's first call: where it called one of its sharded blocks only where its data
+        said so (experts that a router reaches), a share of a later batch would skip that block on some processes
+        and not on others, and FSDP's all-gather of its parameters would wait forever on those that call it:
+        refused in one line, on every process alike (one all-reduce)."""
+        skipped = torch.tensor([float(bool(block))], device=next(module.parameters()).device)
+        dist.all_reduce(skipped, op=dist.ReduceOp.MAX)
+        if skipped.item():
+            raise UsageError(f"--unchanged --shard: {class_name(module)} calls its block {block or 'of layers'} only "
+                             "where its data says so (inside an `if` on a tensor of its batch), so that a share of a "
+                             "batch would skip it on some processes and not on others, and FSDP's gather of that "
+                             "block's parameters would wait forever on the processes that call it: run with --shard "
+                             "never (a whole model on each process, exact)", said_elsewhere=self.rank != 0)
 
     def _kept(self, module: nn.Module, output) -> None:
         """A first call on a batch cut by hand returned its loss, and ``output`` as the script gets it (DDP's forward
