@@ -120,10 +120,10 @@ def test_what_the_code_that_called_a_model_keeps_of_its_outputs_beside_its_loss_
 
 def test_a_forward_that_reads_its_data_and_one_that_decides_from_it_whether_to_compute_a_loss_are_told_apart():
     """``branches.ReadsItsData`` around a forward: a read of a tensor's value (a branch on its data) is ``read``; a
-    loss of torch's inside the block of an ``if`` on a tensor's truth, or of an ``if`` after a read of a tensor's
-    number in the same code, is ``guarded`` (a detector's box loss); a loss behind ``if labels is not None``
-    (transformers' models), after a read that governs no block around it, is not. Nothing a function returns
-    changes."""
+    loss of torch's inside the block of an ``if`` on a tensor's truth, or of an ``if`` that tests a tensor's
+    number on its own line, is ``guarded`` (a detector's box loss); a loss behind ``if labels is not None``
+    (transformers' models), or behind an ``if`` on something else after a read on another line, is not. Nothing a
+    function returns changes."""
     from ddpkit.unchanged.branches import ReadsItsData
 
     x, labels = torch.randn(6, 3, requires_grad=True), torch.tensor([0, 1, 0, 0, 1, 0])
@@ -147,9 +147,15 @@ def test_a_forward_that_reads_its_data_and_one_that_decides_from_it_whether_to_c
             return F.cross_entropy(x, labels)
         return x.sum()
 
+    def training(x, labels):
+        positives = int((labels > 0).sum())  # (a number read on its own line: not what the next `if` tests)
+        if x.requires_grad:
+            return F.cross_entropy(x, labels) * positives
+        return x.sum()
+
     seen = {}
     for name, forward in (("detector", detector), ("labelled", labelled), ("counted", counted),
-                          ("plain", lambda x, y: x.sum())):
+                          ("training", training), ("plain", lambda x, y: x.sum())):
         reading = ReadsItsData().start()
         try:
             value = forward(x, labels)
@@ -158,7 +164,7 @@ def test_a_forward_that_reads_its_data_and_one_that_decides_from_it_whether_to_c
         assert torch.equal(value, forward(x, labels))
         seen[name] = (read, reading.guarded)
     assert seen == {"detector": (True, "mse_loss"), "labelled": (True, ""), "counted": (True, "cross_entropy"),
-                    "plain": (False, "")}
+                    "training": (True, ""), "plain": (False, "")}
 
 
 def test_the_shared_stream_draws_the_same_order_whatever_the_global_stream_did_and_leaves_it_as_it_was():

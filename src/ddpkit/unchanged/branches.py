@@ -121,15 +121,16 @@ def _caller(frame):
 def _guarded(frame, jumps: list, values: list) -> bool:
     """Whether a frame from ``frame`` outwards (the code that called a loss, and the code that called it, to the
     script's) stands inside the block that a conditional forward jump of its code skips, where that jump tested a
-    tensor's truth (one of ``jumps``), or came after a read of a tensor's number or a size its data decides in the
-    same code (one of ``values``: ``if positive.sum().item() > 0:``, ``if len(rows.nonzero()):``)."""
+    tensor's truth (one of ``jumps``), or tested a tensor's number or a size its data decides, read on the jump's own
+    line (one of ``values``: ``if positive.sum().item() > 0:``, ``if len(rows.nonzero()):``; a number read into a
+    name on one line and tested on another is not followed)."""
     while frame is not None:
         code, at = frame.f_code, frame.f_lasti
         tested = {offset for seen, offset in jumps if seen is code}
-        read = min((offset for seen, offset in values if seen is code), default=None)
-        for offset, target in _conditional_jumps(code) if tested or read is not None else ():
+        read = {_line_at(code, offset) for seen, offset in values if seen is code}
+        for offset, target in _conditional_jumps(code) if tested or read else ():
             if offset < at < target and (any(offset <= seen <= _end_of(code, offset) for seen in tested)
-                                         or read is not None and read < offset):
+                                         or _line_at(code, offset) in read):
                 return True
         frame = frame.f_back
     return False
@@ -143,6 +144,21 @@ def _conditional_jumps(code: types.CodeType) -> tuple[tuple[int, int], ...]:
                  if "JUMP" in instruction.opname and "IF" in instruction.opname
                  and "BACKWARD" not in instruction.opname and isinstance(instruction.argval, int)
                  and instruction.argval > instruction.offset)
+
+
+@functools.lru_cache(maxsize=1024)
+def _line_at(code: types.CodeType, offset: int) -> int | None:
+    """The source line of the instruction that ``code`` was at when at ``offset`` (past its caches, where a frame may
+    point)."""
+    line = None
+    for instruction in dis.get_instructions(code):
+        if instruction.offset > offset:
+            break
+        positions = getattr(instruction, "positions", None)
+        started = positions.lineno if positions is not None and positions.lineno is not None else (
+            instruction.starts_line if isinstance(instruction.starts_line, int) else None)
+        line = started if started is not None else line
+    return line
 
 
 @functools.lru_cache(maxsize=256)

@@ -179,7 +179,7 @@ class Models:
                 # fully_shard's pre-forward hook (it gathers the root's parameters) was added during this call: run it.
                 args, _ = fsdp2().fully_shard.state(module)._pre_forward(module, args, {})
             if first and not _compiled(module):  # (its first call, whole: does it skip a block on some data?)
-                self._reading = (module, ReadsItsData().start())
+                self._watch_its_data(module)
             factor = self.sharded_weight()
             return _differentiated_once(_scaled_gradients(args, inputs / factor if factor else 0.0), module, self.rank)
         replica = self.adoption.replicas.get(module)
@@ -189,7 +189,7 @@ class Models:
             replica.before(args, begin=not self._calls[-1].tried,
                            unused=self.batch.gathered_way and module in self.several_outputs)
             if replica.needed >= 0 and not _compiled(module):  # (its first step: does its forward read its data?)
-                self._reading = (module, ReadsItsData().start())
+                self._watch_its_data(module)
         return _scaled_gradients(args, inputs) if share is not None else None
 
     def _keywords(self, module: nn.Module, args: tuple, kwargs: dict):
@@ -418,6 +418,12 @@ class Models:
             self.at_the_model.computed_across_rows(module, "its call's keywords cannot be read on this torch")
             return True
         return not self._both_ways(module, call.whole_args, keywords)
+
+    def _watch_its_data(self, module: nn.Module) -> None:
+        """A watched call begins (``branches``); one that a call left open, which never reached its end, is closed
+        first, and its mode leaves torch's stack."""
+        self._read_its_data(agreed=False)
+        self._reading = (module, ReadsItsData().start())
 
     def _read_its_data(self, *, agreed: bool = True) -> None:
         """The end of a forward of a replica's first step (every process ends the same ones: one all-reduce agrees on
