@@ -14,13 +14,13 @@ those functions. Where it does on any process, DDP looks for unused parameters f
 that the whole batch left without one keeps none, as on one device.
 
 The same mode notes a loss of torch's whose mean ddpkit makes the batch's with an all-reduce at each call
-(``counted``) called inside the block of an ``if`` whose condition was a tensor's truth, or which follows a read of a
-tensor's number in the same code (``guarded``): a loss that its data decides whether to compute, which some
-processes' shares would compute and others' not, leaving the others' all-reduces unpaired. The model is then computed
-whole (``unchanged.models``). A sharded model's first call runs under it too: one of its sharded blocks called in
-such a block of code would be skipped on some processes' shares and not on others', where FSDP's all-gather of its
-parameters would wait forever, and the run is refused in one line. No function's result changes. A branch on something else than a tensor (Python's
-``random``, a counter of the model's own) is not seen.
+(``counted``) called inside the block of an ``if`` whose condition was a tensor's truth, or a tensor's number or a
+size its data decides, read on the ``if``'s own line (``guarded``): a loss that its data decides whether to compute,
+which some processes' shares would compute and others' not, leaving the others' all-reduces unpaired. The model is
+then computed whole (``unchanged.models``). A sharded model's first call runs under it too: one of its sharded blocks
+called in such a block of code would be skipped on some processes' shares and not on others', where FSDP's
+all-gather of its parameters would wait forever, and the run is refused in one line. No function's result changes.
+A branch on something else than a tensor (Python's ``random``, a counter of the model's own) is not seen.
 """
 
 from __future__ import annotations

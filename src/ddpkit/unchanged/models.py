@@ -84,7 +84,7 @@ class Models:
         self.split_trained: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # trained on a split loader's shares
         self.held_said = False  # a share handed out again was trained on (``_held_share``)
         self._outputs_seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        self._keeping: nn.Module | None = None  # a first call on a batch cut by hand that returned its loss (``_learned``)
+        self._keeping: nn.Module | None = None  # a first call on a hand-cut batch that returned its loss (``_learned``)
         self._reading: tuple[nn.Module, ReadsItsData] | None = None  # a call of a replica's first step (``_before``)
 
     def install(self) -> None:
