@@ -120,13 +120,16 @@ def test_what_the_code_that_called_a_model_keeps_of_its_outputs_beside_its_loss_
 
 def test_a_forward_that_reads_its_data_and_one_that_decides_from_it_whether_to_compute_a_loss_are_told_apart():
     """``branches.ReadsItsData`` around a forward: a read of a tensor's value (a branch on its data) is ``read``; a
-    loss of torch's inside the block of an ``if`` on a tensor's truth, or of an ``if`` that tests a tensor's
-    number on its own line, is ``guarded`` (a detector's box loss); a loss behind ``if labels is not None``
-    (transformers' models), or behind an ``if`` on something else after a read on another line, is not. Nothing a
-    function returns changes."""
+    loss of torch's that a block of code, which its data decides whether to run, calls or may call is ``guarded``:
+    an ``if`` on a tensor's truth (a detector's box loss), its ``else``, an ``if`` that tests a tensor's number on its
+    own line, or a name that holds one (``nt = b.shape[0]``, then ``if nt:``), whether the block ran or not (its
+    loss a module's, a closure's, a helper's). A loss behind ``if labels is not None`` (transformers' models), or
+    behind an ``if`` on something else after a read on another line, or a block that calls no loss, is not. A
+    sharded block that such a block may call is ``block``. Nothing a function returns changes."""
     from ddpkit.unchanged.branches import ReadsItsData
 
     x, labels = torch.randn(6, 3, requires_grad=True), torch.tensor([0, 1, 0, 0, 1, 0])
+    background, box_loss, expert = torch.zeros(6, dtype=torch.long), nn.SmoothL1Loss(), nn.Linear(3, 3)
 
     def detector(x, labels):
         losses = [F.cross_entropy(x, labels)]
@@ -135,11 +138,36 @@ def test_a_forward_that_reads_its_data_and_one_that_decides_from_it_whether_to_c
             losses.append(F.mse_loss(x[positive], torch.zeros(2, 3)))
         return sum(losses)
 
+    def unentered(x, labels):  # (no positive at this call: the block's loss is a module's, by a closure)
+        loss, positive = F.cross_entropy(x, background), background > 0
+        if positive.any():
+            loss = loss + box_loss(x[positive], x[positive].detach() * 0)
+        return loss
+
+    def helper(rows):
+        return F.huber_loss(rows, torch.zeros_like(rows))
+
+    def sized(x, labels):  # (YOLO's: the size of what its data picked, in a name, tested on a later line)
+        b = torch.where(background > 0)[0]
+        nt = b.shape[0]
+        loss = x.sum()
+        if nt:
+            loss = loss + helper(x[b])
+        return loss
+
+    def otherwise(x, labels):
+        if not (labels > 5).any():
+            return x.sum()
+        else:
+            return F.l1_loss(x, torch.zeros_like(x))
+
     def labelled(x, labels):
-        skip = bool((labels >= 0).all())  # (a read of its data, governing no block: transformers' mask checks)
+        skip = bool((labels >= 0).all())  # (a read of its data, governing no loss: transformers' mask checks)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(x, labels)
+        if skip:
+            x = torch.relu(x) + helper.__name__.count("h")
         return loss if skip else None
 
     def counted(x, labels):
@@ -153,18 +181,25 @@ def test_a_forward_that_reads_its_data_and_one_that_decides_from_it_whether_to_c
             return F.cross_entropy(x, labels) * positives
         return x.sum()
 
+    def routed(x, labels):
+        rows = labels > 5
+        return expert(x[rows]).sum() if rows.any() else x.sum()
+
     seen = {}
-    for name, forward in (("detector", detector), ("labelled", labelled), ("counted", counted),
-                          ("training", training), ("plain", lambda x, y: x.sum())):
-        reading = ReadsItsData().start()
+    for name, forward in (("detector", detector), ("unentered", unentered), ("sized", sized),
+                          ("otherwise", otherwise), ("labelled", labelled), ("counted", counted),
+                          ("training", training), ("routed", routed), ("plain", lambda x, y: x.sum())):
+        reading = ReadsItsData(block=lambda module: module is expert).start()
         try:
             value = forward(x, labels)
         finally:
             read = reading.end()
         assert torch.equal(value, forward(x, labels))
-        seen[name] = (read, reading.guarded)
-    assert seen == {"detector": (True, "mse_loss"), "labelled": (True, ""), "counted": (True, "cross_entropy"),
-                    "training": (True, ""), "plain": (False, "")}
+        seen[name] = (read, reading.guarded or reading.block)
+    assert seen == {"detector": (True, "mse_loss"), "unentered": (True, "smooth_l1_loss"),
+                    "sized": (True, "huber_loss"), "otherwise": (True, "l1_loss"), "labelled": (True, ""),
+                    "counted": (True, "cross_entropy"), "training": (True, ""), "routed": (True, "Linear"),
+                    "plain": (False, "")}
 
 
 def test_the_shared_stream_draws_the_same_order_whatever_the_global_stream_did_and_leaves_it_as_it_was():

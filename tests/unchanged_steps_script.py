@@ -65,7 +65,8 @@ from torch.utils.data import DataLoader, TensorDataset
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
                                             "keywords", "auxiliary", "later", "inside", "returned", "loading",
                                             "augmented", "across", "cycled", "byhand", "single", "listed", "hooked", "straight"] + (
-    ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse", "taken", "scripted", "routed", "again"]
+    ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse", "taken", "scripted", "routed",
+                                                                            "detected", "again"]
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
 result = {}
@@ -745,10 +746,11 @@ class Detector(nn.Module):
 
     def forward(self, x, labels, boxes):
         hidden = torch.tanh(self.body(x))
-        losses = {"classes": F.cross_entropy(self.classes(hidden), labels)}
+        classes, placed = self.classes(hidden), self.boxes(hidden)
+        losses = {"classes": F.cross_entropy(classes, labels)}
         positive = labels > 0
         if positive.any():
-            losses["boxes"] = F.smooth_l1_loss(self.boxes(hidden)[positive], boxes[positive])
+            losses["boxes"] = F.smooth_l1_loss(placed[positive], boxes[positive])
         return losses
 
 
@@ -757,11 +759,7 @@ def routed():
     routes rows to both experts in each process's share, the second to the second expert in one share only, the third
     to none, whose step leaves that expert without a gradient on one device too). Before, the second step stopped the
     run (exit status 2, naming --find-unused-parameters): DDP was built plain after a first step that used every
-    parameter; now its first step's forward shows that it reads its data, and DDP looks for unused parameters. Then a
-    detector whose box loss, computed inside its forward, only the batches with a positive have, on the same order:
-    its first step's forward shows the loss inside an ``if`` on its data, and it is computed whole, its batches whole
-    (before: the second step's shares computed that loss on one process only, and the run failed on collectives that
-    no longer paired up, "Is there a distributed collective mismatch"; on NCCL, a hang)."""
+    parameter; now its first step's forward shows that it reads its data, and DDP looks for unused parameters."""
     x, y = torch.randn(29, 8), torch.randint(0, 3, (29,))
     x[:, 0] = -x[:, 0].abs()
     x[[0, 3, 5, 8, 20], 0] *= -1  # (rows routed to the second expert)
@@ -770,14 +768,23 @@ def routed():
     for epoch in range(2):
         for inputs, labels in DataLoader(TensorDataset(x, y), batch_size=6):
             step(optimizer, F.cross_entropy(model(inputs), labels))
-    labels, boxes = torch.zeros(29, dtype=torch.long), torch.randn(29, 4)
-    labels[[0, 3, 5, 8, 20]] = 1
+    return model.state_dict()
+
+
+def detected():
+    """A detector whose box loss, computed inside its forward, only the batches with a positive have, its loader in
+    order: the first batch holds none, the second one in one process's share only. Its first step's forward, which
+    does not enter the ``if`` on its data, shows the loss that the ``if``'s block calls, and it is computed whole, its
+    batches whole (before: the second step's shares computed that loss on one process only, and the run failed on
+    collectives that no longer paired up, "Is there a distributed collective mismatch"; on NCCL, a hang)."""
+    x, labels, boxes = torch.randn(29, 8), torch.zeros(29, dtype=torch.long), torch.randn(29, 4)
+    labels[[8, 15, 16, 20]] = 1
     detector = Detector()
     optimizer = torch.optim.SGD(detector.parameters(), lr=0.1, momentum=0.9)
     for epoch in range(2):
         for inputs, targets, placed in DataLoader(TensorDataset(x, labels, boxes), batch_size=6):
             step(optimizer, sum(detector(inputs, targets, placed).values()))
-    return {**model.state_dict(), **{f"detector.{key}": value for key, value in detector.state_dict().items()}}
+    return detector.state_dict()
 
 
 def penalty():

@@ -16,7 +16,6 @@ read. Nothing is changed: code objects are read, never run.
 
 from __future__ import annotations
 
-import dis
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -24,15 +23,10 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.utils import _pytree as pytree
 
-# Instructions that bind or read a name (those of Python 3.10 to 3.14; 3.13 joins two in one, the names a tuple).
-_STORES = {"STORE_FAST": "fast", "STORE_FAST_STORE_FAST": "fast", "STORE_DEREF": "cell", "STORE_NAME": "global",
-           "STORE_GLOBAL": "global"}
-_LOADS = {
-    "fast": {"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW", "LOAD_FAST_LOAD_FAST",
-             "LOAD_FAST_BORROW_LOAD_FAST_BORROW", "STORE_FAST_LOAD_FAST"},
-    "cell": {"LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_FROM_DICT_OR_DEREF"},
-    "global": {"LOAD_NAME", "LOAD_GLOBAL", "LOAD_FROM_DICT_OR_GLOBALS"},
-}
+from ddpkit.unchanged.bytecode import LOADS as _LOADS
+from ddpkit.unchanged.bytecode import STORES as _STORES
+from ddpkit.unchanged.bytecode import index_at, instructions as listed, names as _names
+
 _UNKNOWN = "where ddpkit cannot follow them"  # (inline, or in an item or an attribute: counted as read)
 
 
@@ -45,9 +39,8 @@ def read_again(frame: types.FrameType | None, output, is_the_loss: Callable[[obj
     for _ in range(8):
         if frame is None:
             return _UNKNOWN
-        instructions = list(dis.get_instructions(frame.f_code))
-        at = max((index for index, instruction in enumerate(instructions) if instruction.offset <= frame.f_lasti),
-                 default=None)  # (the call's instruction: its caches, which some releases point past, are not listed)
+        instructions = listed(frame.f_code)
+        at = index_at(frame.f_code, frame.f_lasti)
         if at is None or not instructions[at].opname.startswith("CALL"):
             return _UNKNOWN  # (not called from Python code: what it does with the result cannot be read)
         at = _onwards(instructions, at + 1)
@@ -153,7 +146,7 @@ def _key(instruction, following: list):
 def _loads(code: types.CodeType, name: str, scope: str) -> Iterator[tuple]:
     """The instructions right after each load of ``name`` (the next one and the one after it), in ``code`` and,
     for a module's name or a closure's cell, in the code nested in it."""
-    instructions = list(dis.get_instructions(code))
+    instructions = listed(code)
     for index, instruction in enumerate(instructions):
         if instruction.opname in _LOADS[scope] and name in _names(instruction, loaded=True):
             last = _names(instruction, loaded=True)[-1] == name
@@ -164,14 +157,6 @@ def _loads(code: types.CodeType, name: str, scope: str) -> Iterator[tuple]:
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType) and (scope == "global" or name in constant.co_freevars):
             yield from _loads(constant, name, scope)
-
-
-def _names(instruction, *, loaded: bool = False) -> tuple:
-    value = instruction.argval
-    names = value if isinstance(value, tuple) else (value,)
-    if instruction.opname == "STORE_FAST_LOAD_FAST":
-        return names[1:] if loaded else names[:1]
-    return names
 
 
 def _part(output, part: tuple | None):

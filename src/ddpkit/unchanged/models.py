@@ -422,8 +422,11 @@ class Models:
     def _watch_its_data(self, module: nn.Module) -> None:
         """A watched call begins (``branches``); one that a call left open, which never reached its end, is closed
         first, and its mode leaves torch's stack."""
+        from ddpkit.strategies.fsdp import is_fsdp2
+
         self._read_its_data(agreed=False)
-        self._reading = (module, ReadsItsData().start())
+        sharded = module in self.adoption.sharded
+        self._reading = (module, ReadsItsData(block=is_fsdp2 if sharded else None).start())
 
     def _read_its_data(self, *, agreed: bool = True) -> None:
         """The end of a forward of a replica's first step (every process ends the same ones: one all-reduce agrees on
@@ -439,7 +442,7 @@ class Models:
         if not agreed:
             return
         if module in self.adoption.sharded:
-            self._blocks_skipped(module, reading.block)
+            self._blocks_skipped(module, reading.block, reading.guarded)
             return
         replica = self.adoption.replicas[module]
         seen = torch.tensor([float(read), float(bool(reading.guarded))], device=replica.parameters[0].device)
@@ -461,19 +464,28 @@ class Models:
         if not reading.block and is_fsdp2(module) and reading.guards(sys._getframe(2)):
             reading.block = class_name(module)
 
-    def _blocks_skipped(self, module: nn.Module, block: str) -> None:
-        """The end of a sharded model's first call: where it called one of its sharded blocks only where its data
-        said so (experts that a router reaches), a share of a later batch would skip that block on some processes
-        and not on others, and FSDP's all-gather of its parameters would wait forever on those that call it:
-        refused in one line, on every process alike (one all-reduce)."""
-        skipped = torch.tensor([float(bool(block))], device=next(module.parameters()).device)
+    def _blocks_skipped(self, module: nn.Module, block: str, loss: str) -> None:
+        """The end of a sharded model's first call: where it called, or may call, one of its sharded blocks only
+        where its data says so (experts that a router reaches), a share of a later batch would skip that block on
+        some processes and not on others, and FSDP's all-gather of its parameters would wait forever on those that
+        call it; where it computes a loss that way (``_read_its_data``), the loss's all-reduce would: refused in one
+        line, on every process alike (one all-reduce)."""
+        skipped = torch.tensor([float(bool(block)), float(bool(loss))], device=next(module.parameters()).device)
         dist.all_reduce(skipped, op=dist.ReduceOp.MAX)
-        if skipped.item():
+        blocked, counted = (bool(value) for value in skipped.tolist())
+        if blocked:
             raise UsageError(f"--unchanged --shard: {class_name(module)} calls its block {block or 'of layers'} only "
                              "where its data says so (inside an `if` on a tensor of its batch), so that a share of a "
                              "batch would skip it on some processes and not on others, and FSDP's gather of that "
                              "block's parameters would wait forever on the processes that call it: run with --shard "
                              "never (a whole model on each process, exact)", said_elsewhere=self.rank != 0)
+        if counted:
+            raise UsageError(f"--unchanged --shard: {class_name(module)} computes a loss ({loss or 'of torch'}) only "
+                             "where its data says so (inside an `if` on a tensor of its batch), so that a share of a "
+                             "batch would compute it on some processes and not on others, and the all-reduce that "
+                             "makes its mean the batch's would wait forever on the processes that compute it: run "
+                             "with --shard never (a whole model on each process, computed whole there: exact)",
+                             said_elsewhere=self.rank != 0)
 
     def _kept(self, module: nn.Module, output) -> None:
         """A first call on a batch cut by hand returned its loss, and ``output`` as the script gets it (DDP's forward
