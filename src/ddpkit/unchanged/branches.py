@@ -40,10 +40,11 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
 from ddpkit.unchanged.adoption import class_name
 from ddpkit.unchanged.bytecode import LOADED, STORES, index_at, instructions, lines, names
+from ddpkit.unchanged.callers import innermost, package
+from ddpkit.unchanged.step_rule import Watch
 
 Tensor = torch.Tensor
 # Functions whose result's size its values decide (a read of that size is a read of its data).
@@ -63,7 +64,7 @@ DEPTH = 4  # calls followed from a block that its data decides into the code tha
 _UNSEEN = object()  # what a name holds where the code's names do not show it
 
 
-class ReadsItsData(TorchFunctionMode):
+class ReadsItsData(Watch):
     """From ``start`` to ``end``: whether code other than ddpkit's called a function of ``READS``, or
     ``torch.where`` with a condition alone, or indexed a tensor with a boolean mask, or read the size of what one of
     those gave (``read``); and whether a block of code that such a read decides whether to run calls, or may call,
@@ -75,7 +76,6 @@ class ReadsItsData(TorchFunctionMode):
         self.read = False
         self.guarded = ""  # the loss called in such a block, by its name
         self.block = ""  # a sharded block of the model called in such a block, by its class (``unchanged.models``)
-        self.on = False
         self._is_block = block
         self._decided: set[tuple[types.CodeType, int]] = set()  # (code, offset) of each jump that its data decides
         self._codes: set[types.CodeType] = set()
@@ -112,19 +112,16 @@ class ReadsItsData(TorchFunctionMode):
         return False
 
     def start(self) -> ReadsItsData:
-        self.__enter__()
-        self.on = True
+        self.resume()
         return self
 
     def end(self) -> bool:
         """Out of torch's function modes: whether the forward read its data. Where a mode entered above this one is
         still there (the forward entered it and did not leave it), this one stays, reading nothing more, and counts
         as read."""
-        if self.on and _get_current_function_mode() is self:
-            self.__exit__(None, None, None)
-        elif self.on:
+        if not self.pause():
             self.read = True
-        self.on = False
+            self.on = False
         self._sized.clear()
         return self.read
 
@@ -160,12 +157,8 @@ def _a_size(func) -> bool:
 def _caller(frame):
     """The innermost calling frame outside torch and Python's standard library (torch's own modules read for the code
     that called them), where it is not ddpkit's; else None."""
-    while frame is not None:
-        package = frame.f_globals.get("__name__", "").partition(".")[0]
-        if package != "torch" and package not in sys.stdlib_module_names:
-            return frame if package != "ddpkit" else None
-        frame = frame.f_back
-    return None
+    frame = innermost(frame, ("torch",))
+    return frame if frame is not None and package(frame) != "ddpkit" else None
 
 
 @functools.lru_cache(maxsize=256)
@@ -308,9 +301,9 @@ class _Reach:
 
     def function(self, function: types.FunctionType, bound, depth: int) -> None:
         module = getattr(function, "__module__", None) or ""
-        package = module.partition(".")[0]
-        if (depth < 0 or package == "ddpkit" or package in sys.stdlib_module_names
-                or package == "torch" and not module.startswith("torch.nn.modules")):
+        top = module.partition(".")[0]
+        if (depth < 0 or top == "ddpkit" or top in sys.stdlib_module_names
+                or top == "torch" and not module.startswith("torch.nn.modules")):
             return
         key = (function.__code__, id(bound))
         if key not in self._followed:

@@ -16,7 +16,6 @@ read. Nothing is changed: code objects are read, never run.
 
 from __future__ import annotations
 
-import sys
 import types
 from collections.abc import Callable, Iterator
 
@@ -26,6 +25,7 @@ from torch.utils import _pytree as pytree
 from ddpkit.unchanged.bytecode import LOADS as _LOADS
 from ddpkit.unchanged.bytecode import STORES as _STORES
 from ddpkit.unchanged.bytecode import index_at, instructions as listed, names as _names
+from ddpkit.unchanged.callers import innermost
 
 _UNKNOWN = "where ddpkit cannot follow them"  # (inline, or in an item or an attribute: counted as read)
 
@@ -73,12 +73,7 @@ def read_again(frame: types.FrameType | None, output, is_the_loss: Callable[[obj
 def script_frame(frame: types.FrameType | None) -> types.FrameType | None:
     """The innermost frame from ``frame`` outwards whose code is neither torch's, nor ddpkit's, nor Python's standard
     library's (by its package): the script's, or a library's that it called, which made the call going on."""
-    while frame is not None:
-        package = frame.f_globals.get("__name__", "").partition(".")[0]
-        if package not in ("torch", "ddpkit") and package not in sys.stdlib_module_names:
-            return frame
-        frame = frame.f_back
-    return None
+    return innermost(frame, ("torch", "ddpkit"))
 
 
 def _onwards(instructions: list, at: int) -> int:

@@ -451,7 +451,8 @@ class Models:
         replica.reads_its_data = replica.reads_its_data or read
         if guarded:
             self.at_the_model.computed_across_rows(
-                module, f"{reading.guarded or 'a loss'} inside an `if` on a tensor of its data", losses=False,
+                module, f"{reading.guarded or 'a loss'} behind an `if`, a loop or a return on a tensor of its data",
+                losses=False,
                 what="computes a loss inside its forward that its data decides whether to compute, which some "
                      "processes' shares of a batch would compute and others' not")
 
@@ -475,16 +476,18 @@ class Models:
         blocked, counted = (bool(value) for value in skipped.tolist())
         if blocked:
             raise UsageError(f"--unchanged --shard: {class_name(module)} calls its block {block or 'of layers'} only "
-                             "where its data says so (inside an `if` on a tensor of its batch), so that a share of a "
-                             "batch would skip it on some processes and not on others, and FSDP's gather of that "
-                             "block's parameters would wait forever on the processes that call it: run with --shard "
-                             "never (a whole model on each process, exact)", said_elsewhere=self.rank != 0)
+                             "where its data says so (behind an `if`, a loop or a return on a tensor of its batch), "
+                             "so that a share of a batch would skip it on some processes and not on others, and "
+                             "FSDP's gather of that block's parameters would wait forever on the processes that call "
+                             "it: run with --shard never (a whole model on each process, exact)",
+                             said_elsewhere=self.rank != 0)
         if counted:
             raise UsageError(f"--unchanged --shard: {class_name(module)} computes a loss ({loss or 'of torch'}) only "
-                             "where its data says so (inside an `if` on a tensor of its batch), so that a share of a "
-                             "batch would compute it on some processes and not on others, and the all-reduce that "
-                             "makes its mean the batch's would wait forever on the processes that compute it: run "
-                             "with --shard never (a whole model on each process, computed whole there: exact)",
+                             "where its data says so (behind an `if`, a loop or a return on a tensor of its batch), "
+                             "so that a share of a batch would compute it on some processes and not on others, and "
+                             "the all-reduce that makes its mean the batch's would wait forever on the processes "
+                             "that compute it: run with --shard never (a whole model on each process, computed whole "
+                             "there: exact)",
                              said_elsewhere=self.rank != 0)
 
     def _kept(self, module: nn.Module, output) -> None:

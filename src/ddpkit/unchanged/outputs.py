@@ -43,6 +43,7 @@ import tempfile
 
 from ddpkit.core import logs, process_group
 from ddpkit.core.logs import logger
+from ddpkit.unchanged.callers import innermost, package
 
 LEFT_AS_THEY_ARE = ("/dev/", "/proc/", "/sys/")
 WRITING = frozenset("wax+")
@@ -155,9 +156,5 @@ def _fixed_folders() -> tuple[str, ...]:
 def _writer(frame) -> str:
     """The package of the code that opens a file: the innermost caller outside Python's standard library (its
     ``io``, ``pathlib``, ``json``, ``tempfile``, ... only pass the call on)."""
-    while frame is not None:
-        package = frame.f_globals.get("__name__", "").partition(".")[0]
-        if package and package not in sys.stdlib_module_names:
-            return package
-        frame = frame.f_back
-    return ""
+    frame = innermost(frame)
+    return package(frame) if frame is not None else ""

@@ -40,6 +40,7 @@ from torch.distributed import distributed_c10d
 
 from ddpkit.core.errors import UsageError
 from ddpkit.core.logs import logger
+from ddpkit.unchanged.callers import innermost, package
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                       "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
@@ -117,12 +118,8 @@ class OwnGroup:
 def group_seen(frame) -> bool:
     """Whether the code that asks, in ``frame`` (the innermost caller outside Python's standard library, which only
     passes a call on), reads the process group as it is: torch's and ddpkit's (``READ_AS_IT_IS``)."""
-    while frame is not None:
-        package = frame.f_globals.get("__name__", "").partition(".")[0]
-        if package and package not in sys.stdlib_module_names:
-            return package in READ_AS_IT_IS
-        frame = frame.f_back
-    return False
+    frame = innermost(frame)
+    return frame is not None and package(frame) in READ_AS_IT_IS
 
 
 def other_group(asked: dict, *, backend: str, world_size: int, rank: int) -> str | None:

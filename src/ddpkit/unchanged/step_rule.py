@@ -80,7 +80,31 @@ class Unproven(Exception):
     """What the step did that is not proven exact on the split way (the message: the first such thing)."""
 
 
-class StepWatch(TorchFunctionMode):
+class Watch(TorchFunctionMode):
+    """A torch function mode that ddpkit enters (``resume``) and leaves (``pause``) around parts of the script's code,
+    and leaves only where it is torch's innermost mode (a mode that the script entered above it, and has not left,
+    stays above it: ``pause`` then says False, and this one stays on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.on = False
+
+    def resume(self) -> None:
+        if not self.on:
+            self.__enter__()
+            self.on = True
+
+    def pause(self) -> bool:
+        if not self.on:
+            return True
+        if _get_current_function_mode() is not self:
+            return False
+        self.__exit__(None, None, None)
+        self.on = False
+        return True
+
+
+class StepWatch(Watch):
     """Follows the tensors of one training step through the script's code (see the module): ``begin`` with the
     batch handed out, ``outputs`` of each model call (``pause``/``resume`` around it), ``end`` for the verdict."""
 
@@ -92,7 +116,6 @@ class StepWatch(TorchFunctionMode):
         self.trained = False  # a model was called to train while watching
         self.evaluated = False  # a model was called without training while watching
         self.rows = 0
-        self.on = False
 
     # -- the window -------------------------------------------------------------------------------------------------
 
@@ -113,19 +136,10 @@ class StepWatch(TorchFunctionMode):
     def pause(self) -> bool:
         """Out of torch's function modes while a model runs (its code is not the script's loop; a compiled model sees
         no mode of ours). False where another mode was pushed above ours: the step is then not proven."""
-        if not self.on:
+        if super().pause():
             return True
-        if _get_current_function_mode() is not self:
-            self.unproven("another torch function mode was entered during the step")
-            return False
-        self.__exit__(None, None, None)
-        self.on = False
-        return True
-
-    def resume(self) -> None:
-        if not self.on:
-            self.__enter__()
-            self.on = True
+        self.unproven("another torch function mode was entered during the step")
+        return False
 
     def outputs(self, output, *, training: bool) -> None:
         """A model's call returned ``output``: its tensors with the batch's rows are rows, a loss it returned (one
