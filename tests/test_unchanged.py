@@ -921,7 +921,7 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # called on each sample of a list, less the 2 batches that the hooked part skips, 2 of the straight part, and the
     # 17 lines of the models over batches cut by hand: 10 steps, 2 of the reader's 5, 5)
     lines = (1 + (16 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
-                  + ("scripted" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one) + 2 + 2 - 2 + 2
+                  + ("scripted" in weights_one) + ("renormed" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one) + 2 + 2 - 2 + 2
              + 17)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     # Batches cut by hand, given by keyword: each call but the first (whole, then computed both ways: the whole batch

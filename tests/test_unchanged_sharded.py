@@ -541,7 +541,8 @@ def test_an_averaged_model_over_buffers_too_is_refused_in_one_line_before_traini
 
 @pytest.mark.slow
 @pytest.mark.parametrize("part, said", [("routed", "Routed calls its block Linear only where its data says so"),
-                                        ("detected", "Detector computes a loss (smooth_l1_loss) only where its data")])
+                                        ("detected", "Detector computes a loss (smooth_l1_loss) only where its data"),
+                                        ("renormed", "Factors holds an Embedding with max_norm")])
 def test_a_model_that_skips_a_sharded_block_or_a_loss_where_its_data_says_is_refused_in_one_line(
         sharding_torch, tmp_path, part, said):
     """The steps script's parts under ``--shard always``: experts that a router calls only where a row reaches
@@ -549,7 +550,9 @@ def test_a_model_that_skips_a_sharded_block_or_a_loss_where_its_data_says_is_ref
     batch holds a positive, which its first batch does not. Its first call, whole, shows it, and the run stops there
     in one line, exit status 2, on every process alike (before: the second batch's shares skipped an expert on one
     process, and FSDP's all-gather of its parameters waited forever on the other; computed the box loss on one
-    process, whose all-reduce of the loss's count found no partner)."""
+    process, whose all-reduce of the loss's count found no partner). And embeddings whose forward renormalises their
+    rows (``max_norm``), refused before sharding (before: silently 7.1 from one process, the gathered weights that
+    it wrote dropped)."""
     from test_unchanged import STEPS
 
     done = run_ddpkit("run", "--unchanged", "--seed", "3", "--shard", "always", "--nproc-per-node", "2", STEPS,
@@ -572,7 +575,7 @@ def test_steps_that_take_the_gathered_way_train_sharded_as_on_one_process(shardi
 
     weights, printed, said = steps_run(tmp_path, 2, "--shard", "always", expect=2)
     assert said.count("FSDP cannot differentiate twice through a sharded model") == 1 and "Traceback" not in said, said
-    late = ("penalty", "sparse", "taken", "scripted", "routed", "detected", "again")  # (the refused, those after it)
+    late = ("penalty", "sparse", "taken", "scripted", "routed", "detected", "renormed", "again")  # (refused, after)
     one = ({part: value for part, value in steps_one[0].items() if part not in late},
            [line for line in steps_one[1] if line.split(" ")[0] not in late], steps_one[2])
     assert not set(late) & set(weights) and not any(line.split(" ")[0] in late for line in printed), printed

@@ -66,7 +66,7 @@ out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "d
                                             "keywords", "auxiliary", "later", "inside", "returned", "loading",
                                             "augmented", "across", "cycled", "byhand", "single", "listed", "hooked", "straight"] + (
     ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse", "taken", "scripted", "routed",
-                                                                            "detected", "again"]
+                                                                            "detected", "renormed", "again"]
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
 result = {}
@@ -215,6 +215,15 @@ class Centred(nn.Module):
         return self.net(x - self.mean)
 
 
+class Factors(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.users, self.items = nn.Embedding(9, 4, max_norm=1.0), nn.Embedding(7, 4, max_norm=1.0)
+
+    def forward(self, users, items):
+        return (self.users(users) * self.items(items)).sum(1) * 5
+
+
 def buffers():
     x, y = torch.randn(29, 8) + 2, torch.randint(0, 3, (29,))
     model = Centred()
@@ -224,6 +233,20 @@ def buffers():
             loss = F.cross_entropy(model(inputs), labels)
             step(optimizer, loss, f"buffers {epoch}")
     return model.state_dict()
+
+
+def renormed():
+    """Embeddings kept in the unit ball by ``nn.Embedding(max_norm=1.0)``, whose forward renormalises the rows that
+    its batch looks up, in place, outside autograd: the model's parameters written in a training call, computed whole
+    (before: each process renormalised its share's rows alone, 1.5 from one process after 3 epochs of a small
+    recommender). Under ``--shard always``, refused in one line: a shard would not keep what the forward writes."""
+    users, items, ratings = torch.randint(0, 9, (29,)), torch.randint(0, 7, (29,)), torch.rand(29) * 5
+    factors = Factors()
+    optimizer = torch.optim.SGD(factors.parameters(), lr=0.5)
+    for epoch in range(2):
+        for u, i, r in loader(users, items, ratings):
+            step(optimizer, F.mse_loss(factors(u, i), r), f"renormed {epoch}")
+    return factors.state_dict()
 
 
 class ByKeyword(nn.Module):

@@ -142,6 +142,8 @@ class Adoption:
         stepped_by = self.optimizers.holding(module.parameters())
         odd = next((optimizer for optimizer in stepped_by if not steps_each_element(optimizer)), None)
         sparse = next(iter(sparse_layers(module)), None)
+        renormed = next((layer for layer in module.modules() if isinstance(layer, (nn.Embedding, nn.EmbeddingBag))
+                         and layer.max_norm is not None), None)  # (its forward writes its weight, in place)
         device = arriving or next(module.parameters()).device
         if self.shard == "always":
             if odd is not None:
@@ -150,6 +152,11 @@ class Adoption:
                 raise UsageError(f"--unchanged --shard: {name} holds an {type(sparse).__name__} with sparse=True, "
                                  "and a shard's gradients are dense: run with --shard never (each process a whole "
                                  "replica)", said_elsewhere=self.rank != 0)
+            if renormed is not None:
+                raise UsageError(f"--unchanged --shard: {name} holds an {type(renormed).__name__} with max_norm, whose "
+                                 "forward writes its weight in place, and a shard does not keep what is written into "
+                                 "the weights it gathers: run with --shard never (each process a whole replica, "
+                                 "exact)", said_elsewhere=self.rank != 0)
             layout, why = "full", "--shard always"
         else:
             memory = layouts.device_memory(device)
@@ -162,6 +169,9 @@ class Adoption:
             if layout != "replica" and sparse is not None:
                 layout, why = "replica", (f"{why}; but its {type(sparse).__name__} has sparse gradients, which a "
                                           "shard cannot hold: it may run out of memory")
+            elif layout != "replica" and renormed is not None:
+                layout, why = "replica", (f"{why}; but its {type(renormed).__name__} writes its weight in its forward "
+                                          "(max_norm), which a shard would not keep: it may run out of memory")
             elif layout != "replica" and odd is not None:
                 layout, why = "replica", (f"{why}; but {type(odd).__name__} steps it, and over a shard its step would "
                                           "not be one device's: it may run out of memory")

@@ -63,7 +63,7 @@ class AtTheModel:
         # Those whose other outputs (logits) the script read at that first step: gathered on its shares from then on.
         self.outputs_read: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # Models whose training call wrote buffers of their own (not BatchNorm's): computed whole on a whole batch.
-        self.writes_buffers: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.writes_buffers: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()  # what it writes
         # Models whose first call on a loader's whole batch returned a loss, computed both ways (``check_both_ways``):
         # those whose loss is a mean or a sum over rows, with the layout of their outputs and the places of their
         # losses in it (cut on a whole batch, as ``learn`` says), and those whose loss is computed across the rows of
@@ -160,18 +160,20 @@ class AtTheModel:
         items = total.to(items.dtype) if isinstance(items, torch.Tensor) else type(items)(total.item())
         return args, {**kwargs, "num_items_in_batch": items}
 
-    def writes_buffers_in_training(self, module: nn.Module) -> None:
+    def writes_buffers_in_training(self, module: nn.Module,
+                                   what: str = "buffers of its own in training (not BatchNorm's statistics)") -> None:
         """``module``'s first training call changed buffers of its own (a running mean of its inputs, an EMA
-        codebook, a normaliser's statistics), which a share would change otherwise than the whole batch: its calls on
-        a loader's batches are computed whole on every process from then on, its loader's batches whole (the gathered
-        way: ``step_rule``), so that its buffers are one device's. Said once."""
+        codebook, a normaliser's statistics), or wrote its parameters in place outside autograd (``what``: an
+        ``nn.Embedding`` with ``max_norm`` renormalises the rows that its batch looks up), which a share would change
+        otherwise than the whole batch: its calls on a loader's batches are computed whole on every process from then
+        on, its loader's batches whole (the gathered way: ``step_rule``), so that its buffers and parameters are one
+        device's. Said once."""
         if module in self.writes_buffers:
             return
-        self.writes_buffers.add(module)
+        self.writes_buffers[module] = what
         if self.rank == 0 and self.world_size > 1:
-            logger.warning(f"--unchanged: {class_name(module)} writes buffers of its own in training (not BatchNorm's "
-                           "statistics): every process computes its calls on the whole batch, so that they are one "
-                           "device's (exact, and no faster for that model)")
+            logger.warning(f"--unchanged: {class_name(module)} writes {what}: every process computes its calls on "
+                           "the whole batch, so that they are one device's (exact, and no faster for that model)")
 
     def checks(self) -> bool:
         """Whether a loss that a model returns is computed both ways here: not where the script's loss is a sum

@@ -45,6 +45,7 @@ class Call:
     gathered: bool = False  # a loader's whole batch cut at the model, its outputs gathered (``AtTheModel.split_whole``)
     tried: bool = False  # a model's first call, cut before its outputs showed they can be gathered (``split_first``)
     buffers: list | None = None  # a model's first training call: its buffers (but BatchNorm's) as they were before it
+    versions: list | None = None  # and its parameters, each with its version counter (written in place: it grows)
     attributes: dict | None = None  # and the tensors its layers held as attributes before it (``held_tensors``)
     keywords: dict = dataclasses.field(default_factory=dict)  # a tried call's own (to compute it again, whole)
     of_a_split_batch: bool = False  # a training call on this rank's share of a batch that its loader split

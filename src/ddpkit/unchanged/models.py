@@ -190,6 +190,7 @@ class Models:
                            unused=self.batch.gathered_way and module in self.several_outputs)
             if replica.needed >= 0 and not _compiled(module):  # (its first step: does its forward read its data?)
                 self._watch_its_data(module)
+            self._calls[-1].versions = _versions(module) if first else None  # (once DDP, which writes them, is built)
         return _scaled_gradients(args, inputs) if share is not None else None
 
     def _keywords(self, module: nn.Module, args: tuple, kwargs: dict):
@@ -236,6 +237,9 @@ class Models:
         it wrote, tensors that it kept on itself. Such a model is computed whole from then on."""
         if call.buffers is not None and any(not torch.equal(buffer, value) for buffer, value in call.buffers):
             self.at_the_model.writes_buffers_in_training(module)
+        elif call.versions is not None and any(parameter._version != version for parameter, version in call.versions):
+            self.at_the_model.writes_buffers_in_training(
+                module, "its parameters in place in training, outside autograd (as nn.Embedding's max_norm does)")
         if call.attributes is None:
             return
         kept = kept_on_itself(module, call.attributes,
@@ -324,7 +328,7 @@ class Models:
         if watch is not None and output is not RAISED:
             watch.outputs(output if result is None else result, training=not call.evaluating)
             if module in self.at_the_model.writes_buffers:
-                watch.unproven(f"{class_name(module)} writes buffers of its own in a training call")
+                watch.unproven(f"{class_name(module)} writes {self.at_the_model.writes_buffers[module]}")
             if module in self.at_the_model.couples_rows:
                 watch.unproven(f"{class_name(module)} {self.at_the_model.couples_rows[module]}")
             watch.resume()
@@ -642,6 +646,12 @@ def kept_on_itself(module: nn.Module, before: dict, rows: int | None) -> str | N
                    for leaf in pytree.tree_leaves(value)):
                 return f"self.{name}.{attribute}" if name else f"self.{attribute}"
     return None
+
+
+def _versions(module: nn.Module) -> list[tuple[nn.Parameter, int]]:
+    """``module``'s parameters, each with its version counter, which each write in place raises (``_left_behind``:
+    an ``nn.Embedding`` with ``max_norm`` renormalises its weight's rows in its forward)."""
+    return [(parameter, parameter._version) for parameter in module.parameters()]
 
 
 def own_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:

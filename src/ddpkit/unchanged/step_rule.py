@@ -48,16 +48,17 @@ neg negative positive rad2deg reciprocal relu relu6 round rsqrt sigmoid sign sgn
 trunc elu selu celu gelu silu mish softplus softsign hardtanh hardsigmoid hardswish leaky_relu logsigmoid tanhshrink
 threshold float double half bfloat16 to cuda cpu contiguous detach clone type type_as
 __neg__ __pos__ __abs__ __invert__ pow __pow__ __rpow__ float_power fill_ zero_ xlogy zeros_like ones_like full_like
-empty_like""".split())
+empty_like logical_not isnan isinf isfinite""".split())
 # Elementwise functions of two or more tensors (broadcast): row-wise where their rows are the same rows.
 BINARY = frozenset("""add sub subtract mul multiply div divide true_divide floor_divide remainder fmod atan2 maximum
 minimum fmax fmin hypot lerp addcmul addcdiv where masked_fill copysign logaddexp logaddexp2 __add__ __radd__ __iadd__
 __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__ __rtruediv__ __itruediv__ __div__ __rdiv__
-__floordiv__ __mod__""".split())
+__floordiv__ __mod__ eq ne lt le gt ge greater less greater_equal less_equal not_equal __eq__ __ne__ __lt__ __le__
+__gt__ __ge__ logical_and logical_or logical_xor __and__ __or__ __xor__""".split())
 # Functions along a dimension (``dim``, their second positional argument or keyword): row-wise along any but 0.
 ALONG = {"softmax": 1, "log_softmax": 1, "normalize": 2, "sum": 1, "mean": 1, "amax": 1, "amin": 1, "logsumexp": 1,
          "cumsum": 1, "cumprod": 1, "norm": 2, "gather": 1, "squeeze": 1, "unsqueeze": 1, "flatten": 1,
-         "cat": 1, "concat": 1, "concatenate": 1, "stack": 1, "prod": 1, "var": 1, "std": 1}
+         "cat": 1, "concat": 1, "concatenate": 1, "stack": 1, "prod": 1, "var": 1, "std": 1, "argmax": 1, "argmin": 1}
 # Losses whose mean ddpkit accounts for on a split batch (``counted``); ``reduction="none"`` gives rows.
 LOSSES = frozenset({"cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
                     "binary_cross_entropy", "binary_cross_entropy_with_logits"})
