@@ -185,10 +185,21 @@ def test_a_forward_that_reads_its_data_and_one_that_decides_from_it_whether_to_c
         rows = labels > 5
         return expert(x[rows]).sum() if rows.any() else x.sum()
 
+    def per_image(x, labels):  # (a detector's loss over its images, one by one: those with no positive skipped)
+        loss, mse_loss = x.sum() * 0, "mse_loss"
+        for row, label in zip(x, labels):
+            if not (label > 5).any():
+                continue
+            loss = loss + F.l1_loss(row, torch.zeros_like(row))
+        if (labels > 5).any():  # (a name or a string that a loss also has is not a call of it)
+            loss = loss * len(mse_loss)
+        return loss
+
     seen = {}
     for name, forward in (("detector", detector), ("unentered", unentered), ("sized", sized),
                           ("otherwise", otherwise), ("labelled", labelled), ("counted", counted),
-                          ("training", training), ("routed", routed), ("plain", lambda x, y: x.sum())):
+                          ("training", training), ("routed", routed), ("per_image", per_image),
+                          ("plain", lambda x, y: x.sum())):
         reading = ReadsItsData(block=lambda module: module is expert).start()
         try:
             value = forward(x, labels)
@@ -199,7 +210,7 @@ def test_a_forward_that_reads_its_data_and_one_that_decides_from_it_whether_to_c
     assert seen == {"detector": (True, "mse_loss"), "unentered": (True, "smooth_l1_loss"),
                     "sized": (True, "huber_loss"), "otherwise": (True, "l1_loss"), "labelled": (True, ""),
                     "counted": (True, "cross_entropy"), "training": (True, ""), "routed": (True, "Linear"),
-                    "plain": (False, "")}
+                    "per_image": (True, "l1_loss"), "plain": (False, "")}
 
 
 def test_the_shared_stream_draws_the_same_order_whatever_the_global_stream_did_and_leaves_it_as_it_was():

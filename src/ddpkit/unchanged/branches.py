@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ddpkit.core.logs import logger
 from ddpkit.unchanged.adoption import class_name
 from ddpkit.unchanged.bytecode import LOADED, STORES, index_at, instructions, lines, names
 from ddpkit.unchanged.callers import innermost, package
@@ -146,7 +147,11 @@ class ReadsItsData(Watch):
             self._codes.add(code)
             if not self.guarded or self._is_block is not None and not self.block:
                 reach = _Reach(self._is_block)
-                reach.code(code, offset, _regions(code)[offset], _Scope.of_frame(frame), DEPTH)
+                try:
+                    reach.code(code, offset, _regions(code)[offset], _Scope.of_frame(frame), DEPTH)
+                except Exception as error:  # (an object of the script's that cannot be read without running it)
+                    logger.debug(f"--unchanged: the code at {code.co_filename}:{code.co_firstlineno} that its data "
+                                 f"decides whether to run was read in part ({error!r})")
                 self.guarded, self.block = self.guarded or reach.loss, self.block or reach.block
 
 
@@ -165,8 +170,8 @@ def _caller(frame):
 def _regions(code: types.CodeType) -> dict[int, int]:
     """For each conditional forward jump of ``code`` (an ``if``'s, a ``while``'s, ``and``'s, ``or``'s, a ``for``'s),
     by its offset: where the code that its test decides whether to run ends (its target; an ``if``'s ``else``
-    included, where the code before its target jumps forward past it; the rest of the code, where the code before
-    its target returns)."""
+    included, where the code before its target jumps forward past it; the rest of the loop's body, where it jumps
+    back to its loop's head: a ``continue``; the rest of the code, where the code before its target returns)."""
     listed = instructions(code)
     at = {instruction.offset: index for index, instruction in enumerate(listed)}
     regions = {}
@@ -176,10 +181,14 @@ def _regions(code: types.CodeType) -> dict[int, int]:
                 and isinstance(target, int) and target > instruction.offset):
             continue
         before = listed[at[target] - 1] if at.get(target) else None
+        jumps = before is not None and "JUMP" in before.opname and isinstance(before.argval, int)
         if name == "FOR_ITER" or before is None:
             pass
-        elif before.opname in ("JUMP_FORWARD", "JUMP") and isinstance(before.argval, int) and before.argval > target:
+        elif jumps and before.opname in ("JUMP_FORWARD", "JUMP") and before.argval > target:
             target = before.argval
+        elif jumps and before.argval < instruction.offset:  # (a ``continue``, or the end of a
+            # loop's body past an ``else``: the rest of the loop's body, to its last jump back to its head)
+            target = 1 + max(each.offset for each in listed if "JUMP" in each.opname and each.argval == before.argval)
         elif before.opname in ("RETURN_VALUE", "RETURN_CONST"):  # (an early return: the rest runs where it did not)
             target = listed[-1].offset + 1
         regions[instruction.offset] = target
@@ -253,7 +262,7 @@ class _Reach:
     def __init__(self, is_block: Callable[[nn.Module], bool] | None):
         self.is_block = is_block
         self.loss = self.block = ""
-        self._followed: set[tuple[types.CodeType, int]] = set()
+        self._followed: dict[tuple[types.CodeType, int], int] = {}  # the code followed, and how many calls deeper
 
     def code(self, code: types.CodeType, start: int, end: int, scope: _Scope, depth: int) -> None:
         """What the instructions of ``code`` after ``start`` and before ``end`` may call."""
@@ -262,8 +271,9 @@ class _Reach:
             if not start < instruction.offset < end:
                 continue
             name, value = instruction.opname, instruction.argval
-            if name.startswith("LOAD") and isinstance(value, str) and value in COUNTED:
-                self.loss = self.loss or value
+            if isinstance(value, str) and value in COUNTED and (name in ("LOAD_ATTR", "LOAD_METHOD")
+                                                                 or LOADED.get(name) == "global"):
+                self.loss = self.loss or value  # (``F.mse_loss``, an imported ``mse_loss``; not a local's name)
             if name in ("LOAD_ATTR", "LOAD_METHOD"):
                 held = _attribute(held, value)
                 continue
@@ -276,18 +286,18 @@ class _Reach:
         self.follow(held, depth)
 
     def follow(self, held, depth: int) -> None:
-        if held is _UNSEEN or held is None:
+        if held is _UNSEEN or held is None or depth < 0:
             return
-        if callable(held) and getattr(held, "__module__", None) == "torch.nn.functional" and getattr(
-                held, "__name__", "") in COUNTED:
+        if isinstance(held, types.FunctionType) and held.__module__ == "torch.nn.functional" and (
+                held.__name__ in COUNTED):
             self.loss = self.loss or held.__name__
         if isinstance(held, nn.Module):
             if self.is_block is not None and not self.block and self.is_block(held):
                 self.block = class_name(held)
             forward = inspect.getattr_static(type(held), "forward", None)
             if type(held).__module__.startswith("torch.nn.modules.container"):
-                for module in held._modules.values():
-                    self.follow(module, depth)
+                for module in held.__dict__.get("_modules", {}).values():
+                    self.follow(module, depth - 1)
             elif isinstance(forward, types.FunctionType):
                 self.function(forward, held, depth - 1)
         elif isinstance(held, types.MethodType):
@@ -299,15 +309,17 @@ class _Reach:
         elif isinstance(held, property) and held.fget is not None:
             self.function(held.fget, None, depth - 1)
 
-    def function(self, function: types.FunctionType, bound, depth: int) -> None:
-        module = getattr(function, "__module__", None) or ""
+    def function(self, function, bound, depth: int) -> None:
+        if not isinstance(function, types.FunctionType):  # (a callable object's, a builtin's: not read)
+            return
+        module = function.__module__ or ""
         top = module.partition(".")[0]
         if (depth < 0 or top == "ddpkit" or top in sys.stdlib_module_names
                 or top == "torch" and not module.startswith("torch.nn.modules")):
             return
         key = (function.__code__, id(bound))
-        if key not in self._followed:
-            self._followed.add(key)
+        if self._followed.get(key, -1) < depth:  # (not yet followed, or followed less deep)
+            self._followed[key] = depth
             self.code(function.__code__, -1, sys.maxsize, _Scope.of_function(function, bound), depth)
 
 
@@ -316,9 +328,13 @@ def _attribute(held, name: str) -> object:
     to the object that it is taken from."""
     if held is _UNSEEN:
         return _UNSEEN
+    try:
+        own = object.__getattribute__(held, "__dict__")  # (the object's own, as it is: no ``__getattr__`` runs)
+    except AttributeError:  # (an object of ``__slots__``)
+        own = {}
     if isinstance(held, nn.Module):
         for table in ("_modules", "_parameters", "_buffers"):
-            found = held.__dict__.get(table, {})
+            found = own.get(table, {})
             if name in found:
                 return found[name]
     try:
@@ -326,6 +342,6 @@ def _attribute(held, name: str) -> object:
     except (AttributeError, TypeError):
         return _UNSEEN
     if isinstance(found, types.FunctionType) and not isinstance(held, (type, types.ModuleType)) and (
-            name not in getattr(held, "__dict__", {})):
+            name not in own):
         return types.MethodType(found, held)
     return found
