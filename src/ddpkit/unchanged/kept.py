@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.utils import _pytree as pytree
 
-from ddpkit.unchanged.bytecode import LOADS as _LOADS
-from ddpkit.unchanged.bytecode import STORES as _STORES
-from ddpkit.unchanged.bytecode import index_at, instructions as listed, names as _names
+from ddpkit.unchanged.bytecode import LOADS, STORES, index_at
+from ddpkit.unchanged.bytecode import instructions as listed
+from ddpkit.unchanged.bytecode import names as named
 from ddpkit.unchanged.callers import innermost
 
 _UNKNOWN = "where ddpkit cannot follow them"  # (inline, or in an item or an attribute: counted as read)
@@ -105,9 +105,9 @@ def _stored(instructions: list, at: int) -> Iterator[tuple[str | None, str, tupl
         position, index = 0, at + 1
         while position < first.argval and index < len(instructions):
             instruction = instructions[index]
-            names = _names(instruction) if instruction.opname in _STORES else (None,)
+            names = named(instruction) if instruction.opname in STORES else (None,)
             for name in names:
-                yield name, _STORES.get(instruction.opname, ""), (position,)
+                yield name, STORES.get(instruction.opname, ""), (position,)
                 position += 1
             if names == (None,):  # (stored otherwise: the rest of the unpacking cannot be followed)
                 for rest in range(position, first.argval):
@@ -115,15 +115,15 @@ def _stored(instructions: list, at: int) -> Iterator[tuple[str | None, str, tupl
                 return
             index += 1
         return
-    if first.opname in _STORES:
-        yield _names(first)[0], _STORES[first.opname], None
+    if first.opname in STORES:
+        yield named(first)[0], STORES[first.opname], None
     elif first.opname == "UNPACK_EX":  # (``logits, *rest = ...``)
         yield None, "", None
     else:
         key = _key(first, instructions[at + 1:at + 2])
         taken = at + (1 if first.opname in ("LOAD_ATTR", "LOAD_METHOD") else 2)
-        if key is not None and taken < len(instructions) and instructions[taken].opname in _STORES:
-            yield _names(instructions[taken])[0], _STORES[instructions[taken].opname], (key,)
+        if key is not None and taken < len(instructions) and instructions[taken].opname in STORES:
+            yield named(instructions[taken])[0], STORES[instructions[taken].opname], (key,)
 
 
 def _key(instruction, following: list):
@@ -143,8 +143,8 @@ def _loads(code: types.CodeType, name: str, scope: str) -> Iterator[tuple]:
     for a module's name or a closure's cell, in the code nested in it."""
     instructions = listed(code)
     for index, instruction in enumerate(instructions):
-        if instruction.opname in _LOADS[scope] and name in _names(instruction, loaded=True):
-            last = _names(instruction, loaded=True)[-1] == name
+        if instruction.opname in LOADS[scope] and name in named(instruction, loaded=True):
+            last = named(instruction, loaded=True)[-1] == name
             following = instructions[index + 1:index + 3]
             yield (following[0], following[1:]) if last and following else (instruction, [])
     if scope == "fast":
