@@ -45,6 +45,7 @@ from ddpkit.core.logs import logger
 from ddpkit.unchanged.adoption import class_name
 from ddpkit.unchanged.bytecode import LOADED, STORES, index_at, instructions, lines, names
 from ddpkit.unchanged.callers import innermost, package
+from ddpkit.unchanged.counted import ELEMENTWISE, OBSERVED
 from ddpkit.unchanged.step_rule import Watch
 
 Tensor = torch.Tensor
@@ -59,8 +60,7 @@ SIZES = frozenset({Tensor.size, Tensor.__len__, Tensor.numel})  # (and ``Tensor.
 
 # torch.nn.functional's losses whose mean ddpkit makes the batch's with one all-reduce at each call on a split batch
 # (``counted``): a call that only some processes make leaves the others' collectives unpaired.
-COUNTED = ("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
-           "binary_cross_entropy", "binary_cross_entropy_with_logits")
+COUNTED = OBSERVED + ELEMENTWISE
 DEPTH = 4  # calls followed from a block that its data decides into the code that it calls
 _UNSEEN = object()  # what a name holds where the code's names do not show it
 
