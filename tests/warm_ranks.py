@@ -1,9 +1,11 @@
 """The suite's Python processes without starting Python and torch for each: torchrun's agent starts a tiny client in
 place of the interpreter (``PYTHON_EXEC``, which torchrun reads), and the client has its rank run in a process forked
-from a warm one (``serve``: torch, torch._dynamo, torchvision and ddpkit imported once per pytest worker).
+from a warm one (``serve``: torch, torch._dynamo, torchvision, torchrun's agent and ddpkit imported once per pytest
+run, for all of its xdist workers). A test's ``python -m ddpkit`` (``conftest.run_ddpkit``) is started through the
+same client: the launcher, too, runs forked from the server.
 
 A fresh rank spends about 5 s of CPU before its first line of work (importing torch, then torch._dynamo, which
-DDP's constructor imports): the suite starts about 150 of them. ``tests/warm.py`` does the same for launchers.
+DDP's constructor imports), a fresh launcher 2.5-3 s: the suite starts about 150 ranks and a hundred launchers.
 
 What the agent sees is a process of its own, as ever: the client, with the rank's environment, command line and
 process group. The client passes its environment and the file descriptors it inherited (standard input and output,
@@ -56,15 +58,24 @@ from pathlib import Path
 import warm
 
 SERVER_VARIABLE = "DDPKIT_TEST_RANK_SERVER"  # the server's socket, in the environment of a warm run's ranks
+# The server's folder, set by the pytest process that started it for the processes it starts (pytest-xdist's
+# workers): one server for a pytest run, not one per worker (each imports PRELOAD: about 6 s of CPU).
+SHARED_VARIABLE = "DDPKIT_TEST_RANK_SERVER_FOLDER"
+# The variable that names the pytest process whose test asked for a rank (tests/conftest.py's marker): each worker
+# counts the ranks it asked for (``running``), not another's.
+OWNER_VARIABLE = "DDPKIT_TEST_SESSION"
 # A process started with this variable set outlasts the test that started it, on purpose (a test Ray node's daemons
 # and workers, which run warm too: a module's cluster): ``running`` does not count it, ``lasting(value)`` names it.
 LASTING_VARIABLE = "DDPKIT_TEST_LASTING"
 COLD_VARIABLE = "DDPKIT_TEST_FRESH_RANKS"  # set (to anything) for pytest: every rank starts fresh, to compare
-# What ranks of `ddpkit train`, `ddpkit run` and `ddpkit bench` import, once per pytest worker; no module a rank runs
-# as __main__ (ddpkit.__main__, ddpkit.app.watched, ddpkit.app.bench: runpy would warn, and each is run afresh).
+# What launchers and ranks of `ddpkit train`, `ddpkit run` and `ddpkit bench` import, once per pytest run; no module
+# a process runs as __main__ (ddpkit.__main__, ddpkit.app.watched, ddpkit.app.bench: runpy would warn, and each is run
+# afresh).
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch.distributed.checkpoint",
            "torchvision", "torchvision.models", "numpy", "sklearn.datasets", "ddpkit", "ddpkit.app.train.trainer",
-           "ddpkit.app.cli", "ddpkit.job"]
+           "ddpkit.app.cli", "ddpkit.job", "ddpkit.launch.launcher", "ddpkit.launch.rank_logs",
+           "ddpkit.launch.rendezvous", "torch.distributed.run",
+           "torch.distributed.elastic.agent.server.local_elastic_agent"]
 MESSAGE_MAX = 1 << 20
 FDS_MAX = 64  # the file descriptors a client hands over, at most
 # Variables torchrun and ddpkit's launcher set for every rank that start with one of tests/warm.py's IMPORT_TIME
@@ -73,7 +84,7 @@ FDS_MAX = 64  # the file descriptors a client hands over, at most
 # reads when it is imported) starts fresh.
 READ_AT_RUN_TIME = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 
-_server: subprocess.Popen | None = None
+_server: subprocess.Popen | None = None  # the server, where this process started it
 _folder: Path | None = None
 _folder_served = ""  # in the server: its folder (the client is its `python`)
 
@@ -83,13 +94,16 @@ _folder_served = ""  # in the server: its folder (the client is its `python`)
 
 def environment(base: dict[str, str], *, leave_out: tuple[str, ...]) -> dict[str, str]:
     """The variables that make a run's ranks start warm: ``base`` with torchrun's ``PYTHON_EXEC`` set to the
-    client and the server's socket; the server is started on the first call (its first runs start fresh, by the
-    client's fallback, until it has imported what it preloads), its environment this process's without the
-    variables ``leave_out`` names."""
+    client and the server's socket. The server is the one that the process which started this one named
+    (``SHARED_VARIABLE``: the pytest process of xdist's workers), or else started on the first call (its first runs
+    start fresh, by the client's fallback, until it has imported what it preloads), its environment this process's
+    without the variables ``leave_out`` names; the processes this one starts afterwards share it."""
     global _server, _folder
     if os.environ.get(COLD_VARIABLE):
         return base
-    if _server is None:
+    if _folder is None and os.environ.get(SHARED_VARIABLE):
+        _folder = Path(os.environ[SHARED_VARIABLE])
+    if _folder is None:
         _folder = Path(tempfile.mkdtemp(prefix="ddpkit-warm-ranks-"))
         client = _folder / "python"
         client.write_text(f"#!{sys.executable} -IS\n" + CLIENT.replace("REAL_PYTHON", repr(sys.executable))
@@ -109,19 +123,32 @@ def environment(base: dict[str, str], *, leave_out: tuple[str, ...]) -> dict[str
             _server = subprocess.Popen([sys.executable, __file__, str(_folder / "socket"), str(_folder)], env=env,
                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
                                        start_new_session=True)
+        (_folder / "server.pid").write_text(str(_server.pid))
+        os.environ[SHARED_VARIABLE] = str(_folder)
         atexit.register(stop)
     return {**base, "PYTHON_EXEC": str(_folder / "python"), SERVER_VARIABLE: str(_folder / "socket")}
+
+
+def _server_pid() -> int | None:
+    """The server's pid, while it runs."""
+    try:
+        pid = _server.pid if _server is not None else int((_folder / "server.pid").read_text())
+    except (OSError, ValueError, TypeError):  # (no folder, or none yet)
+        return None
+    from ddpkit.launch import processes
+
+    return pid if (_server is None or _server.poll() is None) and processes.is_running(pid) else None
 
 
 def wait_until_serving(timeout_s: float = 60.0) -> int:
     """Until the server accepts ranks (it imports PRELOAD first: 5-10 s); returns its pid."""
     deadline = time.monotonic() + timeout_s
     while _folder is None or not (_folder / "socket").exists():
-        if time.monotonic() > deadline or (_server is not None and _server.poll() is not None):
+        if time.monotonic() > deadline or (_folder is not None and _server_pid() is None):
             log = (_folder / "server.log").read_text() if _folder is not None else ""
             raise RuntimeError(f"the warm rank server did not start:\n{log}")
         time.sleep(0.1)
-    return _server.pid
+    return _server_pid()
 
 
 def worker_of(pid: int) -> int:
@@ -136,14 +163,24 @@ def worker_of(pid: int) -> int:
         return pid
 
 
-def running() -> list[int]:
-    """The ranks the server runs now (each forked from it), but those meant to outlast their test (``lasting``)."""
-    if _server is None or _server.poll() is not None:
+def running(owner: str) -> list[int]:
+    """The ranks the server runs now (each forked from it) for the processes whose ``OWNER_VARIABLE`` is ``owner``,
+    but those meant to outlast their test (``lasting``)."""
+    server = _server_pid()
+    if server is None:
         return []
     from ddpkit.launch import processes
 
     meant = set(lasting())
-    return [pid for pid in processes.children_of(_server.pid) if processes.is_running(pid) and pid not in meant]
+    found = []
+    for pid in processes.children_of(server):
+        try:
+            theirs = (_folder / f"{pid}.owner").read_text()
+        except OSError:  # ended meanwhile, or asked for by no test's process
+            continue
+        if theirs == owner and processes.is_running(pid) and pid not in meant:
+            found.append(pid)
+    return found
 
 
 def lasting(value: str | None = None) -> list[int]:
@@ -163,17 +200,22 @@ def lasting(value: str | None = None) -> list[int]:
 
 
 def stop() -> None:
-    """End the server (and any rank it still runs: it kills them as it ends), and remove its folder."""
+    """End the server where this process started it (and any rank it still runs: it kills them as it ends), and
+    remove its folder; a server of another's is left to it."""
     global _server, _folder
-    if _server is not None and _server.poll() is None:
+    if _server is None:
+        _folder = None
+        return
+    if _server.poll() is None:
         _server.terminate()
         try:
             _server.wait(10)
         except subprocess.TimeoutExpired:
             _server.kill()
             _server.wait()
-    if _folder is not None:
-        shutil.rmtree(_folder, ignore_errors=True)
+    shutil.rmtree(_folder, ignore_errors=True)
+    if os.environ.get(SHARED_VARIABLE) == str(_folder):
+        del os.environ[SHARED_VARIABLE]
     _server = _folder = None
 
 
@@ -292,6 +334,8 @@ def serve(path: str, folder: str) -> None:
                 Path(folder, f"{client}.pid").write_text(str(pid))
                 if LASTING_VARIABLE in request["env"]:
                     Path(folder, f"{pid}.lasting").write_text(request["env"][LASTING_VARIABLE])
+                if OWNER_VARIABLE in request["env"]:
+                    Path(folder, f"{pid}.owner").write_text(request["env"][OWNER_VARIABLE])
                 connection.send(json.dumps({"pid": pid}).encode())
                 pidfd = os.pidfd_open(pid)
                 ranks[pidfd] = (pid, connection, client)
@@ -312,6 +356,7 @@ def serve(path: str, folder: str) -> None:
                 _, status = os.waitpid(pid, 0)
                 Path(folder, f"{client}.pid").unlink(missing_ok=True)
                 Path(folder, f"{pid}.lasting").unlink(missing_ok=True)
+                Path(folder, f"{pid}.owner").unlink(missing_ok=True)
                 if connection is not None:
                     selector.unregister(connection)
                     ended = ({"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status)
