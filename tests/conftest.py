@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import json
 import os
 import pickle
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -20,6 +22,7 @@ from typing import Callable, NoReturn, TypeVar
 import pytest
 import torch
 
+import warm
 import warm_ranks
 from ddpkit.core.version import torch_at_least
 from ddpkit.strategies.fsdp import FSDP_ON_CPU
@@ -272,11 +275,54 @@ def run_ddpkit(*args: str, timeout: float = 240, cwd: Path | None = None, fresh:
                **extra_env: str) -> subprocess.CompletedProcess:
     """``python -m ddpkit ARGS`` as a user would run it; output captured.
 
-    It runs forked from a warm interpreter, and so do its ranks (tests/warm_ranks.py: no 3 s of importing torch per
-    launcher, about 5 s of CPU less per rank); ``fresh``: the launcher and its ranks each in a new interpreter, for a
-    test that reads a launcher's or a rank's command line or parent, or what starts them.
+    It runs forked from a warm interpreter (tests/warm.py: no 3 s of importing torch per launcher), and so do its
+    ranks (tests/warm_ranks.py: about 5 s of CPU less each); ``fresh``: the launcher and its ranks each in a new
+    interpreter, for a test that reads a launcher's or a rank's command line or parent, or what starts them.
     """
-    return run_command([sys.executable, "-m", "ddpkit", *args], timeout=timeout, cwd=cwd, warm=not fresh, **extra_env)
+    if fresh or not warm.wanted(extra_env):
+        return run_command([sys.executable, "-m", "ddpkit", *args], timeout=timeout, cwd=cwd, **extra_env)
+    return _run_warm(list(args), timeout=timeout, cwd=cwd, **extra_env)
+
+
+def _run_warm(args: list[str], *, timeout: float, cwd: Path | None, **extra_env: str) -> subprocess.CompletedProcess:
+    """``run_command`` for ``python -m ddpkit ARGS``, the launcher forked from a warm interpreter (tests/warm.py)."""
+    run_marker = uuid.uuid4().hex
+    argv = [sys.executable, "-m", "ddpkit", *args]
+    outputs = {}
+    pipes = [os.pipe(), os.pipe()]
+    try:
+        env = warm_ranks_env(DDPKIT_TEST_RUN=run_marker, **extra_env)
+        process = warm.start(args, env, str(cwd or os.getcwd()), pipes[0][1], pipes[1][1])
+    except BaseException:
+        for read_end, _ in pipes:
+            os.close(read_end)
+        raise
+    finally:
+        for _, write_end in pipes:
+            os.close(write_end)
+
+    def drain(name: str, read_end: int) -> None:
+        with open(read_end, "rb") as handle:
+            outputs[name] = io.TextIOWrapper(io.BytesIO(handle.read())).read()  # universal newlines, as text=True
+
+    readers = [threading.Thread(target=drain, args=(name, pipe[0]), daemon=True)
+               for name, pipe in zip(("stdout", "stderr"), pipes)]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    process.join(timeout)
+    for reader in readers:  # the output ends when the launcher and whatever it started have closed it
+        reader.join(max(0.0, deadline - time.monotonic()))
+    if process.exitcode is None or any(reader.is_alive() for reader in readers):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        process.join(20)
+        _kill_run(run_marker, *([process.pid] if process.exitcode is None else []))
+        process.join(20)
+        for reader in readers:
+            reader.join(20)
+        _ran_past(argv, timeout, outputs.get("stdout"), outputs.get("stderr"))
+    return subprocess.CompletedProcess(argv, process.exitcode, outputs["stdout"], outputs["stderr"])
 
 
 def train(tmp: Path, *args: str, timeout: float = 240) -> tuple[dict, list[dict]]:

@@ -272,7 +272,7 @@ def test_a_failing_script_reports_the_rank_and_fails(tmp_path):
 
 
 def test_a_launcher_started_warm_says_and_exits_as_a_fresh_one(tmp_path):
-    # The suite's launchers run forked from a warm interpreter (tests/warm_ranks.py): a mistake reads and exits the same
+    # The suite's launchers run forked from a warm interpreter (tests/warm.py): a mistake reads and exits the same
     # as from a fresh one (a worker's mistake, warm: test_an_error_found_inside_the_workers_still_exits_2), and the
     # folder, the variables and the module path are the test's.
     warm, fresh = (run_ddpkit("train", "--epochs", "0", fresh=fresh) for fresh in (False, True))

@@ -116,10 +116,13 @@ def test_a_repeated_sigterm_is_the_same_stop_and_a_later_one_ends_the_process(tm
 
 LEAVING = textwrap.dedent(
     """
-    import atexit, os, signal, time
+    import atexit, os, signal, sys, time
     from ddpkit.core import exits, signals
 
     signals.catch((signal.SIGTERM,), signals.raise_terminated)
+    text, raw = open(os.path.join(sys.argv[1], "text"), "w"), open(os.path.join(sys.argv[1], "raw"), "wb")
+    text.write("written, never flushed")  # flushed as the interpreter's teardown would, which leave skips
+    raw.write(b"and in bytes")
 
     def stopped_while_leaving():  # the launcher's SIGTERM reaches a rank that is ending with its usage error
         os.kill(os.getpid(), signal.SIGTERM)
@@ -132,11 +135,13 @@ LEAVING = textwrap.dedent(
 )
 
 
-def test_a_sigterm_while_a_rank_leaves_is_no_traceback_and_keeps_its_status():
-    result = subprocess.run([sys.executable, "-c", LEAVING], env=child_env(), capture_output=True, text=True,
-                            timeout=60)
+def test_a_sigterm_while_a_rank_leaves_is_no_traceback_and_keeps_its_status_and_its_files(tmp_path):
+    result = subprocess.run([sys.executable, "-c", LEAVING, str(tmp_path)], env=child_env(), capture_output=True,
+                            text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stdout == "the exit handlers ran to their end\n", result.stdout + result.stderr
+    assert (tmp_path / "text").read_text() == "written, never flushed"
+    assert (tmp_path / "raw").read_bytes() == b"and in bytes"
 
 
 BROKEN_DATA = textwrap.dedent(

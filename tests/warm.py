@@ -1,14 +1,15 @@
-"""What a process forked from a warm interpreter does to become what a fresh ``python`` would have started
-(tests/warm_ranks.py's server forks the suite's launchers and ranks: torch, torchrun's agent and ddpkit imported once
-per pytest run): its folder, variables, ``sys.path``, standard streams and ``sys.executable``, and what the interpreter
-does with an exception that ends the program and at its exit.
+"""``python -m ddpkit ARGS`` without starting Python and torch each time: the command runs in a process forked
+from a warm interpreter (the standard library's forkserver, with ddpkit's command line and torchrun's agent
+imported once per pytest process), as ``python -m ddpkit`` would run it.
 
 What a fresh ``python -m ddpkit`` costs here is mostly importing torch (2.5-3 s of CPU on CI's cores), and the
 suite starts about a hundred launchers: a 2-process, 1-epoch ``ddpkit train`` took 12.1 s of the machine's CPU
-and 7 s started warm, 14.5-15.3 s and 9.4-10.5 s fresh (2026-11-27, two cores). What differs from a fresh
-interpreter, and where a test needs the real one (``conftest.run_ddpkit(..., fresh=True)``): the process's command
-line (``/proc/PID/cmdline``) and its parent are the server's, and what modules read from the environment when they
-are imported was read once, from the pytest process's environment (``IMPORT_TIME`` below: such runs start fresh).
+and 7 s started warm, 14.5-15.3 s and 9.4-10.5 s fresh (2026-11-27, two cores). The workers a launcher starts
+cost most of what is left (about 5 s of CPU each: torch, and torch._dynamo, which DDP's constructor imports):
+``tests/warm_ranks.py`` starts them warm too. What differs from a fresh interpreter, and where a test needs the real one
+(``conftest.run_ddpkit(..., fresh=True)``): the process's command line (``/proc/PID/cmdline``) and its parent are
+the forkserver's, and what modules read from the environment when they are imported was read once, from the
+pytest process's environment (``IMPORT_TIME`` below: such runs start fresh).
 """
 
 from __future__ import annotations
@@ -23,11 +24,34 @@ import subprocess
 import sys
 import tempfile
 import threading
+from multiprocessing import reduction
 
+# What the launcher of `ddpkit run` and `ddpkit train` imports, once for all the launches of this pytest process.
+PRELOAD = ["ddpkit.app.cli", "ddpkit.launch.launcher", "ddpkit.launch.rank_logs", "ddpkit.launch.rendezvous",
+           "torch.distributed.run", "torch.distributed.elastic.agent.server.local_elastic_agent", "warm"]
 # Variables a module reads when it is imported (torch's logging): a run that sets one starts a fresh interpreter.
 IMPORT_TIME = ("TORCH_",)
 
+_context = None
 _interpreter_path: list[str] = []
+
+
+def wanted(extra_env: dict[str, str]) -> bool:
+    """Whether a run with these extra variables can start warm."""
+    return not any(key.startswith(IMPORT_TIME) for key in extra_env)
+
+
+def start(argv: list[str], env: dict[str, str], cwd: str, stdout: int, stderr: int):
+    """Start ``python -m ddpkit ARGV`` warm, its output on the file descriptors ``stdout`` and ``stderr``; returns
+    the started ``multiprocessing`` process (``pid``, ``join``, ``exitcode``)."""
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    process = _context.Process(target=_main, args=(argv, env, cwd, interpreter_path(), _Fd(stdout), _Fd(stderr)),
+                               daemon=False)
+    process.start()
+    return process
 
 
 def interpreter_path() -> list[str]:
@@ -83,3 +107,42 @@ def run_exit_functions() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
+
+
+class _Fd:
+    """A file descriptor handed to the forked process (a duplicate of it, through the forkserver)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _received, (reduction.DupFd(self.fd),)
+
+
+def _received(duplicate) -> int:
+    return duplicate.detach()
+
+
+def _main(argv: list[str], env: dict[str, str], cwd: str, interpreter_path: list[str], stdout: int, stderr: int) -> None:
+    """In the forked process: become what ``python -u -m ddpkit ARGV`` started in ``cwd`` with ``env`` would be."""
+    os.setsid()  # as subprocess's start_new_session: a test stops the launcher's whole group
+    os.dup2(stdout, 1)
+    os.dup2(stderr, 2)
+    os.close(stdout)
+    os.close(stderr)
+    become(env, cwd, cwd, interpreter_path)  # `python -m`: the current folder first
+    if env.get("PYTHON_EXEC"):  # a run whose ranks start warm (tests/warm_ranks.py): so does what it starts as Python
+        python_is(env["PYTHON_EXEC"])
+    import ddpkit
+    from ddpkit.app.cli import main
+
+    sys.argv = [os.path.join(os.path.dirname(ddpkit.__file__), "__main__.py"), *argv]  # as `python -m ddpkit` sets it
+
+    try:
+        status = main(argv)
+    except SystemExit as stop:
+        status = stop.code
+    except BaseException as error:  # noqa: BLE001 - as the interpreter would: sys.excepthook, then status 1
+        status = uncaught(error)
+    run_exit_functions()
+    sys.exit(status)

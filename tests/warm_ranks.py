@@ -1,11 +1,13 @@
 """The suite's Python processes without starting Python and torch for each: torchrun's agent starts a tiny client in
 place of the interpreter (``PYTHON_EXEC``, which torchrun reads), and the client has its rank run in a process forked
-from a warm one (``serve``: torch, torch._dynamo, torchvision, torchrun's agent and ddpkit imported once per pytest
-run, for all of its xdist workers). A test's ``python -m ddpkit`` (``conftest.run_ddpkit``) is started through the
-same client: the launcher, too, runs forked from the server.
+from a warm one (``serve``: torch, torch._dynamo, torchvision and ddpkit imported once per pytest run, for all of its
+xdist workers).
 
 A fresh rank spends about 5 s of CPU before its first line of work (importing torch, then torch._dynamo, which
-DDP's constructor imports), a fresh launcher 2.5-3 s: the suite starts about 150 ranks and a hundred launchers.
+DDP's constructor imports): the suite starts about 150 of them. ``tests/warm.py`` does the same for launchers, from a
+server of each pytest worker's that imports less (a launcher forked from this one took 0.5 s of CPU more: torch's
+rendezvous reads the stack with ``inspect``, which walks every module imported, and the launcher's last
+``gc.collect()`` walks every object).
 
 What the agent sees is a process of its own, as ever: the client, with the rank's environment, command line and
 process group. The client passes its environment and the file descriptors it inherited (standard input and output,
@@ -68,14 +70,11 @@ OWNER_VARIABLE = "DDPKIT_TEST_SESSION"
 # and workers, which run warm too: a module's cluster): ``running`` does not count it, ``lasting(value)`` names it.
 LASTING_VARIABLE = "DDPKIT_TEST_LASTING"
 COLD_VARIABLE = "DDPKIT_TEST_FRESH_RANKS"  # set (to anything) for pytest: every rank starts fresh, to compare
-# What launchers and ranks of `ddpkit train`, `ddpkit run` and `ddpkit bench` import, once per pytest run; no module
-# a process runs as __main__ (ddpkit.__main__, ddpkit.app.watched, ddpkit.app.bench: runpy would warn, and each is run
-# afresh).
+# What ranks of `ddpkit train`, `ddpkit run` and `ddpkit bench` import, once per pytest run; no module a rank runs
+# as __main__ (ddpkit.__main__, ddpkit.app.watched, ddpkit.app.bench: runpy would warn, and each is run afresh).
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch.distributed.checkpoint",
            "torchvision", "torchvision.models", "numpy", "sklearn.datasets", "ddpkit", "ddpkit.app.train.trainer",
-           "ddpkit.app.cli", "ddpkit.job", "ddpkit.launch.launcher", "ddpkit.launch.rank_logs",
-           "ddpkit.launch.rendezvous", "torch.distributed.run",
-           "torch.distributed.elastic.agent.server.local_elastic_agent"]
+           "ddpkit.app.cli", "ddpkit.job"]
 MESSAGE_MAX = 1 << 20
 FDS_MAX = 64  # the file descriptors a client hands over, at most
 # Variables torchrun and ddpkit's launcher set for every rank that start with one of tests/warm.py's IMPORT_TIME
