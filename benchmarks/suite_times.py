@@ -121,8 +121,8 @@ def record(path: Path | None, readme_b: str | None, commit: str | None, note: st
                                       indent=1, sort_keys=True) + "\n")
     if readme_b is not None:
         row["readme_b_s"] = f"{seconds_of(readme_b):.0f}"
-    with RUNS.open("a", newline="") as handle:
-        csv.DictWriter(handle, COLUMNS).writerow(row)
+    with RUNS.open("a", newline="") as handle:  # one row a line, "\n" as in the rest of the file (not csv's "\r\n")
+        csv.DictWriter(handle, COLUMNS, lineterminator="\n").writerow(row)
     PLOT.write_text(draw(read_runs()))
     print(f"recorded {row['commit']} in {RUNS.relative_to(REPO)}; drew {PLOT.relative_to(REPO)}")
     return 0
