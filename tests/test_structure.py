@@ -432,7 +432,8 @@ def test_the_suites_record_reads_junit_names_a_module_grown_by_over_20_s_and_dra
     assert len(lines) >= 4
     assert (REPO / "docs" / "suite-times.svg").read_text() == times.draw(rows)  # drawn from the rows as they are
     # A row recorded is one more line, ended as the others are (csv writes "\r\n" unless told).
-    times.REPO, times.RUNS, times.MODULES, times.PLOT = tmp_path, tmp_path / "r.csv", tmp_path / "m.json", tmp_path / "t.svg"
+    times.REPO, times.RUNS = tmp_path, tmp_path / "runs.csv"
+    times.MODULES, times.PLOT = tmp_path / "modules.json", tmp_path / "times.svg"
     times.RUNS.write_bytes((REPO / "benchmarks" / "results" / "suite-runs.csv").read_bytes())
     assert times.record(None, "4:10", "abc1234", "a note, with a comma") == 0
     written = times.RUNS.read_bytes()
