@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -115,9 +116,22 @@ def node_processes(node: subprocess.Popen) -> list[int]:
     environment holds LASTING_VARIABLE=<its temp folder>, that have a file in its temp folder open, or that the warm
     rank server forked for it. Ray's agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``) rename themselves
     over both their command line and their environment, outlive a killed raylet and ignore SIGTERM: their open log
-    files say whose they are."""
-    return sorted(set(processes_with(node.temp.encode())) | set(_pids_with(warm_ranks.LASTING_VARIABLE, node.temp))
-                  | set(processes_with_files_in(node.temp)) | set(warm_ranks.lasting(node.temp)))
+    files say whose they are. Never the warm rank server, which the whole pytest run shares: it holds a node's log
+    files for a moment each time it forks one of the node's processes (the raylet's stdout and stderr are there)."""
+    found = (set(processes_with(node.temp.encode())) | set(_pids_with(warm_ranks.LASTING_VARIABLE, node.temp))
+             | set(processes_with_files_in(node.temp)) | set(warm_ranks.lasting(node.temp)))
+    return sorted(found - {warm_ranks.server_pid(), os.getpid()})
+
+
+def test_a_nodes_processes_are_never_the_shared_warm_rank_server():
+    """``stop_ray`` kills what ``node_processes`` finds. The server that every test of the run shares holds a node's
+    log files while it forks the node's processes, and killing it ends every warm rank of the run, other clusters'
+    included: it is never one of a node's. Its own folder holds its log open and names it on its command line."""
+    warm_ranks_env()
+    server = warm_ranks.wait_until_serving()
+    folder = str(Path(f"/proc/{server}/fd/2").readlink().parent)  # its stderr: server.log in its folder
+    assert server in processes_with_files_in(folder) and server in processes_with(folder.encode())
+    assert server not in node_processes(types.SimpleNamespace(temp=folder))
 
 
 def processes_with_files_in(folder: str) -> list[int]:

@@ -128,7 +128,7 @@ def environment(base: dict[str, str], *, leave_out: tuple[str, ...]) -> dict[str
     return {**base, "PYTHON_EXEC": str(_folder / "python"), SERVER_VARIABLE: str(_folder / "socket")}
 
 
-def _server_pid() -> int | None:
+def server_pid() -> int | None:
     """The server's pid, while it runs."""
     try:
         pid = _server.pid if _server is not None else int((_folder / "server.pid").read_text())
@@ -143,11 +143,11 @@ def wait_until_serving(timeout_s: float = 60.0) -> int:
     """Until the server accepts ranks (it imports PRELOAD first: 5-10 s); returns its pid."""
     deadline = time.monotonic() + timeout_s
     while _folder is None or not (_folder / "socket").exists():
-        if time.monotonic() > deadline or (_folder is not None and _server_pid() is None):
+        if time.monotonic() > deadline or (_folder is not None and server_pid() is None):
             log = (_folder / "server.log").read_text() if _folder is not None else ""
             raise RuntimeError(f"the warm rank server did not start:\n{log}")
         time.sleep(0.1)
-    return _server_pid()
+    return server_pid()
 
 
 def worker_of(pid: int) -> int:
@@ -165,7 +165,7 @@ def worker_of(pid: int) -> int:
 def running(owner: str) -> list[int]:
     """The ranks the server runs now (each forked from it) for the processes whose ``OWNER_VARIABLE`` is ``owner``,
     but those meant to outlast their test (``lasting``)."""
-    server = _server_pid()
+    server = server_pid()
     if server is None:
         return []
     from ddpkit.launch import processes
