@@ -163,5 +163,7 @@ def known_modules() -> None:
     inspect.getmodule(inspect.currentframe())
 
 
-if __name__ == "warm" and sys.argv[:1] == ["-c"]:  # imported last by the forkserver (PRELOAD), which runs `python -c`
+# Imported last by the forkserver (PRELOAD), which runs `python -c "from multiprocessing.forkserver import main; ..."`
+# (xdist's workers run `python -c` too, without that module).
+if __name__ == "warm" and sys.argv == ["-c"] and "multiprocessing.forkserver" in sys.modules:
     known_modules()
