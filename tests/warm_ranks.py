@@ -30,8 +30,9 @@ What differs from a fresh rank, and where a test needs one (``run_ddpkit(..., fr
 started by the test itself, which never sets ``PYTHON_EXEC``): the rank's pid is not the one its agent started
 (``worker_of`` maps one to the other for a test that stops or kills a rank), its ``/proc`` command line and
 environment are the server's, its parent is the server (ddpkit's replica-group fence, which ends only its launcher's
-descendants, needs fresh ranks), and every rank shares the server's hash seed (a fresh one draws its own): code
-whose collectives follow the order of a set of strings can pass here and deadlock fresh.
+descendants, needs fresh ranks); every rank shares the server's hash seed (a fresh one draws its own), so code
+whose collectives follow the order of a set of strings can pass here and deadlock fresh; and what the server imported
+is frozen (``gc.freeze()``), so a rank's collections and ``gc.get_objects()`` leave it out.
 """
 
 from __future__ import annotations
