@@ -128,7 +128,9 @@ def _main(argv: list[str], env: dict[str, str], cwd: str, interpreter_path: list
     """In the forked process: become what ``python -u -m ddpkit ARGV`` started in ``cwd`` with ``env`` would be."""
     # What the forkserver imported is left out of the collector's walks (the launcher's last gc.collect(), ddpkit's
     # freeze_for_exit): a walk touches each object's header, which copies its page in a forked process. O(1), and
-    # about 0.2 s of CPU less per launch.
+    # about 0.2 s of CPU less per launch. Here, in each launcher, not once in the forkserver as tests/warm_ranks.py's
+    # server does: frozen at the forkserver's import of this module instead, a 1-process launch took 0.54 and 0.56 s
+    # of CPU against 0.40 and 0.43 (ten launches each, alternating).
     gc.freeze()
     os.setsid()  # as subprocess's start_new_session: a test stops the launcher's whole group
     os.dup2(stdout, 1)
