@@ -36,9 +36,10 @@ def replica_beat_key(group: int, rank: int = 0) -> str:
 
 
 # Slurm gives no port; derive one from the job id so that every task of a job agrees on it
-# without talking, and two jobs sharing a node are unlikely to collide.
+# without talking, and two jobs sharing a node are unlikely to collide. The span ends below Linux's default
+# ephemeral range (32768-60999): there any outgoing connection may hold the port when rank 0 binds it.
 SLURM_PORT_BASE = 15000
-SLURM_PORT_SPAN = 20000
+SLURM_PORT_SPAN = 17000
 
 
 @dataclasses.dataclass(frozen=True)
