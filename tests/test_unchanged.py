@@ -929,11 +929,11 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     (weights_one, printed_one, _), (weights_two, printed_two, said) = one, two
     # (whether it finds a group, 10 steps a model but 6 of the binary one and 20 of the augmented one, 2 epochs' lines
     # of five models, a call that raised, 2 of each epoch's metrics where torchmetrics is installed, and 2 of the model
-    # called on each sample of a list, less the 2 batches that the hooked part skips, 2 of the straight part, and the
-    # 17 lines of the models over batches cut by hand: 10 steps, 2 of the reader's 5, 5)
+    # called on each sample of a list, less the 2 batches that the hooked part skips, 2 of the straight part, 2 of the
+    # regressor, and the 17 lines of the models over batches cut by hand: 10 steps, 2 of the reader's 5, 5)
     lines = (1 + (16 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
                   + ("scripted" in weights_one) + ("renormed" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one) + 2 + 2 - 2 + 2
-             + 17)
+             + 2 + 17)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     # Batches cut by hand, given by keyword: each call but the first (whole, then computed both ways: the whole batch
     # and this process's share, its loss a mean over rows) cut at the model, its keyword tensors too.

@@ -42,6 +42,7 @@
 - **metrics** (where torchmetrics is installed): torchmetrics in training and in evaluation, a sum of the samples
   seen, a weighted mean of the loss, an accuracy and a concatenation of the scores; torchmetrics reads
   ``torch.distributed`` and syncs over any process group it finds, and this script started none.
+- **regressor**: one output a row under a plain mean, in batches whose last leaves a share of one row;
 - **penalty**: a WGAN's critic with a gradient penalty (WGAN-GP): the gradient of its outputs with respect to
   samples interpolated between real and generated ones (``torch.autograd.grad``, ``create_graph=True``), each row's
   norm held near 1, then the generator's step through the critic (last: ``--shard`` refuses it).
@@ -64,7 +65,8 @@ from torch.utils.data import DataLoader, TensorDataset
 # begins, in case a wrapper fetched its last batch ahead, and a batch cut by hand meanwhile would be taken for its own.)
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
                                             "keywords", "auxiliary", "later", "inside", "returned", "loading",
-                                            "augmented", "across", "cycled", "byhand", "single", "listed", "hooked", "straight"] + (
+                                            "augmented", "across", "cycled", "byhand", "single", "listed", "hooked",
+                                            "straight", "regressor"] + (
     ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse", "taken", "scripted", "routed",
                                                                             "detected", "renormed", "again"]
 torch.set_default_dtype(torch.float64)
@@ -688,6 +690,24 @@ def straight():
             loss = F.cross_entropy(rounded, labels) + 0.1 * (rounded - outputs).pow(2).mean()
             step(optimizer, loss)
         print(f"straight {epoch}: loss {loss.item():.12f}")
+    return model.state_dict()
+
+
+def regressor():
+    """One output a row and a plain mean (the split way), in batches of 9, whose last of 2 leaves each process a share
+    of one row, then of 13, whose last of 3 leaves shares of 2 and 1: a share's output of one row is one element, and
+    not a loss (before: taken for one, the two processes' outputs were averaged into each, 1.3e-2 off; with shares
+    of 2 and 1 rows, one process waited in a collective that the other never reached). Each epoch's last loss printed:
+    its short batch's."""
+    x = torch.randn(29, 4)
+    y = x.sum(1, keepdim=True)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for epoch, size in enumerate((9, 13)):
+        for inputs, targets in DataLoader(TensorDataset(x, y), batch_size=size, shuffle=True):
+            loss = F.mse_loss(model(inputs), targets)
+            step(optimizer, loss)
+        print(f"regressor {epoch}: loss {loss.item():.12f}")
     return model.state_dict()
 
 

@@ -99,7 +99,7 @@ class AtTheModel:
                              f"{sorted(sizes)}), so they cannot be split across the processes: give the script a "
                              "DataLoader, or run it without --unchanged", said_elsewhere=self.rank != 0)
         share = share_of(range(sizes.pop()), self.rank, self.world_size)
-        self.batch.set(float(share.weight > 0) if self.batch.coupled else share.weight)
+        self.batch.set(float(share.weight > 0) if self.batch.coupled else share.weight, samples=share.samples)
         return share
 
     def computed_whole(self, module: nn.Module) -> None:
@@ -122,10 +122,11 @@ class AtTheModel:
         (``counted``) is left as it is. ``required``: a model that returns no loss is refused (its loss would meet
         targets that were not split)."""
         leaves, spec = pytree.tree_flatten(output)
-        if required and not any(is_a_loss(leaf) for leaf in leaves):
+        if required and not any(is_a_loss(leaf, self.batch.fewest_rows) for leaf in leaves):
             raise UsageError(NOT_SPLIT, said_elsewhere=self.rank != 0)  # every rank meets it: rank 0 says it
         # (At given places, every one of them is all-reduced, as many on every rank; one valued whole is kept.)
-        losses = [index for index, leaf in enumerate(leaves) if is_a_loss(leaf)] if at is None else list(at)
+        losses = [index for index, leaf in enumerate(leaves) if is_a_loss(leaf, self.batch.fewest_rows)] \
+            if at is None else list(at)
         whole = {index for index in losses if scale == 1.0 and self.batch.is_valued_whole(leaves[index])}
         if at is None:
             losses = [index for index in losses if index not in whole]
@@ -283,7 +284,7 @@ class AtTheModel:
                 if share is None:
                     output = module(*args, **given)
                 else:
-                    self.batch.set(share.weight)
+                    self.batch.set(share.weight, samples=share.samples)
                     self.batch.checking = self.on_a_share = True  # (``counted`` counts; the group is found)
                     names = [name for name, value in given.items() if isinstance(value, torch.Tensor) and value.dim()]
                     cut = dict(zip(names, rows_of_share(tuple(given[name] for name in names), share)))
@@ -423,7 +424,7 @@ class AtTheModel:
             return None
         share = share_of(range(rows), self.rank, self.world_size)
         # (A loss that a model computes over its share is counted as on a split batch: ``counted``.)
-        self.batch.set(share.weight, gathered=module not in self.losses_kept)
+        self.batch.set(share.weight, gathered=module not in self.losses_kept, samples=share.samples)
         return rows_of_share(args, share), share
 
     def keywords_and_items(self, module: nn.Module, args: tuple, kwargs: dict):
@@ -511,13 +512,18 @@ def _device_of(module: nn.Module) -> torch.device:
     return torch.device("cpu") if tensor is None else tensor.device
 
 
-def is_a_loss(leaf) -> bool:
-    """A loss among a model's outputs: a tensor of one element that requires grad (nanoGPT's model returns one)."""
-    return isinstance(leaf, torch.Tensor) and leaf.numel() == 1 and leaf.requires_grad
+def is_a_loss(leaf, fewest_rows: int | None = None) -> bool:
+    """A loss among a model's outputs: a tensor of one element that requires grad (nanoGPT's model returns one). On a
+    split batch whose smallest share has ``fewest_rows`` < 2, one with dimensions is not: it may be a share's one row
+    of a per-row output (a regression's, of shape (1, 1)), which a process with two rows returns as two elements, and
+    every process must tell the two apart alike (a loss is all-reduced). A loss of no dimension is one anywhere."""
+    if not (isinstance(leaf, torch.Tensor) and leaf.numel() == 1 and leaf.requires_grad):
+        return False
+    return leaf.dim() == 0 or fewest_rows is None or fewest_rows >= 2
 
 
-def returns_a_loss(output) -> bool:
-    return any(is_a_loss(leaf) for leaf in pytree.tree_leaves(output))
+def returns_a_loss(output, fewest_rows: int | None = None) -> bool:
+    return any(is_a_loss(leaf, fewest_rows) for leaf in pytree.tree_leaves(output))
 
 
 def call_keywords(module: nn.Module) -> dict | None:

@@ -81,6 +81,9 @@ class Batch:
     gathered_way: bool = False  # its loader takes the gathered way: whole batches, cut at the models (``step_rule``)
     loader_share: bool = False  # this rank holds its loader's share of the batch (a cut at a model leaves it as it is)
     checking: bool = False  # a loss computed both ways, on a share, gradients off (``at_the_model.check_both_ways``)
+    # The rows of the smallest share of the batch split now (None: not split): under 2, a share's one-element output
+    # may be its row of a per-row output, not a loss (``at_the_model.is_a_loss``).
+    fewest_rows: int | None = None
     # Losses whose value is the whole batch's already (``counted``): a model that returns one needs no more. (By
     # identity: a tensor's ``==`` is elementwise.)
     _valued_whole: dict = dataclasses.field(default_factory=dict)
@@ -88,11 +91,13 @@ class Batch:
     def __post_init__(self) -> None:
         self.weight = 1.0 / self.world_size
 
-    def set(self, weight: float, *, whole: bool = False, gathered: bool = False) -> None:
+    def set(self, weight: float, *, whole: bool = False, gathered: bool = False, samples: int | None = None) -> None:
+        """This rank's ``weight`` in a batch of ``samples`` rows in all (None: unknown, or not split)."""
         self.weight = weight
         self.whole = whole
         self.gathered = gathered
         self.own_batches = False
+        self.fewest_rows = None if whole or samples is None else samples // self.world_size
 
     def set_whole(self) -> None:
         """Every rank has the whole batch: the same gradient on each, averaged."""
@@ -456,7 +461,7 @@ class Loaders:
         if this.share.whole:
             self.batch.set_whole()
         else:
-            self.batch.set(this.share.weight)
+            self.batch.set(this.share.weight, samples=this.share.samples)
 
     def _say_own_batches(self, this: Pass) -> None:
         if this.own_batches and not self._said_own_batches and self.rank == 0:

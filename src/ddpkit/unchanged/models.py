@@ -266,7 +266,7 @@ class Models:
         rows = tensors[0].size(0)
         total = torch.tensor([float(rows)], dtype=torch.float64, device=tensors[0].device)
         dist.all_reduce(total)
-        self.batch.set(rows / total.item())
+        self.batch.set(rows / total.item(), samples=int(total.item()))
         if not self.held_said and self.rank == 0:
             logger.info(f"--unchanged: {class_name(module)} trains on each process's shares of batches that a split "
                         "pass handed out, handed out again once the pass had ended (itertools.cycle(loader)): as "
@@ -373,7 +373,7 @@ class Models:
             scale *= self.sharded_weight()
         if call.gathered:
             output = self._gathered(call, output)
-        elif call.items_counted and returns_a_loss(output):
+        elif call.items_counted and returns_a_loss(output, self.batch.fewest_rows):
             weight = self.batch.current_weight()  # (a sum's part: its gradient counts whole, DDP weighs it by share)
             output = self.at_the_model.whole_batch_losses(output, summed=True, scale=1.0 / weight if weight else 0.0)
             split = True
@@ -384,7 +384,8 @@ class Models:
             output = self.at_the_model.whole_batch_losses(output)
             if module in self.at_the_model.outputs_read:
                 output = self._gathered_by_hand(share, output)
-        elif self.batch.loader_passes and not self.batch.whole and not self.batch.coupled and returns_a_loss(output):
+        elif (self.batch.loader_passes and not self.batch.whole and not self.batch.coupled
+              and returns_a_loss(output, self.batch.fewest_rows)):
             # A loss the model computed from this rank's share of a loader's batch: the value the script reads is the
             # whole batch's (its gradient the share's, which DDP weighs).
             output, split = self.at_the_model.whole_batch_losses(output, required=False), True
