@@ -55,6 +55,22 @@ def test_a_batch_smaller_than_the_world_gives_the_ranks_without_a_sample_a_stand
         share_of([1], 2, 2)
 
 
+def test_the_smallest_share_a_loaders_batches_can_give_is_known_from_torchs_batch_sampler_alone():
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+    from ddpkit.data.split_batches import fewest_share_rows
+
+    def batches(samples: int, size: int, drop_last: bool = False) -> BatchSampler:
+        return BatchSampler(SequentialSampler(range(samples)), size, drop_last)
+
+    assert fewest_share_rows(batches(50, 8), 2) == 1  # the last batch, of 2
+    assert fewest_share_rows(batches(51, 8), 2) == 1 and fewest_share_rows(batches(52, 8), 2) == 2
+    assert fewest_share_rows(batches(50, 8, drop_last=True), 2) == 4 and fewest_share_rows(batches(48, 8), 3) == 2
+    assert fewest_share_rows(batches(5, 8), 2) == 2  # one batch, of 5
+    assert fewest_share_rows(DataLoader(range(50), batch_size=8).batch_sampler, 2) == 1
+    assert fewest_share_rows([[0, 1], [2]], 2) is None  # a batch sampler of the script's own: not known
+
+
 def test_a_summed_loss_counts_its_share_as_the_whole_batch_but_a_stand_in_and_a_whole_batch_as_they_are():
     batch = Batch(world_size=2, summed=True)
     assert batch.weight == 0.5 and batch.output_scale() == 1.0  # nothing split yet: every rank has the whole batch
@@ -432,12 +448,12 @@ def test_a_counted_mean_leaves_torchscript_compiling_torchs_own_loss():
     assert F.cross_entropy is original
 
 
-def watched(batch, step) -> str | None:
-    """What ``StepWatch`` finds of ``step(batch)`` (a training step's code after the model), in this process: None
-    where the step is proven split, else the reason."""
+def watched(batch, step, fewest_rows: int | None = None) -> str | None:
+    """What ``StepWatch`` finds of ``step(batch)`` (a training step's code after the model), in this process, on a
+    loader whose smallest share has ``fewest_rows``: None where the step is proven split, else the reason."""
     from ddpkit.unchanged.step_rule import StepWatch
 
-    watch = StepWatch()
+    watch = StepWatch(fewest_rows)
     watch.begin(batch)
     try:
         step(batch, watch)
@@ -473,8 +489,16 @@ def test_the_step_rule_proves_a_mean_over_rows_and_nothing_that_reads_or_couples
         z = through_model(batch["x"], watch)
         F.cross_entropy(z @ z.t(), batch["y"]).backward()
 
+    def squeezed(batch, watch):  # (one logit a row, squeezed: a share of one row would give a tensor of no rows)
+        logits = through_model(batch["x"], watch)[:, :1].squeeze()
+        F.binary_cross_entropy_with_logits(logits, batch["y"].to(logits.dtype)).backward()
+
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
     assert watched({"x": x, "y": y}, mean) is None
+    assert watched({"x": x, "y": y}, squeezed, fewest_rows=2) is None
+    for fewest_rows in (1, None):
+        assert watched({"x": x, "y": y}, squeezed, fewest_rows) == ("it squeezes every dimension of size 1 (squeeze), "
+                                                                   "the rows' too on a share of one row")
     # A mapping of a library's own (transformers' BatchEncoding is a UserDict): its tensors are followed all the same.
     assert watched(UserDict(x=x, y=y), size_read) == "it reads the batch's size (size)"
     assert watched({"x": x, "y": y}, summed) == "mse_loss with reduction='sum' (a sum over the batch)"
@@ -929,11 +953,11 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     (weights_one, printed_one, _), (weights_two, printed_two, said) = one, two
     # (whether it finds a group, 10 steps a model but 6 of the binary one and 20 of the augmented one, 2 epochs' lines
     # of five models, a call that raised, 2 of each epoch's metrics where torchmetrics is installed, and 2 of the model
-    # called on each sample of a list, less the 2 batches that the hooked part skips, 2 of the straight part, 2 of the
+    # called on each sample of a list, less the 2 batches that the hooked part skips, 2 of the straight part, 3 of the
     # regressor, and the 17 lines of the models over batches cut by hand: 10 steps, 2 of the reader's 5, 5)
     lines = (1 + (16 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
                   + ("scripted" in weights_one) + ("renormed" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one) + 2 + 2 - 2 + 2
-             + 2 + 17)
+             + 3 + 17)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     # Batches cut by hand, given by keyword: each call but the first (whole, then computed both ways: the whole batch
     # and this process's share, its loss a mean over rows) cut at the model, its keyword tensors too.

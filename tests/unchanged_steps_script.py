@@ -697,15 +697,20 @@ def regressor():
     """One output a row and a plain mean (the split way), in batches of 9, whose last of 2 leaves each process a share
     of one row, then of 13, whose last of 3 leaves shares of 2 and 1: a share's output of one row is one element, and
     not a loss (before: taken for one, the two processes' outputs were averaged into each, 1.3e-2 off; with shares
-    of 2 and 1 rows, one process waited in a collective that the other never reached). Each epoch's last loss printed:
-    its short batch's."""
+    of 2 and 1 rows, one process waited in a collective that the other never reached). Then, in batches of 9 again,
+    its one output a row squeezed (``model(x).squeeze()``) into a binary logit: the gathered way, as on a share of one
+    row ``squeeze()`` would take the rows away (before: split, and a share's logit of no dimension met a target of one
+    row, a ValueError on that process). Each epoch's last loss printed: its short batch's."""
     x = torch.randn(29, 4)
     y = x.sum(1, keepdim=True)
     model = nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    for epoch, size in enumerate((9, 13)):
+    for epoch, size in enumerate((9, 13, 9)):
         for inputs, targets in DataLoader(TensorDataset(x, y), batch_size=size, shuffle=True):
-            loss = F.mse_loss(model(inputs), targets)
+            if epoch < 2:
+                loss = F.mse_loss(model(inputs), targets)
+            else:
+                loss = F.binary_cross_entropy_with_logits(model(inputs).squeeze(), (targets.squeeze(1) > 0).double())
             step(optimizer, loss)
         print(f"regressor {epoch}: loss {loss.item():.12f}")
     return model.state_dict()

@@ -63,6 +63,31 @@ def share_sizes(samples: int, *, world_size: int) -> list[int]:
     return [base + (rank < longer) for rank in range(world_size)]
 
 
+def fewest_share_rows(batches, world_size: int) -> int | None:
+    """The rows of the smallest share that a batch of ``batches`` (a loader's batch sampler) can give: of torch's
+    ``BatchSampler``, its batch size and, without ``drop_last``, the last batch's (what is left); None for another
+    kind of batch sampler, whose batches' sizes are not known ahead.
+
+        >>> from torch.utils.data import BatchSampler, SequentialSampler
+        >>> fewest_share_rows(BatchSampler(SequentialSampler(range(50)), 8, drop_last=False), 2)  # the last: 2
+        1
+        >>> fewest_share_rows(BatchSampler(SequentialSampler(range(50)), 8, drop_last=True), 2)
+        4
+    """
+    from torch.utils.data import BatchSampler
+
+    if type(batches) is not BatchSampler or batches.batch_size is None:
+        return None
+    try:
+        total = len(batches.sampler)
+    except TypeError:  # a sampler of no length
+        return None
+    sizes = [batches.batch_size] if total >= batches.batch_size else []
+    if total % batches.batch_size and not batches.drop_last:
+        sizes.append(total % batches.batch_size)
+    return min(sizes) // world_size if sizes else None
+
+
 def rows_of_share(args: tuple, share: Share) -> tuple:
     """``args`` (a model's positional arguments) cut to ``share``'s rows: each tensor along its first dimension (a
     share is a contiguous run); anything else as it is."""

@@ -58,7 +58,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, IterableDataset
 
 from ddpkit.core.logs import logger
-from ddpkit.data.split_batches import Share, SharedStream, SplitBatchSampler, share_sizes
+from ddpkit.data.split_batches import Share, SharedStream, SplitBatchSampler, fewest_share_rows, share_sizes
 from ddpkit.unchanged import loading
 from ddpkit.unchanged.randomness import Streams, derived_seed
 from ddpkit.unchanged.step_rule import StepWatch
@@ -353,7 +353,7 @@ class Loaders:
         evaluate (``step_rule``)."""
         if this.sampler is None or this.ahead or this.evaluating or this.watched or not self.watches():
             return
-        this.watch = self.watching = StepWatch()
+        this.watch = self.watching = StepWatch(fewest_share_rows(this.sampler.batches, self.world_size))
         this.watch.begin(batch)
 
     def _watched(self, this: Pass, *, decide: bool = True) -> None:

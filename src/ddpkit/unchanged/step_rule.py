@@ -109,8 +109,11 @@ class StepWatch(Watch):
     """Follows the tensors of one training step through the script's code (see the module): ``begin`` with the
     batch handed out, ``outputs`` of each model call (``pause``/``resume`` around it), ``end`` for the verdict."""
 
-    def __init__(self):
+    def __init__(self, fewest_rows: int | None = None):
         super().__init__()
+        # The rows of the smallest share that the loader's batches can give (None: not known): under 2, a share's
+        # rows may be one, which a squeeze of every dimension of size 1 takes away.
+        self.fewest_rows = fewest_rows
         self.kinds: dict[int, tuple[weakref.ref, str]] = {}
         self.reason: str | None = None  # the first thing not proven
         self.backward = False  # a backward from a mean that ddpkit accounts for was seen
@@ -256,6 +259,8 @@ class StepWatch(Watch):
             return self.rows_of(result, name)
         if name in ALONG:
             dim = _dim(args, kwargs, ALONG[name])
+            if dim is None and name == "squeeze" and (self.fewest_rows is None or self.fewest_rows < 2):
+                raise Unproven("it squeezes every dimension of size 1 (squeeze), the rows' too on a share of one row")
             if dim is None and name in ("normalize", "squeeze"):
                 return self.rows_of(result, name)  # (normalize: along dimension 1; squeeze: rows_of checks)
             if dim is not None and 0 not in _dims(dim if isinstance(dim, (tuple, list)) else [dim], _rank(args)):
