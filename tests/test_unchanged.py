@@ -454,7 +454,7 @@ def watched(batch, step, fewest_rows: int | None = None) -> str | None:
     from ddpkit.unchanged.step_rule import StepWatch
 
     watch = StepWatch(fewest_rows)
-    watch.begin(batch)
+    watch.begin(batch, sys._getframe(1))  # (from the test's frame: the lists it holds)
     try:
         step(batch, watch)
     finally:
@@ -489,6 +489,17 @@ def test_the_step_rule_proves_a_mean_over_rows_and_nothing_that_reads_or_couples
         z = through_model(batch["x"], watch)
         F.cross_entropy(z @ z.t(), batch["y"]).backward()
 
+    collected = []  # (a list the loop held before the step: it would collect a share's rows)
+
+    def collecting(batch, watch):
+        logits = through_model(batch["x"], watch)
+        F.cross_entropy(logits, batch["y"]).backward()
+        collected.append((logits.detach().argmax(1), batch["y"]))
+
+    def moved(batch, watch):  # (a dict made in the step is the step's own)
+        on_device = {key: value.to("cpu") for key, value in batch.items()}
+        F.cross_entropy(through_model(on_device["x"], watch), on_device["y"]).backward()
+
     def squeezed(batch, watch):  # (one logit a row, squeezed: a share of one row would give a tensor of no rows)
         logits = through_model(batch["x"], watch)[:, :1].squeeze()
         F.binary_cross_entropy_with_logits(logits, batch["y"].to(logits.dtype)).backward()
@@ -496,6 +507,8 @@ def test_the_step_rule_proves_a_mean_over_rows_and_nothing_that_reads_or_couples
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
     assert watched({"x": x, "y": y}, mean) is None
     assert watched({"x": x, "y": y}, squeezed, fewest_rows=2) is None
+    assert watched({"x": x, "y": y}, moved) is None
+    assert watched({"x": x, "y": y}, collecting) == "it keeps the batch's rows beyond the step, in collected, a list"
     for fewest_rows in (1, None):
         assert watched({"x": x, "y": y}, squeezed, fewest_rows) == ("it squeezes every dimension of size 1 (squeeze), "
                                                                    "the rows' too on a share of one row")
@@ -954,10 +967,11 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # (whether it finds a group, 10 steps a model but 6 of the binary one and 20 of the augmented one, 2 epochs' lines
     # of five models, a call that raised, 2 of each epoch's metrics where torchmetrics is installed, and 2 of the model
     # called on each sample of a list, less the 2 batches that the hooked part skips, 2 of the straight part, 3 of the
-    # regressor, and the 17 lines of the models over batches cut by hand: 10 steps, 2 of the reader's 5, 5)
+    # regressor, 2 of the collected part, and the 17 lines of the models over batches cut by hand: 10 steps, 2 of the
+    # reader's 5, 5)
     lines = (1 + (16 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
                   + ("scripted" in weights_one) + ("renormed" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one) + 2 + 2 - 2 + 2
-             + 3 + 17)
+             + 3 + 2 + 17)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     # Batches cut by hand, given by keyword: each call but the first (whole, then computed both ways: the whole batch
     # and this process's share, its loss a mean over rows) cut at the model, its keyword tensors too.

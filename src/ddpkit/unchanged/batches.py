@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 import threading
 import weakref
 import zlib
@@ -354,7 +355,7 @@ class Loaders:
         if this.sampler is None or this.ahead or this.evaluating or this.watched or not self.watches():
             return
         this.watch = self.watching = StepWatch(fewest_share_rows(this.sampler.batches, self.world_size))
-        this.watch.begin(batch)
+        this.watch.begin(batch, sys._getframe(1))
 
     def _watched(self, this: Pass, *, decide: bool = True) -> None:
         """The step on the batch handed out last is over: where it trained, its loader's way is decided from it (a

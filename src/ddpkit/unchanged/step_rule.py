@@ -27,18 +27,26 @@ reason seen): a product of rows with each other (``z @ z.t()``), a sum over the 
 script computed, a ``cat`` of rows, sorting, any read of the batch's size or of its values (``inputs.size(0)``,
 ``(preds == labels).sum()``, ``.item()`` of a share's mean), a random draw (diffusion's noise and timesteps), a tensor
 that trains read outside a model (a learned temperature), a function not in the lists here. Unknown is gathered: the
-lists prove, they never guess.
+lists prove, they never guess. And a tensor of the batch's rows (the batch's own, or computed from them) that the step
+leaves in a list, a dict or a deque that the script held before the step (bound to a name of its frames, or to an
+attribute of an object bound there): a loop that collects its predictions and labels to compute an epoch's accuracy
+after the loop would collect a share's (``kept_rows``).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import sys
+import types
 import weakref
 from collections.abc import Mapping
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 from torch.utils import _pytree as pytree
+
+from ddpkit.unchanged.callers import package
 
 ROWS, LOSS, MEAN = "rows", "loss", "mean"  # kinds of tracked tensors: a batch's rows, a mean valued whole, a share's
 # Functions of one tensor's elements (and Tensor methods of the same names, in place or not).
@@ -114,6 +122,7 @@ class StepWatch(Watch):
         # The rows of the smallest share that the loader's batches can give (None: not known): under 2, a share's
         # rows may be one, which a squeeze of every dimension of size 1 takes away.
         self.fewest_rows = fewest_rows
+        self.keepers: dict[int, tuple[str, object]] = {}  # where the script could keep rows beyond the step (``begin``)
         self.kinds: dict[int, tuple[weakref.ref, str]] = {}
         self.reason: str | None = None  # the first thing not proven
         self.backward = False  # a backward from a mean that ddpkit accounts for was seen
@@ -123,9 +132,12 @@ class StepWatch(Watch):
 
     # -- the window -------------------------------------------------------------------------------------------------
 
-    def begin(self, batch) -> None:
+    def begin(self, batch, frame: types.FrameType | None = None) -> None:
         """A batch handed out: its tensors whose first dimension is the batch's (the most common one) are its rows. A
-        batch whose tensors cannot be found (a container of a kind not read here) proves nothing."""
+        batch whose tensors cannot be found (a container of a kind not read here) proves nothing. ``frame``: where the
+        batch is handed out, whose script frames' containers are looked into at the step's end (``kept_rows``)."""
+        handed_out = containers_in(batch)  # (the batch itself, whatever holds it already, is no keeper)
+        self.keepers = {key: kept for key, kept in keepers_in(frame).items() if key not in handed_out}
         tensors = [tensor for tensor in tensors_in(batch) if tensor.dim() > 0]
         sizes = [tensor.size(0) for tensor in tensors]
         if sizes:
@@ -167,8 +179,27 @@ class StepWatch(Watch):
         self.pause()
         if self.reason is None and not self.backward:
             self.unproven("no backward from a mean of the batch was seen")
+        if self.reason is None:
+            kept = self.kept_rows()
+            if kept is not None:
+                self.unproven(f"it keeps the batch's rows beyond the step, in {kept}")
+        self.keepers.clear()
         self.kinds.clear()
         return self.reason
+
+    def kept_rows(self) -> str | None:
+        """Where the step left a tensor of the batch's rows in a container that the script held before it (``begin``):
+        the last items of a list or a deque (appended), the last values of a dict, each looked into as ``tensors_in``
+        does. On split batches that container would collect a share's rows, and what the script computes from it
+        after the loop (an epoch's accuracy over the predictions collected) would be the share's. Containers made in
+        the step (the batch moved to the device, ``{k: v.to(device) for ...}``) are the step's own, and not looked
+        into."""
+        for name, keeper in self.keepers.values():
+            items = reversed(keeper.values()) if isinstance(keeper, dict) else reversed(keeper)
+            for _, item in zip(range(KEEPER_ITEMS_READ), items):
+                if any(self.kind(tensor) == ROWS for tensor in tensors_in(item)):
+                    return f"{name}, a {type(keeper).__name__}"
+        return None
 
     # -- what each function does to the kinds ----------------------------------------------------------------------
 
@@ -301,6 +332,57 @@ class StepWatch(Watch):
             if all(other.numel() == 1 for other in others):
                 return MEAN if MEAN in tracked else LOSS
         raise Unproven(f"it computes {name} of a mean over the batch")
+
+
+KEEPERS = (list, dict, collections.deque)  # what a loop collects its steps' tensors in
+KEEPER_ITEMS_READ = 4  # of each, the items a step could have added last
+KEPT_ATTRIBUTES_READ = 256  # an object bound in the script with more attributes is not looked into
+
+
+def keepers_in(frame: types.FrameType | None) -> dict[int, tuple[str, object]]:
+    """The lists, dicts and deques that the script's frames hold, from ``frame`` outwards past torch's, ddpkit's and
+    Python's standard library's code: bound to a name there, or to an attribute of an object bound there (a trainer's
+    ``self.outputs``), by id, with that name. Read from ``f_locals`` (a module's frame: its globals), never written."""
+    found: dict[int, tuple[str, object]] = {}
+    while frame is not None:
+        if package(frame) not in sys.stdlib_module_names and package(frame) not in ("torch", "ddpkit"):
+            for name, value in list(frame.f_locals.items()):
+                if isinstance(value, KEEPERS):
+                    found.setdefault(id(value), (name, value))
+                    continue
+                if isinstance(value, (types.ModuleType, type, types.FunctionType, torch.Tensor)):
+                    continue
+                attributes = _attributes(value)
+                if len(attributes) > KEPT_ATTRIBUTES_READ:
+                    continue
+                for attribute, held in list(attributes.items()):
+                    if isinstance(held, KEEPERS):
+                        found.setdefault(id(held), (f"{name}.{attribute}", held))
+        frame = frame.f_back
+    return found
+
+
+def containers_in(value, depth: int = 0) -> set[int]:
+    """The ids of ``value`` and of the containers inside it, as ``tensors_in`` walks them."""
+    if isinstance(value, torch.Tensor) or depth > 8:
+        return set()
+    if isinstance(value, Mapping):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        return set()
+    return {id(value)}.union(*(containers_in(item, depth + 1) for item in items))
+
+
+def _attributes(value) -> dict:
+    """``value``'s instance attributes, read past any ``__getattr__`` of its class; none where it has no ``__dict__``
+    (``__slots__``, a built-in's instance)."""
+    try:
+        attributes = object.__getattribute__(value, "__dict__")
+    except (AttributeError, TypeError):  # no __dict__ to read: it keeps nothing there
+        return {}
+    return attributes if isinstance(attributes, dict) else {}
 
 
 def tensors_in(value, depth: int = 0) -> list[torch.Tensor]:
