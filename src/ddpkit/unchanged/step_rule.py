@@ -364,15 +364,8 @@ def keepers_in(frame: types.FrameType | None) -> dict[int, tuple[str, object]]:
 
 def containers_in(value, depth: int = 0) -> set[int]:
     """The ids of ``value`` and of the containers inside it, as ``tensors_in`` walks them."""
-    if isinstance(value, torch.Tensor) or depth > 8:
-        return set()
-    if isinstance(value, Mapping):
-        items = list(value.values())
-    elif isinstance(value, (list, tuple)):
-        items = list(value)
-    else:
-        return set()
-    return {id(value)}.union(*(containers_in(item, depth + 1) for item in items))
+    items = None if depth > 8 else _items(value)
+    return set() if items is None else {id(value)}.union(*(containers_in(item, depth + 1) for item in items))
 
 
 def _attributes(value) -> dict:
@@ -392,17 +385,20 @@ def tensors_in(value, depth: int = 0) -> list[torch.Tensor]:
     ``ModelOutput``), lists, tuples and dataclasses, at any depth."""
     if isinstance(value, torch.Tensor):
         return [value]
-    if depth > 8:
-        return []
+    items = None if depth > 8 else _items(value)
+    return [] if items is None else [tensor for item in items for tensor in tensors_in(item, depth + 1)]
+
+
+def _items(value) -> list | None:
+    """What a container that ``tensors_in`` walks holds (a mapping's values, a list's or tuple's items, a dataclass's
+    fields); None for anything else."""
     if isinstance(value, Mapping):
-        items = list(value.values())
-    elif isinstance(value, (list, tuple)):
-        items = list(value)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        items = [getattr(value, field.name) for field in dataclasses.fields(value)]
-    else:
-        return []
-    return [tensor for item in items for tensor in tensors_in(item, depth + 1)]
+        return list(value.values())
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [getattr(value, field.name) for field in dataclasses.fields(value)]
+    return None
 
 
 def _rank(args: tuple) -> int:
