@@ -465,6 +465,8 @@ def watched(batch, step, fewest_rows: int | None = None) -> str | None:
 def test_the_step_rule_proves_a_mean_over_rows_and_nothing_that_reads_or_couples_the_batch():
     from collections import UserDict
 
+    import numpy
+
     model = nn.Linear(4, 3)
 
     def through_model(x, watch):  # (the model's call, set aside as the hooks set it aside)
@@ -504,8 +506,30 @@ def test_the_step_rule_proves_a_mean_over_rows_and_nothing_that_reads_or_couples
         logits = through_model(batch["x"], watch)[:, :1].squeeze()
         F.binary_cross_entropy_with_logits(logits, batch["y"].to(logits.dtype)).backward()
 
+    rng = numpy.random.default_rng(0)  # (a random stream of the script's own, bound to a name of its frame)
+
+    def flipped(batch, watch):  # (along another dimension than the rows': row-wise; along the rows': not)
+        F.cross_entropy(through_model(batch["x"].flip(-1).roll(1, 1), watch), batch["y"]).backward()
+
+    def coin(batch, watch):  # (draws that no torch function makes: each process's own on split batches)
+        inputs = batch["x"].flip(1) if random.random() < 2 else batch["x"]
+        F.cross_entropy(through_model(inputs, watch), batch["y"]).backward()
+
+    def noised(batch, watch):
+        F.cross_entropy(through_model(batch["x"] + numpy.random.normal(), watch), batch["y"]).backward()
+
+    def scaled(batch, watch):
+        (F.cross_entropy(through_model(batch["x"], watch), batch["y"]) * float(rng.uniform(0.5, 1))).backward()
+
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
     assert watched({"x": x, "y": y}, mean) is None
+    assert watched({"x": x, "y": y}, flipped) is None
+    assert watched({"x": x.flip(0), "y": y}, flipped) is None
+    assert watched({"x": x, "y": y}, coin) == "it draws at random outside the model (Python's random)"
+    assert watched({"x": x, "y": y}, noised) == "it draws at random outside the model (NumPy's random)"
+    assert watched({"x": x, "y": y}, scaled) == "it draws at random outside the model (rng, a Generator)"
+    assert watched({"x": x, "y": y}, lambda batch, watch: mean({"x": batch["x"].flip(0), "y": batch["y"]}, watch)) \
+        == "it computes flip over the batch's rows"
     assert watched({"x": x, "y": y}, squeezed, fewest_rows=2) is None
     assert watched({"x": x, "y": y}, moved) is None
     assert watched({"x": x, "y": y}, collecting) == "it keeps the batch's rows beyond the step, in collected, a list"
@@ -969,7 +993,7 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # called on each sample of a list, less the 2 batches that the hooked part skips, 2 of the straight part, 3 of the
     # regressor, 2 of the collected part, and the 17 lines of the models over batches cut by hand: 10 steps, 2 of the
     # reader's 5, 5)
-    lines = (1 + (16 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
+    lines = (1 + (17 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
                   + ("scripted" in weights_one) + ("renormed" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one) + 2 + 2 - 2 + 2
              + 3 + 2 + 17)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two

@@ -20,6 +20,9 @@
   samples of 29): the other steps leave that head without a gradient, and SGD with momentum skips it, as on one
   device; then a call that raises, caught by the script;
 - **later**: one loader over both epochs, a plain mean in the first, a summed penalty added in the second;
+- **drawn**: one loader over both epochs, a plain mean in the first; in the second, the loop flips each batch when
+  Python's ``random.random()`` says so and adds a noise level that it draws from NumPy (draws that no torch function
+  makes);
 - **inside**: losses a model computes inside its forward: two towers returning an in-batch contrastive loss (its
   rows' losses depend on each other: computed whole), then a tagger returning its mean over the tags that are not
   padding (``ignore_index``: split, counted); the rows of each training call go into ``rows``;
@@ -65,7 +68,7 @@ from torch.utils.data import DataLoader, TensorDataset
 # (byhand after cycled, whose loader's last pass was split: a gathered loader's last pass is held open until another
 # begins, in case a wrapper fetched its last batch ahead, and a batch cut by hand meanwhile would be taken for its own.)
 out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
-                                            "keywords", "auxiliary", "later", "inside", "returned", "loading",
+                                            "keywords", "auxiliary", "later", "drawn", "inside", "returned", "loading",
                                             "augmented", "across", "cycled", "byhand", "single", "listed", "hooked",
                                             "straight", "regressor", "collected"] + (
     ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse", "taken", "scripted", "routed",
@@ -326,6 +329,24 @@ def auxiliary():
     except RuntimeError as error:
         active = torch.nn.parallel.DistributedDataParallel._active_ddp_module
         print(f"auxiliary 1: {type(error).__name__} caught, a DDP forward left going on: {active is not None}")
+    return model.state_dict()
+
+
+def drawn():
+    import random
+
+    import numpy
+
+    x, y = torch.randn(29, 4, 2), torch.randint(0, 3, (29,))
+    model = nn.Sequential(nn.Flatten(), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train = loader(x, y)
+    for epoch in range(2):
+        for inputs, labels in train:
+            if epoch == 1:
+                inputs = inputs.flip(-1) if random.random() < 0.5 else inputs
+                inputs = inputs * (1 + numpy.random.normal(0, 0.5))
+            step(optimizer, F.cross_entropy(model(inputs), labels), f"drawn {epoch}")
     return model.state_dict()
 
 

@@ -145,6 +145,8 @@ class Pass:
     loader: DataLoader | None = None
     shares_gathered: bool = False  # the gathered way, each rank reading its share, the collated shares gathered
     workers_alike: bool = False  # its loader's persistent workers start again, their seeds the same on every rank
+    own_workers: bool = False  # its loader's workers draw their seeds from this rank's own streams (its last pass
+    # trained on shares: so will this one, once its first step shows it)
 
 
 class Loaders:
@@ -214,13 +216,13 @@ class Loaders:
 
     def follow(self, loader: DataLoader, this: Pass) -> Iterator:
         """A pass over ``loader``: its batches, this rank's weight set to each one's as it is handed out. A loader whose
-        last pass trained starts in this rank's own random streams (before the loader draws its workers' seeds);
-        another enters them when the pass shows that it trains."""
+        last pass trained on shares draws its workers' seeds from this rank's own random streams; the pass enters
+        them once it shows that it trains on shares (its first batch is whole, and the loop's draws for it are one
+        device's, from the shared streams: a loop that starts drawing its noise at a later epoch)."""
         self.batch.loader_passes += 1
         this.ahead = this.sampler is not None and (this.sampler in self._fetched_ahead
                                                    or self._gathered.get(this.sampler, False))
-        if this.sampler is not None and this.sampler in self._trained_before and not this.ahead:
-            self._own_streams(this)
+        this.own_workers = this.sampler is not None and this.sampler in self._trained_before and not this.ahead
         this.loader = loader
         this.shares_gathered = this.ahead and self._shares_gathered.get(this.sampler, False) \
             and threading.current_thread() is threading.main_thread()  # (a thread's collectives would race the step's)
@@ -260,8 +262,9 @@ class Loaders:
                 self._end(this)
 
     def _loaded(self, loader: DataLoader, this: Pass) -> Iterator:
-        """``loader``'s batches as it collates them. Where each rank reads its share of a gathered loader's batches, its
-        workers' seeds are drawn from this rank's own random streams (a share's random augmentations are not another's),
+        """``loader``'s batches as it collates them. Where each rank reads its share of a loader's batches (a gathered
+        loader's, or a split one's after a pass that trained), its workers' seeds are drawn from this rank's own random
+        streams (a share's random augmentations are not another's),
         and the shared streams, which the loop draws from, take the one draw that they give the seeds where the whole
         batch is read: they stay the same on every rank, and one device's."""
         if this.workers_alike:  # (persistent workers started again: their seeds the same on every rank, not drawn from
@@ -271,7 +274,7 @@ class Loaders:
                 return self._original_iter(loader)
             finally:
                 torch.set_rng_state(saved)
-        if not this.shares_gathered:
+        if not (this.shares_gathered or this.own_workers):
             return self._original_iter(loader)
         self.streams.enter_pass()
         try:
@@ -288,7 +291,7 @@ class Loaders:
         draw alike; the same on every rank where each reads the whole batch on the gathered way, so that every rank
         holds the same batch. ``DataLoader._iterator``, the private attribute that keeps them, is emptied (they end
         with it). At the first pass they start from the shared streams, as one device's."""
-        need = "own" if this.own_streams or this.shares_gathered else "alike" if this.ahead else None
+        need = "own" if this.own_workers or this.shares_gathered else "alike" if this.ahead else None
         if need is None or not (loader.persistent_workers and loader.num_workers and self.world_size > 1):
             return
         if self._workers.get(loader, "alike") != need:

@@ -25,7 +25,8 @@ batch and from the models' outputs, outside the models, is
 Anything else is not proven, and the loader's steps take the gathered way from then on (said once, with the first
 reason seen): a product of rows with each other (``z @ z.t()``), a sum over the batch, a division by a count the
 script computed, a ``cat`` of rows, sorting, any read of the batch's size or of its values (``inputs.size(0)``,
-``(preds == labels).sum()``, ``.item()`` of a share's mean), a random draw (diffusion's noise and timesteps), a tensor
+``(preds == labels).sum()``, ``.item()`` of a share's mean), a random draw (diffusion's noise and timesteps: torch's,
+and those from Python's or NumPy's streams, ``random_streams``), a tensor
 that trains read outside a model (a learned temperature), a function not in the lists here. Unknown is gathered: the
 lists prove, they never guess. And a tensor of the batch's rows (the batch's own, or computed from them) that the step
 leaves in a list, a dict or a deque that the script held before the step (bound to a name of its frames, or to an
@@ -37,10 +38,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import random
 import sys
 import types
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
@@ -123,6 +125,8 @@ class StepWatch(Watch):
         # rows may be one, which a squeeze of every dimension of size 1 takes away.
         self.fewest_rows = fewest_rows
         self.keepers: dict[int, tuple[str, object]] = {}  # where the script could keep rows beyond the step (``begin``)
+        self.streams: list[tuple[str, Callable[[], object]]] = []  # random streams the watch cannot see drawn from
+        self.states: list = []  # their states where the script's code last resumed (``resume``)
         self.kinds: dict[int, tuple[weakref.ref, str]] = {}
         self.reason: str | None = None  # the first thing not proven
         self.backward = False  # a backward from a mean that ddpkit accounts for was seen
@@ -137,7 +141,11 @@ class StepWatch(Watch):
         batch whose tensors cannot be found (a container of a kind not read here) proves nothing. ``frame``: where the
         batch is handed out, whose script frames' containers are looked into at the step's end (``kept_rows``)."""
         handed_out = containers_in(batch)  # (the batch itself, whatever holds it already, is no keeper)
-        self.keepers = {key: kept for key, kept in keepers_in(frame).items() if key not in handed_out}
+        streams = random_stream_kinds()
+        held = bound_in(frame, (*KEEPERS, *streams))
+        self.keepers = {key: kept for key, kept in held.items()
+                        if isinstance(kept[1], KEEPERS) and key not in handed_out}
+        self.streams = random_streams([kept for kept in held.values() if isinstance(kept[1], streams)])
         tensors = [tensor for tensor in tensors_in(batch) if tensor.dim() > 0]
         sizes = [tensor.size(0) for tensor in tensors]
         if sizes:
@@ -149,9 +157,22 @@ class StepWatch(Watch):
             self.unproven(f"its batch holds no tensor that could be followed (a {type(batch).__name__})")
         self.resume()
 
+    def resume(self) -> None:
+        if not self.on:  # (what a model's call draws is the model's: the script's code draws from here)
+            self.states = [_comparable(read()) for _, read in self.streams]
+        super().resume()
+
     def pause(self) -> bool:
         """Out of torch's function modes while a model runs (its code is not the script's loop; a compiled model sees
-        no mode of ours). False where another mode was pushed above ours: the step is then not proven."""
+        no mode of ours). False where another mode was pushed above ours: the step is then not proven. Where a random
+        stream other than torch's moved since the script's code resumed, the script drew from it (a Beta draw for
+        mixup from NumPy, a flip decided by ``random.random()``): on split batches each process would draw from a
+        stream of its own, so the step is not proven."""
+        if self.on and self.reason is None:
+            for (name, read), state in zip(self.streams, self.states):
+                if _comparable(read()) != state:
+                    self.unproven(f"it draws at random outside the model ({name})")
+                    break
         if super().pause():
             return True
         self.unproven("another torch function mode was entered during the step")
@@ -185,6 +206,7 @@ class StepWatch(Watch):
                 self.unproven(f"it keeps the batch's rows beyond the step, in {kept}")
         self.keepers.clear()
         self.kinds.clear()
+        self.streams, self.states = [], []
         return self.reason
 
     def kept_rows(self) -> str | None:
@@ -298,6 +320,12 @@ class StepWatch(Watch):
                 return self.rows_of(result, name)
             if name == "sum":
                 raise Unproven("it sums over the batch")
+        if name in ("flip", "roll"):  # (along the dimensions given; roll with none rolls the flattened tensor)
+            dims = kwargs.get("dims", args[1:] if name == "flip" else args[2] if len(args) > 2 else None)
+            dims = [dim for part in (dims if isinstance(dims, (tuple, list)) else [dims])
+                    for dim in (part if isinstance(part, (tuple, list)) else [part])]
+            if dims and None not in dims and 0 not in _dims(dims, args[0].dim()):
+                return self.rows_of(result, name)
         if name == "__getitem__" and _keeps_rows(args[1]):
             return self.rows_of(result, name)
         if name in ("transpose", "swapaxes", "swapdims") and 0 not in _dims(
@@ -339,27 +367,61 @@ KEEPER_ITEMS_READ = 4  # of each, the items a step could have added last
 KEPT_ATTRIBUTES_READ = 256  # an object bound in the script with more attributes is not looked into
 
 
-def keepers_in(frame: types.FrameType | None) -> dict[int, tuple[str, object]]:
-    """The lists, dicts and deques that the script's frames hold, from ``frame`` outwards past torch's, ddpkit's and
+def bound_in(frame: types.FrameType | None, kinds: tuple[type, ...]) -> dict[int, tuple[str, object]]:
+    """The objects of ``kinds`` that the script's frames hold, from ``frame`` outwards past torch's, ddpkit's and
     Python's standard library's code: bound to a name there, or to an attribute of an object bound there (a trainer's
     ``self.outputs``), by id, with that name. Read from ``f_locals`` (a module's frame: its globals), never written."""
     found: dict[int, tuple[str, object]] = {}
     while frame is not None:
         if package(frame) not in sys.stdlib_module_names and package(frame) not in ("torch", "ddpkit"):
             for name, value in list(frame.f_locals.items()):
-                if isinstance(value, KEEPERS):
+                if isinstance(value, kinds):
                     found.setdefault(id(value), (name, value))
                     continue
-                if isinstance(value, (types.ModuleType, type, types.FunctionType, torch.Tensor)):
+                if isinstance(value, (types.ModuleType, type, types.FunctionType, torch.Tensor, *KEEPERS)):
                     continue
                 attributes = _attributes(value)
                 if len(attributes) > KEPT_ATTRIBUTES_READ:
                     continue
                 for attribute, held in list(attributes.items()):
-                    if isinstance(held, KEEPERS):
+                    if isinstance(held, kinds):
                         found.setdefault(id(held), (f"{name}.{attribute}", held))
         frame = frame.f_back
     return found
+
+
+def random_stream_kinds() -> tuple[type, ...]:
+    """The kinds of random stream objects that a script may hold and draw from without a torch function: Python's
+    ``random.Random``, and NumPy's ``Generator`` and ``RandomState`` where NumPy is imported."""
+    numpy = sys.modules.get("numpy")
+    return (random.Random,) if numpy is None else (random.Random, numpy.random.Generator, numpy.random.RandomState)
+
+
+def random_streams(held: list[tuple[str, object]]) -> list[tuple[str, Callable[[], object]]]:
+    """The random streams other than torch's that the script's code can draw from, each with a way to read its state:
+    Python's ``random`` and NumPy's global ones (where NumPy is imported), and those ``held`` by the script's frames
+    (``bound_in``, with their names). torch's draws are calls that the watch sees (``DRAWS``); these are not."""
+    streams: list[tuple[str, Callable[[], object]]] = [("Python's random", random.getstate)]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        streams.append(("NumPy's random", numpy.random.get_state))
+    for name, stream in held:
+        if isinstance(stream, random.SystemRandom):  # (the system's entropy: no state, and one device's is not
+            continue  # repeatable either)
+        read = stream.getstate if isinstance(stream, random.Random) else stream.get_state \
+            if isinstance(stream, numpy.random.RandomState) else (lambda stream=stream: stream.bit_generator.state)
+        streams.append((f"{name}, a {type(stream).__name__}", read))
+    return streams
+
+
+def _comparable(state):
+    """A random stream's state as a value that ``==`` compares (NumPy's hold arrays)."""
+    if isinstance(state, Mapping):
+        return tuple((key, _comparable(value)) for key, value in sorted(state.items()))
+    if isinstance(state, (list, tuple)):
+        return tuple(_comparable(value) for value in state)
+    tobytes = getattr(state, "tobytes", None)
+    return tobytes() if callable(tobytes) else state
 
 
 def containers_in(value, depth: int = 0) -> set[int]:
