@@ -465,6 +465,37 @@ def test_averaged_copies_of_a_sharded_model_are_sharded_alike_and_update_as_on_o
     assert all(type(value) is torch.Tensor for weights in two["weights"].values() for value in weights.values())
 
 
+PAIRED = """
+import copy, json, sys
+import torch, torch.distributed as dist, torch.nn as nn
+from ddpkit.strategies.sharded_in_place import in_rank_zeros_order
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+copies = [copy.deepcopy(model).double(), copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model).double()]
+with torch.no_grad():
+    copies[2][0].weight.add_(1.0)
+    copies[3][1].bias.add_(1.0)
+mine = copies if dist.get_rank() == 0 else [copies[i] for i in (2, 3, 1, 0)]
+print(json.dumps([copies.index(found) for found in in_rank_zeros_order(mine)]))
+dist.destroy_process_group()
+"""
+
+
+def test_copies_of_a_model_are_paired_with_rank_0s_by_their_values_whatever_order_python_tracks_them_in(tmp_path):
+    """``in_rank_zeros_order``: the copies found among the objects Python tracks came in another order on each rank
+    where collections had run at other times (tests/unchanged_ema_script.py on the suite's warm ranks: an EMA in float32
+    before the one in float64 on one rank, after it on the other, and their broadcasts did not pair). Here rank 1 finds
+    them in another order than rank 0: two in float64 and two in float32, one of each with values of its own."""
+    script = tmp_path / "paired.py"
+    script.write_text(PAIRED)
+    done = run_ddpkit("run", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), str(script), timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in (0, 1):
+        assert (tmp_path / "logs" / f"rank{rank}.log").read_text().strip().endswith("[0, 1, 2, 3]")
+
+
 def test_a_move_to_a_gpu_by_the_script_shards_a_model_on_the_way_where_shard_says_so(monkeypatch, caplog):
     """``model.to(device)`` / ``model.cuda()`` from the script's code, outside a forward: ``Adoption.move`` decides
     (``always``; ``auto`` where a replica with its parameters arriving would not fit), and the model is sharded there

@@ -161,10 +161,45 @@ def copies_of(model: nn.Module, *, not_these=()) -> dict[nn.Parameter, nn.Parame
              and not any(id(tensor) in own for tensor in [*found.parameters(), *found.buffers()])]
     if (refused := averaged_with_buffers(objects, twins)) is not None:
         raise UsageError(refused, said_elsewhere=dist.get_rank() != 0)
-    for twin in twins:
+    for twin in in_rank_zeros_order(twins):
         moved.update(shard_in_place(twin, reshard_after_forward=True, weight=source.weight, whole=source.whole))
         _copies.add(twin)
     return moved
+
+
+def in_rank_zeros_order(copies: list[nn.Module]) -> list[nn.Module]:
+    """``copies`` (of one model, found among the objects Python tracks) in the order of their counterparts on rank 0,
+    so that each is sharded (its values broadcast from rank 0's) with its own counterpart. The order Python tracks
+    them in is not the same on every rank: where collections ran at other times, an EMA kept in float32 came before
+    the one in float64 on one rank and after it on another, and their broadcasts did not pair ("Received data size
+    doesn't match expected size"; tests/test_unchanged_sharded.py). Each copy is told by its values, the same on every
+    rank at this point (copies made on every rank alike): rank 0's marks are broadcast, and each rank takes for each
+    the copy of its own nearest to it, among those of its dtype. Copies equal in every value are interchangeable."""
+    if len(copies) < 2 or dist.get_world_size() == 1:
+        return copies
+    device = next(copies[0].parameters()).device
+    marks = torch.stack([_mark(copy_) for copy_ in copies]).to(device)
+    theirs = marks.clone()
+    dist.broadcast(theirs, src=0)
+    left, ordered = list(range(len(copies))), []
+    for mark in theirs:
+        nearest = min((index for index in left if marks[index, 0] == mark[0]),
+                      key=lambda index: float((marks[index, 1:] - mark[1:]).abs().sum()), default=None)
+        if nearest is None:  # (no copy of that dtype here: the copies found differ across ranks)
+            raise RuntimeError("--unchanged --shard: the copies of a model found on this rank differ from rank 0's")
+        left.remove(nearest)
+        ordered.append(copies[nearest])
+    return ordered
+
+
+def _mark(module: nn.Module) -> torch.Tensor:
+    """Five numbers of ``module``'s values, in float64 on the CPU: its dtype's size, how many values it holds, and
+    their sum, absolute sum and a sum weighed by their places."""
+    tensors = [tensor.detach() for tensor in [*module.parameters(), *module.buffers()]]
+    values = torch.cat([tensor.reshape(-1).to("cpu", torch.float64) for tensor in tensors])
+    places = torch.arange(1, values.numel() + 1, dtype=torch.float64) % 997
+    return torch.stack([torch.tensor(float(tensors[0].element_size())), torch.tensor(float(values.numel())),
+                        values.sum(), values.abs().sum(), (values * places).sum()])
 
 
 def averaged_with_buffers(objects, copies: list[nn.Module]) -> str | None:
