@@ -18,16 +18,12 @@ at most 1.15).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import re
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from unchanged_passes import alternated  # noqa: E402
+from unchanged_passes import options, reported, trained_ratios  # noqa: E402
 
 COMMON = """
 import sys, time
@@ -93,11 +89,7 @@ dist.destroy_process_group()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--json", default=None, metavar="FILE")
-    args = parser.parse_args()
+    args = options(__doc__, steps=30)
     launch = [sys.executable, "-m", "ddpkit", "run"]
     with tempfile.TemporaryDirectory() as folder:
         one, ddp = Path(folder) / "one.py", Path(folder) / "ddp.py"
@@ -107,16 +99,10 @@ def main() -> None:
         sides = {"1 process": [*launch, "--unchanged", "--seed", "0", "--nproc-per-node", "1", str(one), steps],
                  "unchanged, 2": [*launch, "--unchanged", "--seed", "0", "--nproc-per-node", "2", str(one), steps],
                  "DDP, 2": [*launch, "--nproc-per-node", "2", str(ddp), steps]}
-        found = alternated(sides, args.rounds, folder,
-                           lambda wall, out: float(re.findall(r"trained in (\S+) s", out)[-1]))
-    best = {name: min(times) for name, times in found.items()}
-    result = {"command": " ".join(sys.argv), "cores": os.cpu_count(), "trained_s": found,
-              "unchanged / 1 process": best["unchanged, 2"] / best["1 process"],
-              "DDP / 1 process": best["DDP, 2"] / best["1 process"],
-              "unchanged / DDP": best["unchanged, 2"] / best["DDP, 2"]}
-    print(json.dumps(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        result = trained_ratios(sides, args.rounds, folder, {"unchanged / 1 process": ("unchanged, 2", "1 process"),
+                                                             "DDP / 1 process": ("DDP, 2", "1 process"),
+                                                             "unchanged / DDP": ("unchanged, 2", "DDP, 2")})
+    reported(result, args.json)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,31 @@ def alternated(sides: dict, rounds: int, folder: str, read) -> dict:
     return found
 
 
+def trained_ratios(sides: dict, rounds: int, folder: str, ratios: dict[str, tuple[str, str]]) -> dict:
+    """Each side's loop clock (its last line "trained in S s"), ``alternated``; the report with each of ``ratios``
+    (a label: the two sides whose best times it divides)."""
+    found = alternated(sides, rounds, folder, lambda wall, out: float(re.findall(r"trained in (\S+) s", out)[-1]))
+    best = {name: min(times) for name, times in found.items()}
+    return {"command": " ".join(sys.argv), "cores": os.cpu_count(), "trained_s": found,
+            **{label: best[above] / best[below] for label, (above, below) in ratios.items()}}
+
+
+def options(doc: str, steps: int) -> argparse.Namespace:
+    """The command line of a benchmark that runs its sides ``--rounds`` times, each ``--steps`` steps."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--json", default=None, metavar="FILE")
+    return parser.parse_args()
+
+
+def reported(result: dict, json_file: str | None) -> None:
+    """``result`` printed as one line of JSON, and written to ``json_file`` where one is given."""
+    print(json.dumps(result))
+    if json_file:
+        Path(json_file).write_text(json.dumps(result, indent=1))
+
+
 def epochs(rounds: int, folder: str) -> dict:
     common = ["--norm", "none", "--image-size", "32", "--samples", str(32 * 20), "--workers", "2", "--warmup", "0",
               "--steps", "100"]

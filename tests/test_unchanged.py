@@ -521,6 +521,16 @@ def test_the_step_rule_proves_a_mean_over_rows_and_nothing_that_reads_or_couples
     def scaled(batch, watch):
         (F.cross_entropy(through_model(batch["x"], watch), batch["y"]) * float(rng.uniform(0.5, 1))).backward()
 
+    def tokens(batch, watch):  # (a token's logits a row: blocks of the batch's rows, under a counted mean)
+        logits = through_model(batch["x"], watch)
+        F.cross_entropy(logits.view(-1, logits.size(-1)), batch["y"].flatten(), ignore_index=0).backward()
+
+    def cut_by_size(batch, watch):  # (a shape with the batch's size in it would cut a share's rows otherwise)
+        F.cross_entropy(through_model(batch["x"], watch).view(6, -1, 3).flatten(0, 1), batch["y"].view(-1)).backward()
+
+    tokened = {"x": torch.randn(6, 5, 4), "y": torch.randint(0, 3, (6, 5))}
+    assert watched(tokened, tokens) is None
+    assert watched(tokened, cut_by_size) == "it computes view over the batch's rows"
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
     assert watched({"x": x, "y": y}, mean) is None
     assert watched({"x": x, "y": y}, flipped) is None
@@ -993,7 +1003,7 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # called on each sample of a list, less the 2 batches that the hooked part skips, 2 of the straight part, 3 of the
     # regressor, 2 of the collected part, and the 17 lines of the models over batches cut by hand: 10 steps, 2 of the
     # reader's 5, 5)
-    lines = (1 + (17 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
+    lines = (1 + (18 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
                   + ("scripted" in weights_one) + ("renormed" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one) + 2 + 2 - 2 + 2
              + 3 + 2 + 17)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two

@@ -8,6 +8,9 @@
   encoder's calls go into ``rows``' ``views``;
 - **summed**: ``F.mse_loss(..., reduction="sum")`` plus a summed BCE, with SGD;
 - **masked**: a tagger over padded sequences, its mean written by hand (``(loss * mask).sum() / mask.sum()``);
+- **tokens**: the same tagger, its loss over every token not padded as a language model's loop writes it
+  (``logits.view(-1, classes)`` against ``tags.view(-1)`` with ``ignore_index``: split, a counted mean over blocks of
+  the batch's rows);
 - **denoise**: a denoiser whose loop draws each batch's noise and noise levels (``torch.randn_like``, ``torch.rand``);
 - **numbers**: the classic fine-tuning loop, printing its epoch's loss from ``loss.item() * inputs.size(0)`` and its
   accuracy from ``(preds == labels).sum()``;
@@ -67,7 +70,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 # (byhand after cycled, whose loader's last pass was split: a gathered loader's last pass is held open until another
 # begins, in case a wrapper fetched its last batch ahead, and a batch cut by hand meanwhile would be taken for its own.)
-out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "denoise", "numbers", "buffers",
+out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "tokens", "denoise", "numbers", "buffers",
                                             "keywords", "auxiliary", "later", "drawn", "inside", "returned", "loading",
                                             "augmented", "across", "cycled", "byhand", "single", "listed", "hooked",
                                             "straight", "regressor", "collected"] + (
@@ -162,6 +165,20 @@ def masked():
             loss = F.cross_entropy(logits.transpose(1, 2), target, reduction="none")
             loss = (loss * kept).sum() / kept.sum()
             step(optimizer, loss, f"masked {epoch}")
+    return model.state_dict()
+
+
+def tokens():
+    lengths = torch.randint(1, 7, (29,))
+    padded = torch.arange(6)[None, :] >= lengths[:, None]
+    words, tags = torch.randint(1, 11, (29, 6)).masked_fill(padded, 0), torch.randint(0, 5, (29, 6))
+    model = Tagger()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for epoch in range(2):
+        for batch, target in loader(words, tags.masked_fill(padded, -100)):
+            logits = model(batch)
+            step(optimizer, F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1), ignore_index=-100),
+                 f"tokens {epoch}")
     return model.state_dict()
 
 

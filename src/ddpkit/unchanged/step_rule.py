@@ -15,7 +15,8 @@ batch and from the models' outputs, outside the models, is
 
 - **row-wise**: elementwise arithmetic and functions of rows against constants (a Python number, a tensor of the
   script's own with no row dimension), conversions and moves, indexing and reductions along other dimensions than the
-  rows', ``cat``/``stack`` along another dimension;
+  rows', ``cat``/``stack`` along another dimension; and the rows merged with the dimensions after them into blocks of
+  rows (``logits.view(-1, classes)``: each row of the result in one of the batch's, on any share);
 - **a mean that ddpkit accounts for** on the split way: a loss of ``torch.nn.functional`` with ``reduction="mean"``
   (``counted``: its value is then the whole batch's), or a plain ``.mean()`` over everything (its gradient is weighed
   by the share; its value is the share's, so the script must not read it), then sums and constant multiples of such;
@@ -51,6 +52,7 @@ from torch.utils import _pytree as pytree
 from ddpkit.unchanged.callers import package
 
 ROWS, LOSS, MEAN = "rows", "loss", "mean"  # kinds of tracked tensors: a batch's rows, a mean valued whole, a share's
+BLOCKS = "rows*"  # and blocks of rows: "rows*K", K rows for each of the batch's, in order (a token's logits a row)
 # Functions of one tensor's elements (and Tensor methods of the same names, in place or not).
 ELEMENTWISE = frozenset("""abs absolute acos arccos acosh asin asinh atan atanh ceil clamp clamp_min clamp_max clip
 cos cosh deg2rad digamma erf erfc erfinv exp exp2 expm1 fix floor frac lgamma log log10 log1p log2 logit nan_to_num
@@ -219,7 +221,7 @@ class StepWatch(Watch):
         for name, keeper in self.keepers.values():
             items = reversed(keeper.values()) if isinstance(keeper, dict) else reversed(keeper)
             for _, item in zip(range(KEEPER_ITEMS_READ), items):
-                if any(self.kind(tensor) == ROWS for tensor in tensors_in(item)):
+                if any(_factor(self.kind(tensor)) for tensor in tensors_in(item)):
                     return f"{name}, a {type(keeper).__name__}"
         return None
 
@@ -283,13 +285,17 @@ class StepWatch(Watch):
                 self.backward = True
                 return None
             raise Unproven("its backward starts from something other than a mean over the batch")
-        if ROWS in tracked:
+        if any(_factor(kind) for kind in tracked):
             if LOSS in tracked or MEAN in tracked:
                 raise Unproven(f"it combines the batch's rows with a mean ({name})")
             return self.of_rows(name, args, kwargs, leaves, kinds, result)
         return self.of_means(name, tracked, leaves, kinds)
 
     def of_rows(self, name, args, kwargs, leaves, kinds, result) -> str:
+        factors = {_factor(kind) for kind in kinds} - {None}
+        if len(factors) > 1:
+            raise Unproven(f"it computes {name} of the batch's rows with blocks of its rows")
+        factor = factors.pop()
         if name in LOSSES:
             reduction = kwargs.get("reduction", "mean")
             if kwargs.get("size_average") is not None or kwargs.get("reduce") is not None:
@@ -297,50 +303,59 @@ class StepWatch(Watch):
             if reduction == "mean":
                 return LOSS
             if reduction == "none":
-                return self.rows_of(result, name)
+                return self.rows_of(result, name, factor)
             raise Unproven(f"{name} with reduction={reduction!r} (a sum over the batch)")
         if name == "mean" and _dim(args, kwargs, 1) is None:
             return MEAN
         # Other tensors used with rows: constants that do not reach across rows (no dimension of their own matched
         # to the rows', or one of size 1).
-        rows_rank = max(leaf.dim() for leaf, kind in zip(leaves, kinds) if kind == ROWS)
+        rows_rank = max(leaf.dim() for leaf, kind in zip(leaves, kinds) if _factor(kind))
         for leaf, kind in zip(leaves, kinds):
             if kind is None and leaf.dim() == rows_rank and leaf.size(0) != 1:
                 raise Unproven(f"{name} of the batch's rows with a tensor of as many dimensions")
         in_place = name[:-1] if name.endswith("_") and not name.startswith("_") else name
         if in_place in ELEMENTWISE or in_place in BINARY:
-            return self.rows_of(result, name)
+            return self.rows_of(result, name, factor)
         if name in ALONG:
             dim = _dim(args, kwargs, ALONG[name])
             if dim is None and name == "squeeze" and (self.fewest_rows is None or self.fewest_rows < 2):
                 raise Unproven("it squeezes every dimension of size 1 (squeeze), the rows' too on a share of one row")
             if dim is None and name in ("normalize", "squeeze"):
-                return self.rows_of(result, name)  # (normalize: along dimension 1; squeeze: rows_of checks)
+                return self.rows_of(result, name, factor)  # (normalize: along dimension 1; squeeze: rows_of checks)
             if dim is not None and 0 not in _dims(dim if isinstance(dim, (tuple, list)) else [dim], _rank(args)):
-                return self.rows_of(result, name)
+                return self.rows_of(result, name, factor)
             if name == "sum":
                 raise Unproven("it sums over the batch")
+        if name in ("flatten", "ravel", "view", "reshape") and _merges_rows(name, args, kwargs):
+            # The rows merged with the dimensions after them, in order (``logits.view(-1, vocabulary)``,
+            # ``labels.view(-1)``): each row of the result lies in one row of the batch where their number is a
+            # multiple of the batch's, as on any share (a row's elements are as many on every share).
+            size = result.size(0) if isinstance(result, torch.Tensor) and result.dim() > 0 else 0
+            if size and size % self.rows == 0:
+                return self.rows_of(result, name, size // self.rows)
         if name in ("flip", "roll"):  # (along the dimensions given; roll with none rolls the flattened tensor)
             dims = kwargs.get("dims", args[1:] if name == "flip" else args[2] if len(args) > 2 else None)
             dims = [dim for part in (dims if isinstance(dims, (tuple, list)) else [dims])
                     for dim in (part if isinstance(part, (tuple, list)) else [part])]
             if dims and None not in dims and 0 not in _dims(dims, args[0].dim()):
-                return self.rows_of(result, name)
+                return self.rows_of(result, name, factor)
         if name == "__getitem__" and _keeps_rows(args[1]):
-            return self.rows_of(result, name)
+            return self.rows_of(result, name, factor)
         if name in ("transpose", "swapaxes", "swapdims") and 0 not in _dims(
                 [*args[1:3], *(kwargs.get(key) for key in ("dim0", "dim1", "axis0", "axis1"))], args[0].dim()):
-            return self.rows_of(result, name)
+            return self.rows_of(result, name, factor)
         if name in ("size", "shape", "__len__", "numel", "nelement") or name in READS_OF_A_MEAN:
             if name == "size" and len(args) > 1 and args[1] not in (0, -args[0].dim()):
                 return None  # the size of another dimension than the rows'
             raise Unproven(f"it reads the batch's {'size' if name != 'item' else 'values'} ({name})")
         raise Unproven(f"it computes {name} over the batch's rows")
 
-    def rows_of(self, result, name: str) -> str:
+    def rows_of(self, result, name: str, factor: int = 1) -> str:
+        """The kind of ``result``, of ``factor`` rows for each of the batch's (ROWS, or BLOCKS), where its tensors have
+        them; else not proven."""
         tensors = [leaf for leaf in pytree.tree_leaves(result) if isinstance(leaf, torch.Tensor)]
-        if tensors and all(tensor.dim() > 0 and tensor.size(0) == self.rows for tensor in tensors):
-            return ROWS
+        if tensors and all(tensor.dim() > 0 and tensor.size(0) == self.rows * factor for tensor in tensors):
+            return ROWS if factor == 1 else f"{BLOCKS}{factor}"
         raise Unproven(f"{name} leaves the batch's rows")
 
     def of_means(self, name, tracked, leaves, kinds) -> str | None:
@@ -480,6 +495,28 @@ def _dim(args: tuple, kwargs: dict, position: int):
 
 def _dims(values, rank: int) -> set[int]:
     return {value % rank for value in values if isinstance(value, int)} if rank else set()
+
+
+def _factor(kind: str | None) -> int | None:
+    """The rows that a tensor of ``kind`` holds for each of the batch's: 1 for ROWS, K for BLOCKS; None for others."""
+    if kind == ROWS:
+        return 1
+    return int(kind[len(BLOCKS):]) if kind is not None and kind.startswith(BLOCKS) else None
+
+
+def _merges_rows(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a ``flatten``, ``ravel``, ``view`` or ``reshape`` call merges the rows with the dimensions after them
+    (from dimension 0: ``flatten()``, ``flatten(0, k)``) or asks for a first dimension of whatever size the rest leaves
+    (``view(-1, ...)``, the other sizes given as numbers): on any share its result is the share's part of the batch's
+    result. A shape with the batch's size in it (``view(4, -1)``) would cut a share's rows otherwise."""
+    if name in ("flatten", "ravel"):
+        start = kwargs.get("start_dim", args[1] if len(args) > 1 else 0)
+        return isinstance(start, int) and start % max(args[0].dim(), 1) == 0
+    shape = kwargs.get("shape", kwargs.get("size"))
+    if shape is None:
+        shape = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+    return bool(shape) and shape[0] == -1 and all(isinstance(size, int) and not isinstance(size, bool)
+                                                  for size in shape)
 
 
 def _keeps_rows(index) -> bool:
