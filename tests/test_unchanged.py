@@ -380,7 +380,7 @@ def test_a_loader_reads_its_shares_only_where_its_workers_draw_their_own_and_it_
     from torch.nn.utils.rnn import pad_sequence
     from torch.utils.data import DataLoader, TensorDataset
 
-    from ddpkit.unchanged.loading import collates_by_rows, gathered_rows, whole_here, whole_reading
+    from ddpkit.unchanged.loading import collates_by_rows, gathered_rows, rows_cut, whole_here, whole_reading
 
     class Drawn(TensorDataset):
         def __getitem__(self, index):
@@ -400,7 +400,15 @@ def test_a_loader_reads_its_shares_only_where_its_workers_draw_their_own_and_it_
     sequences = [torch.ones(length) for length in (2, 5, 3)]
     padded = DataLoader(sequences, batch_size=3, collate_fn=lambda rows: pad_sequence(rows, batch_first=True))
     assert "(padding?)" in collates_by_rows(padded, [0, 1, 2])
-    assert "more than tensors" in collates_by_rows(DataLoader(["a", "b"], batch_size=2), [0, 1])
+    assert "not rows" in collates_by_rows(DataLoader(["a", "b"], batch_size=2), [0, 1])  # (no tensor)
+    named = [(torch.ones(2) * index, f"{index}.jpg") for index in range(3)]  # (a path a sample: rows all the same)
+    assert collates_by_rows(DataLoader(named, batch_size=3), [2, 0, 1]) is None
+    # A share cut from a batch collated whole (a split loader's that pads: ``SplitBatchSampler.cut``).
+    whole = {"x": pad_sequence(sequences, batch_first=True), "ids": ["a", "b", "c"], "pair": (torch.arange(3),)}
+    cut = rows_cut(whole, 3, 1, 3)
+    assert cut["x"].shape == (2, 5) and cut["ids"] == ["b", "c"] and cut["pair"][0].tolist() == [1, 2]
+    assert rows_cut({**whole, "lengths": torch.tensor(3)}, 3, 0, 1) is None  # (not a row per sample)
+    assert rows_cut({**whole, "ids": ["a"]}, 3, 0, 1) is None and rows_cut(["a", "b", "c"], 3, 0, 1) is None
     assert "cannot be read" in collates_by_rows(DataLoader(data, batch_size=2), [9])
     # A batch read whole apart from this process: the same for the same seed (its draws too), nothing drawn here.
     first, again = (whole_here(DataLoader(data), [4, 1], seed=5) for _ in range(2))
@@ -1003,7 +1011,7 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # called on each sample of a list, less the 2 batches that the hooked part skips, 2 of the straight part, 3 of the
     # regressor, 2 of the collected part, and the 17 lines of the models over batches cut by hand: 10 steps, 2 of the
     # reader's 5, 5)
-    lines = (1 + (18 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
+    lines = (1 + (19 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
                   + ("scripted" in weights_one) + ("renormed" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one) + 2 + 2 - 2 + 2
              + 3 + 2 + 17)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two

@@ -8,6 +8,9 @@
   encoder's calls go into ``rows``' ``views``;
 - **summed**: ``F.mse_loss(..., reduction="sum")`` plus a summed BCE, with SGD;
 - **masked**: a tagger over padded sequences, its mean written by hand (``(loss * mask).sum() / mask.sum()``);
+- **padding**: a GRU classifier that reads its last step over sequences that the loader's collate function pads to
+  the batch's longest, its batches holding each sample's name too: a share padded to its own longest gave another last
+  step (a split loader whose collate function does not collate by rows reads each batch whole and keeps its rows);
 - **tokens**: the same tagger, its loss over every token not padded as a language model's loop writes it
   (``logits.view(-1, classes)`` against ``tags.view(-1)`` with ``ignore_index``: split, a counted mean over blocks of
   the batch's rows);
@@ -70,12 +73,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 # (byhand after cycled, whose loader's last pass was split: a gathered loader's last pass is held open until another
 # begins, in case a wrapper fetched its last batch ahead, and a batch cut by hand meanwhile would be taken for its own.)
-out, parts = sys.argv[1], sys.argv[2:] or ["contrastive", "summed", "masked", "tokens", "denoise", "numbers", "buffers",
-                                            "keywords", "auxiliary", "later", "drawn", "inside", "returned", "loading",
-                                            "augmented", "across", "cycled", "byhand", "single", "listed", "hooked",
-                                            "straight", "regressor", "collected"] + (
-    ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + ["penalty", "sparse", "taken", "scripted", "routed",
-                                                                            "detected", "renormed", "again"]
+out, parts = sys.argv[1], sys.argv[2:] or [
+    "contrastive", "summed", "masked", "tokens", "padding", "denoise", "numbers", "buffers", "keywords", "auxiliary",
+    "later", "drawn", "inside", "returned", "loading", "augmented", "across", "cycled", "byhand", "single", "listed",
+    "hooked", "straight", "regressor", "collected"] + (
+    ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + [
+    "penalty", "sparse", "taken", "scripted", "routed", "detected", "renormed", "again"]
 torch.set_default_dtype(torch.float64)
 torch.manual_seed(0)
 result = {}
@@ -165,6 +168,34 @@ def masked():
             loss = F.cross_entropy(logits.transpose(1, 2), target, reduction="none")
             loss = (loss * kept).sum() / kept.sum()
             step(optimizer, loss, f"masked {epoch}")
+    return model.state_dict()
+
+
+class LastStep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(11, 8, padding_idx=0)
+        self.rnn = nn.GRU(8, 8, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        return self.head(self.rnn(self.embedding(tokens))[0][:, -1])
+
+
+def padding():
+    lengths = torch.randint(1, 9, (29,))
+    texts = [(torch.randint(1, 11, (int(length),)), label, f"text {index}")
+             for index, (length, label) in enumerate(zip(lengths, torch.randint(0, 3, (29,))))]
+
+    def collate(rows):
+        return (torch.nn.utils.rnn.pad_sequence([row[0] for row in rows], batch_first=True),
+                torch.stack([row[1] for row in rows]), [row[2] for row in rows])
+
+    model = LastStep()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for epoch in range(2):
+        for tokens, labels, _ in DataLoader(texts, batch_size=6, shuffle=True, collate_fn=collate):
+            step(optimizer, F.cross_entropy(model(tokens), labels), f"padding {epoch}")
     return model.state_dict()
 
 

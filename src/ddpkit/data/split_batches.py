@@ -36,6 +36,8 @@ class Share:
     samples: int  # the whole batch's size, as one process reads it
     whole: bool = dataclasses.field(default=False, repr=False)  # not split: every rank reads the whole batch
     batch: tuple = dataclasses.field(default=(), repr=False)  # the whole batch's indices
+    # The whole batch read and collated, and this share's rows cut from it (``SplitBatchSampler.cut``).
+    cut: bool = dataclasses.field(default=False, repr=False)
 
 
 def share_of(batch: Sequence, rank: int, world_size: int) -> Share:
@@ -167,7 +169,9 @@ class SplitBatchSampler:
     """The batches of ``batches`` (a loader's batch sampler), each cut to this rank's share; while ``whole`` is set
     (it is read at each batch), the whole batches instead (an evaluation, which every rank computes in full). Each
     share yielded is also queued in ``shares``, for whoever follows the batches the loader hands out (with workers,
-    the sampler runs ahead)."""
+    the sampler runs ahead). While ``cut`` is set (a loader whose collate function does not put its samples' rows
+    one after the other: padding to the batch's longest), the whole batch's indices are yielded for each share, which
+    whoever follows the batches cuts from the collated batch (``unchanged.loading.rows_cut``)."""
 
     def __init__(self, batches: Iterable, *, rank: int, world_size: int, stream: SharedStream):
         self.batches = batches
@@ -175,6 +179,7 @@ class SplitBatchSampler:
         self.world_size = world_size
         self.stream = stream
         self.whole = False
+        self.cut = False
         self.shares: collections.deque[Share] = collections.deque()
 
     def __len__(self) -> int:
@@ -192,5 +197,7 @@ class SplitBatchSampler:
             batch = batch.tolist() if isinstance(batch, torch.Tensor) else list(batch)
             share = Share(batch, 1.0, len(batch), whole=True, batch=tuple(batch)) if self.whole else \
                 share_of(batch, self.rank, self.world_size)
+            if self.cut and not share.whole:
+                share = dataclasses.replace(share, cut=True)
             self.shares.append(share)
-            yield share.indices
+            yield list(share.batch) if share.cut else share.indices

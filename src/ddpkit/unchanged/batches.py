@@ -145,6 +145,8 @@ class Pass:
     loader: DataLoader | None = None
     shares_gathered: bool = False  # the gathered way, each rank reading its share, the collated shares gathered
     workers_alike: bool = False  # its loader's persistent workers start again, their seeds the same on every rank
+    cuttable: bool = False  # its first batch (whole) holds only rows, one per sample (``loading.rows_cut``)
+    tensors_only: bool = False  # and only tensors (``loading.tensors_of_rows``: shares that can be put together)
     own_workers: bool = False  # its loader's workers draw their seeds from this rank's own streams (its last pass
     # trained on shares: so will this one, once its first step shows it)
 
@@ -171,6 +173,8 @@ class Loaders:
         self._gathered: weakref.WeakKeyDictionary[SplitBatchSampler, bool] = weakref.WeakKeyDictionary()
         # Whether such a loader's ranks each read their share and gather the collated shares (True), or read whole.
         self._shares_gathered: weakref.WeakKeyDictionary[SplitBatchSampler, bool] = weakref.WeakKeyDictionary()
+        # Why each loader does not collate by rows (None where it does), read once (``loading.collates_by_rows``).
+        self._collation: weakref.WeakKeyDictionary[SplitBatchSampler, str | None] = weakref.WeakKeyDictionary()
         self._whole_batches = itertools.count()  # batches read whole here, where the shares could not be put together
         self.watching: StepWatch | None = None  # the step being watched, if any (``unchanged.models`` sets it aside)
         self._taken: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # loaders whose batch sampler is wrapped
@@ -239,6 +243,8 @@ class Loaders:
                 this.share = None if this.sampler is None else this.sampler.shares.popleft()
                 if this.shares_gathered and not this.share.whole:
                     batch = self._put_together(this, batch)
+                elif this.share is not None and this.share.cut:
+                    batch = self._cut(this, batch)
                 this.trained, this.evaluated = False, False
                 this.handed_out += 1
                 self._make_current(this)
@@ -315,6 +321,21 @@ class Loaders:
         this.share = dataclasses.replace(share, indices=list(share.batch), weight=1.0, whole=True)
         return whole
 
+    def _cut(self, this: Pass, batch):
+        """This rank's rows of the whole batch, read and collated whole (``SplitBatchSampler.cut``); a stand-in share
+        (a batch smaller than the world) the batch's last row, as ``share_of`` reads it. A batch that holds anything
+        else than tensors of a row per sample (every rank reads the same) is handed out whole, as a pass's first is,
+        and cut at the models."""
+        samples = this.share.samples
+        sizes = share_sizes(samples, world_size=self.world_size)
+        start = sum(sizes[:self.rank])
+        cut = loading.rows_cut(batch, samples, *((start, start + sizes[self.rank]) if sizes[self.rank]
+                                                  else (samples - 1, samples)))
+        if cut is None:
+            this.share = dataclasses.replace(this.share, indices=list(this.share.batch), weight=1.0, whole=True)
+            return batch
+        return cut
+
     def _end(self, this: Pass) -> None:
         self.batch.loader_passes -= 1
         if this in self._passes:
@@ -357,6 +378,8 @@ class Loaders:
         evaluate (``step_rule``)."""
         if this.sampler is None or this.ahead or this.evaluating or this.watched or not self.watches():
             return
+        this.cuttable = loading.rows_cut(batch, this.share.samples, 0, 1) is not None
+        this.tensors_only = loading.tensors_of_rows(batch, this.share.samples) is not None
         this.watch = self.watching = StepWatch(fewest_share_rows(this.sampler.batches, self.world_size))
         this.watch.begin(batch, sys._getframe(1))
 
@@ -384,7 +407,31 @@ class Loaders:
             self._decide_loading(this)
         elif this.training and not this.ahead:
             this.sampler.whole = False  # split from the next batch drawn
+            self._decide_collation(this)
             self._own_streams(this)
+
+    def collation(self, this: Pass) -> str | None:
+        """Why ``this`` pass's loader does not collate by rows (None where it does), read once per loader."""
+        if this.sampler not in self._collation:
+            self._collation[this.sampler] = loading.collates_by_rows(this.loader, list(this.share.batch))
+        return self._collation[this.sampler]
+
+    def _decide_collation(self, this: Pass) -> None:
+        """How a loader just found to take the split way gives each rank its share, once per loader: collated on its
+        own where the loader collates by rows (its share of the collated batch is then the same), else read and
+        collated whole, and cut to this rank's rows, where its batch holds only tensors of a row per sample: a collate
+        function that pads to the batch's longest sample pads a share to the share's longest otherwise, and a model
+        that reads the padding (a mean over every position, an RNN's last step) computed another share than one
+        device's (``SplitBatchSampler.cut``). Every rank decides alike (one all-reduce)."""
+        if self.world_size == 1 or this.sampler in self._collation:
+            return
+        reason = self.collation(this)
+        cut = self.most_anywhere(int(reason is not None and this.cuttable)) > 0
+        this.sampler.cut = cut
+        if cut and self.rank == 0:
+            logger.info(f"--unchanged: each process reads and collates each of a loader's batches whole and keeps its "
+                        f"rows of it, so that its share is padded as one device's batch is ({reason}; "
+                        f"docs/unchanged.md, \"Split or gathered\")")
 
     def _decide_loading(self, this: Pass) -> None:
         """How a loader just found to take the gathered way reads its batches from its next pass (this one's workers
@@ -395,7 +442,9 @@ class Loaders:
         if self.world_size == 1:
             self._shares_gathered[this.sampler] = False  # (one process: its share is the batch)
             return
-        reason = loading.whole_reading(this.loader) or loading.collates_by_rows(this.loader, list(this.share.batch))
+        reason = loading.whole_reading(this.loader) or (
+            None if this.tensors_only else "its batches hold more than tensors of one row per sample") \
+            or self.collation(this)
         gathered = self.most_anywhere(int(reason is not None)) == 0
         self._shares_gathered[this.sampler] = gathered
         self._say_loading(gathered, reason or ("its workers read and collate each sample's rows alone" if gathered

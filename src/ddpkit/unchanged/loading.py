@@ -24,6 +24,7 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import zlib
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -130,7 +131,8 @@ def whole_reading(loader: DataLoader) -> str | None:
 
 def collates_by_rows(loader: DataLoader, indices: list) -> str | None:
     """Why ``loader`` does not collate by rows, or None where it does: its samples of ``indices``, read apart from this
-    process (``apart``), collated whole equal them collated one by one and put together."""
+    process (``apart``), collated whole hold at each row what each collated alone holds (``rows_cut``: tensors of a
+    row per sample, and lists of a plain value per sample, a path or an id)."""
     try:
         return apart(_collates_by_rows, loader, indices)
     except NotReadApart as error:  # (the decision: read whole by its workers)
@@ -147,17 +149,63 @@ def _collates_by_rows(loader: DataLoader, indices: list) -> str | None:
         return f"its samples cannot be read and collated in the main process ({type(error).__name__}: {error})"
     finally:
         set_global_random_states(saved)
-    described = tensors_of_rows(whole, len(read))
-    if described is None:
-        return "its batches hold more than tensors of one row per sample"
-    leaves, spec = described
+    if rows_cut(whole, len(read), 0, len(read)) is None:
+        return "its batches are not rows of one per sample (tensors, and lists of a plain value each)"
     for row, one in enumerate(ones):
-        alone = tensors_of_rows(one, 1)
-        if alone is None or alone[1] != spec or not all(
-                part.dtype == leaf.dtype and torch.equal(part, leaf[row:row + 1])
-                for part, leaf in zip(alone[0], leaves)):
+        if not _equal(rows_cut(whole, len(read), row, row + 1), one):
             return "its collate function does not put its samples' rows one after the other (padding?)"
     return None
+
+
+def _equal(one, other) -> bool:
+    """Whether two collated batches hold the same: tensors of one dtype and shape with the same values, and the rest
+    equal, in the same structure."""
+    if isinstance(one, torch.Tensor) or isinstance(other, torch.Tensor):
+        return isinstance(one, torch.Tensor) and isinstance(other, torch.Tensor) and one.dtype == other.dtype \
+            and one.shape == other.shape and torch.equal(one, other)
+    if isinstance(one, Mapping) and isinstance(other, Mapping):
+        return list(one) == list(other) and all(_equal(one[key], other[key]) for key in one)
+    if isinstance(one, (list, tuple)) and isinstance(other, (list, tuple)):
+        return type(one) is type(other) and len(one) == len(other) and all(map(_equal, one, other))
+    return type(one) is type(other) and one == other
+
+
+def rows_cut(batch, rows: int, start: int, stop: int):
+    """``batch`` (collated whole, of ``rows`` rows) cut to its rows ``start:stop``: each tensor of ``rows`` rows, and
+    each list or tuple of ``rows`` plain values (a sample's id, its text), inside dicts, lists and tuples; a share with
+    the whole batch's padding, as one device collates it. None where the batch holds anything else (a tensor of
+    another first dimension, an object of a kind not read here), or no tensor of rows."""
+    found = []
+    try:
+        cut = _rows_cut(batch, rows, slice(start, stop), found)
+    except _NotRows:
+        return None
+    return cut if found else None
+
+
+class _NotRows(Exception):
+    """A part of a batch that is not a row per sample."""
+
+
+PLAIN = (str, bytes, int, float, bool, type(None))
+
+
+def _rows_cut(value, rows: int, rows_kept: slice, found: list):
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.size(0) != rows:
+            raise _NotRows
+        found.append(value)
+        return value[rows_kept]
+    if isinstance(value, Mapping):
+        return type(value)({key: _rows_cut(item, rows, rows_kept, found) for key, item in value.items()})
+    if isinstance(value, (list, tuple)):
+        if value and all(isinstance(item, PLAIN) for item in value):
+            if len(value) != rows:
+                raise _NotRows
+            return value[rows_kept]
+        items = [_rows_cut(item, rows, rows_kept, found) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    raise _NotRows
 
 
 def _mark(described) -> int:
