@@ -8,6 +8,7 @@ import io
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,6 +113,7 @@ def _run_files(run: str | None = None) -> Path | None:
     return None if run is None else Path(tempfile.gettempdir()) / f"ddpkit-tests-{run}"
 
 
+RUN_TMPDIR = "DDPKIT_TESTS_TMPDIR"  # the folder that a pytest run's temporary files go in (``pytest_configure``)
 Made = TypeVar("Made")
 _made_here: dict[str, object] = {}
 
@@ -141,8 +143,16 @@ def once_per_run(name: str, make: Callable[[], Made]) -> Made:
 
 
 def pytest_configure(config):
-    """The controller of an xdist run names the run (xdist's own ``--testrunuid``, which it hands to its workers as
-    ``PYTEST_XDIST_TESTRUNUID``), so that it knows the files they share."""
+    """The controller of a run gives it a temporary folder of its own (``TMPDIR``, which its workers, the warm rank
+    server and every process they start inherit), removed at its end: what the runs it starts leave there on purpose
+    (the logs ddpkit keeps of a run that failed, a rank's private folder under an outer launcher) or when a test kills
+    them (a launcher's pipes, multiprocessing's folders) goes with it. The controller of an xdist run names the run
+    (xdist's own ``--testrunuid``, which it hands to its workers as ``PYTEST_XDIST_TESTRUNUID``), so that it knows the
+    files they share."""
+    if not hasattr(config, "workerinput") and RUN_TMPDIR not in os.environ:
+        os.environ[RUN_TMPDIR] = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="ddpkit-tests-")
+        tempfile.tempdir = None  # (this process's too, from here on)
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(RUN_TMPDIR)))
     if not hasattr(config, "workerinput") and getattr(config.option, "testrunuid", "") is None:
         config.option.testrunuid = uuid.uuid4().hex
         if getattr(config.option, "numprocesses", None) and not config.option.collectonly:
