@@ -409,6 +409,12 @@ def test_a_loader_reads_its_shares_only_where_its_workers_draw_their_own_and_it_
     assert cut["x"].shape == (2, 5) and cut["ids"] == ["b", "c"] and cut["pair"][0].tolist() == [1, 2]
     assert rows_cut({**whole, "lengths": torch.tensor(3)}, 3, 0, 1) is None  # (not a row per sample)
     assert rows_cut({**whole, "ids": ["a"]}, 3, 0, 1) is None and rows_cut(["a", "b", "c"], 3, 0, 1) is None
+
+    class Fields(dict):  # (a mapping whose constructor takes its fields one by one)
+        def __init__(self, *, x):
+            super().__init__(x=x)
+
+    assert rows_cut(Fields(x=whole["x"]), 3, 0, 1) is None
     assert "cannot be read" in collates_by_rows(DataLoader(data, batch_size=2), [9])
     # A batch read whole apart from this process: the same for the same seed (its draws too), nothing drawn here.
     first, again = (whole_here(DataLoader(data), [4, 1], seed=5) for _ in range(2))

@@ -197,15 +197,24 @@ def _rows_cut(value, rows: int, rows_kept: slice, found: list):
         found.append(value)
         return value[rows_kept]
     if isinstance(value, Mapping):
-        return type(value)({key: _rows_cut(item, rows, rows_kept, found) for key, item in value.items()})
+        return _rebuilt(type(value), {key: _rows_cut(item, rows, rows_kept, found) for key, item in value.items()})
     if isinstance(value, (list, tuple)):
         if value and all(isinstance(item, PLAIN) for item in value):
             if len(value) != rows:
                 raise _NotRows
             return value[rows_kept]
         items = [_rows_cut(item, rows, rows_kept, found) for item in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        return _rebuilt(type(value), *items) if hasattr(value, "_fields") else _rebuilt(type(value), items)
     raise _NotRows
+
+
+def _rebuilt(kind: type, *items):
+    """A container of ``kind`` made of ``items`` as its own constructor takes them (a dict's class from a dict, a
+    named tuple's from its fields); one whose constructor does not is not read here."""
+    try:
+        return kind(*items)
+    except TypeError as error:  # (a container of a library's own, made otherwise: its batch is collated by shares)
+        raise _NotRows from error
 
 
 def _mark(described) -> int:
