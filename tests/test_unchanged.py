@@ -129,6 +129,7 @@ def test_what_the_code_that_called_a_model_keeps_of_its_outputs_beside_its_loss_
     if kept is None and code.startswith("logits, loss"):  # (nanoGPT's own train.py: its logits are never loaded)
         from ddpkit.unchanged.kept import _loads
 
+        needs_corpus()  # (what is above holds without it)
         train = CORPUS / "nanogpt" / "train.py"
         assert "logits, loss = model(X, Y)" in train.read_text()
         assert not list(_loads(compile(train.read_text(), str(train), "exec"), "logits", "global"))
