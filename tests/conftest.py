@@ -151,7 +151,7 @@ def pytest_configure(config):
     files they share."""
     if not hasattr(config, "workerinput") and RUN_TMPDIR not in os.environ:
         os.environ[RUN_TMPDIR] = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="ddpkit-tests-")
-        os.chmod(os.environ[RUN_TMPDIR], 0o1777)  # (as /tmp: the daemons that tests run as other users, munge's, use it)
+        os.chmod(os.environ[RUN_TMPDIR], 0o1777)  # (as /tmp is: daemons that tests run as other users use it)
         tempfile.tempdir = None  # (this process's too, from here on)
         config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(RUN_TMPDIR)))
     if not hasattr(config, "workerinput") and getattr(config.option, "testrunuid", "") is None:

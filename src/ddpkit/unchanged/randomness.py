@@ -7,9 +7,10 @@
   same on every rank and the same at any world size, whatever the global streams do.
 - **Per rank, during a training pass over a split DataLoader:** from its first step (whole, and drawing from the
   shared streams: ``unchanged.batches``) to its end, each rank draws from global streams of its own (seeded from
-  (seed, rank) at the first pass, then continued from pass to pass). Draws made per sample then differ across ranks as they differ across the samples of one device's
-  batch: dropout masks, a GAN's ``torch.randn(batch_size, nz)``, a VAE's noise, the loader's worker seeds (random
-  augmentations). Outside such passes (evaluation, the script's code between epochs) the streams are shared again.
+  (seed, rank) at the first pass, then continued from pass to pass). Draws made per sample then differ across ranks
+  as they differ across the samples of one device's batch: dropout masks, a GAN's ``torch.randn(batch_size, nz)``, a
+  VAE's noise, the loader's worker seeds (random augmentations). Outside such passes (evaluation, the script's code
+  between epochs) the streams are shared again.
 - **Batches that no DataLoader split** (nanoGPT's ``get_batch`` draws them with ``torch.randint``), and a stream's
   (an ``IterableDataset``'s loader, which every rank reads whole): the shared streams, so every rank cuts (or reads)
   the same batch; the draws made inside the forward pass of a model in training on a batch cut at the model
