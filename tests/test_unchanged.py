@@ -379,7 +379,7 @@ def test_a_loader_reads_its_shares_only_where_its_workers_draw_their_own_and_it_
     """Which gathered loaders each rank reads a share of (``unchanged.loading``): the checks, and the shares put
     together in a group of one (the two-process run is the steps script's ``loading`` part)."""
     from torch.nn.utils.rnn import pad_sequence
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader, TensorDataset, default_collate
 
     from ddpkit.unchanged.loading import collates_by_rows, gathered_rows, rows_cut, whole_here, whole_reading
 
@@ -396,14 +396,16 @@ def test_a_loader_reads_its_shares_only_where_its_workers_draw_their_own_and_it_
         assert "in_order=False" in whole_reading(DataLoader(data, num_workers=2, in_order=False))
     assert whole_reading(DataLoader(data, num_workers=2)) is None
     state = torch.get_rng_state()
-    assert collates_by_rows(DataLoader(data, batch_size=4), [6, 0, 3]) is None
+    assert collates_by_rows(DataLoader(data, batch_size=4), [6, 0, 3]) is None  # (torch's default_collate: no read)
+    own = default_collate.__call__  # (the same function, not the same object: read, collated whole and one by one)
+    assert collates_by_rows(DataLoader(data, batch_size=4, collate_fn=own), [6, 0, 3]) is None
     assert torch.equal(torch.get_rng_state(), state)
     sequences = [torch.ones(length) for length in (2, 5, 3)]
     padded = DataLoader(sequences, batch_size=3, collate_fn=lambda rows: pad_sequence(rows, batch_first=True))
     assert "(padding?)" in collates_by_rows(padded, [0, 1, 2])
-    assert "not rows" in collates_by_rows(DataLoader(["a", "b"], batch_size=2), [0, 1])  # (no tensor)
+    assert "not rows" in collates_by_rows(DataLoader(["a", "b"], batch_size=2, collate_fn=own), [0, 1])  # (no tensor)
     named = [(torch.ones(2) * index, f"{index}.jpg") for index in range(3)]  # (a path a sample: rows all the same)
-    assert collates_by_rows(DataLoader(named, batch_size=3), [2, 0, 1]) is None
+    assert collates_by_rows(DataLoader(named, batch_size=3, collate_fn=own), [2, 0, 1]) is None
     # A share cut from a batch collated whole (a split loader's that pads: ``SplitBatchSampler.cut``).
     whole = {"x": pad_sequence(sequences, batch_first=True), "ids": ["a", "b", "c"], "pair": (torch.arange(3),)}
     cut = rows_cut(whole, 3, 1, 3)
@@ -416,7 +418,7 @@ def test_a_loader_reads_its_shares_only_where_its_workers_draw_their_own_and_it_
             super().__init__(x=x)
 
     assert rows_cut(Fields(x=whole["x"]), 3, 0, 1) is None
-    assert "cannot be read" in collates_by_rows(DataLoader(data, batch_size=2), [9])
+    assert "cannot be read" in collates_by_rows(DataLoader(data, batch_size=2, collate_fn=own), [9])
     # A batch read whole apart from this process: the same for the same seed (its draws too), nothing drawn here.
     first, again = (whole_here(DataLoader(data), [4, 1], seed=5) for _ in range(2))
     assert all(torch.equal(a, b) for a, b in zip(first, again)) and torch.equal(torch.get_rng_state(), state)

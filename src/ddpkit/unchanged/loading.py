@@ -29,7 +29,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
 from ddpkit.data.split_batches import global_random_states, seed_global_random_states, set_global_random_states
 
@@ -130,9 +130,12 @@ def whole_reading(loader: DataLoader) -> str | None:
 
 
 def collates_by_rows(loader: DataLoader, indices: list) -> str | None:
-    """Why ``loader`` does not collate by rows, or None where it does: its samples of ``indices``, read apart from this
-    process (``apart``), collated whole hold at each row what each collated alone holds (``rows_cut``: tensors of a
-    row per sample, and lists of a plain value per sample, a path or an id)."""
+    """Why ``loader`` does not collate by rows, or None where it does: torch's ``default_collate`` does; another
+    collate function where its samples of ``indices``, read apart from this process (``apart``), collated whole hold at
+    each row what each collated alone holds (``rows_cut``: tensors of a row per sample, and lists of a plain value per
+    sample, a path or an id)."""
+    if loader.collate_fn is default_collate:  # (torch's own stacks each field's rows, and raises where they differ:
+        return None  # nothing to read)
     try:
         return apart(_collates_by_rows, loader, indices)
     except NotReadApart as error:  # (the decision: read whole by its workers)
