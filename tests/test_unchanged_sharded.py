@@ -490,7 +490,11 @@ def test_copies_of_a_model_are_paired_with_rank_0s_by_their_values_whatever_orde
     them in another order than rank 0: two in float64 and two in float32, one of each with values of its own."""
     script = tmp_path / "paired.py"
     script.write_text(PAIRED)
-    done = run_ddpkit("run", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), str(script), timeout=60)
+    # (A fresh launcher: on the floor's torch, one forked from the pytest worker's warm forkserver (tests/warm.py) after
+    # an in-process test there had built an AveragedModel hung after both ranks had printed, until killed at 60 s; a
+    # fresh one does not. The cause, in the warm harness, is not found yet.)
+    done = run_ddpkit("run", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), str(script), timeout=60,
+                      fresh=True)
     assert done.returncode == 0, done.stdout + done.stderr
     for rank in (0, 1):
         assert (tmp_path / "logs" / f"rank{rank}.log").read_text().strip().endswith("[0, 1, 2, 3]")
