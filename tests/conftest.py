@@ -144,20 +144,38 @@ def once_per_run(name: str, make: Callable[[], Made]) -> Made:
 
 def pytest_configure(config):
     """The controller of a run gives it a temporary folder of its own (``TMPDIR``, which its workers, the warm rank
-    server and every process they start inherit), removed at its end: what the runs it starts leave there on purpose
-    (the logs ddpkit keeps of a run that failed, a rank's private folder under an outer launcher) or when a test kills
-    them (a launcher's pipes, multiprocessing's folders) goes with it. The controller of an xdist run names the run
+    server and every process they start inherit), removed at its end where no test failed: what the runs it starts
+    leave there on purpose (the logs ddpkit keeps of a run that failed, a rank's private folder under an outer
+    launcher) or when a test kills them (a launcher's pipes, multiprocessing's folders) goes with it. The controller of an xdist run names the run
     (xdist's own ``--testrunuid``, which it hands to its workers as ``PYTEST_XDIST_TESTRUNUID``), so that it knows the
     files they share."""
     if not hasattr(config, "workerinput") and RUN_TMPDIR not in os.environ:
         os.environ[RUN_TMPDIR] = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="ddpkit-tests-")
         os.chmod(os.environ[RUN_TMPDIR], 0o1777)  # (as /tmp is: daemons that tests run as other users use it)
         tempfile.tempdir = None  # (this process's too, from here on)
-        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(RUN_TMPDIR)))
+        config.add_cleanup(_remove_run_tmpdir)
     if not hasattr(config, "workerinput") and getattr(config.option, "testrunuid", "") is None:
         config.option.testrunuid = uuid.uuid4().hex
         if getattr(config.option, "numprocesses", None) and not config.option.collectonly:
             warm_ranks_env()  # one warm rank server for the run, which its workers share (they start after this)
+
+
+_run_failed: list[int] = []  # the controller's exit status where its session failed (``pytest_sessionfinish``)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not hasattr(session.config, "workerinput") and exitstatus != 0:
+        _run_failed.append(int(exitstatus))
+
+
+def _remove_run_tmpdir() -> None:
+    """The run's temporary folder removed, but where a test failed: then kept, and named, with what its runs left
+    there (the logs ddpkit keeps of a run that failed)."""
+    folder = os.environ.pop(RUN_TMPDIR)
+    if _run_failed:
+        sys.stderr.write(f"tests: the run failed; its temporary folder is kept, with what its runs left: {folder}\n")
+    else:
+        shutil.rmtree(folder)
 
 
 def pytest_unconfigure(config):
