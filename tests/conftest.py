@@ -146,9 +146,9 @@ def pytest_configure(config):
     """The controller of a run gives it a temporary folder of its own (``TMPDIR``, which its workers, the warm rank
     server and every process they start inherit), removed at its end where no test failed: what the runs it starts
     leave there on purpose (the logs ddpkit keeps of a run that failed, a rank's private folder under an outer
-    launcher) or when a test kills them (a launcher's pipes, multiprocessing's folders) goes with it. The controller of an xdist run names the run
-    (xdist's own ``--testrunuid``, which it hands to its workers as ``PYTEST_XDIST_TESTRUNUID``), so that it knows the
-    files they share."""
+    launcher) or when a test kills them (a launcher's pipes, multiprocessing's folders) goes with it. The controller
+    of an xdist run names the run (xdist's own ``--testrunuid``, which it hands to its workers as
+    ``PYTEST_XDIST_TESTRUNUID``), so that it knows the files they share."""
     if not hasattr(config, "workerinput") and RUN_TMPDIR not in os.environ:
         os.environ[RUN_TMPDIR] = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="ddpkit-tests-")
         os.chmod(os.environ[RUN_TMPDIR], 0o1777)  # (as /tmp is: daemons that tests run as other users use it)
