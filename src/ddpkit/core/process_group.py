@@ -23,11 +23,13 @@ import re
 import signal
 import sys
 import time
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
 from ddpkit.core import env as env_mod
 from ddpkit.core import exits, logs, signals
@@ -708,3 +710,21 @@ def main_process_first(runtime: Runtime) -> Iterator[None]:
     finally:
         if runtime.is_main:
             barrier(runtime)
+
+
+def fingerprint(batch) -> torch.Tensor:
+    """Four numbers of ``batch`` (a loader's: tensors, numbers and strings in lists, tuples and dicts), on the CPU, that
+    differ where its values or their order differ: compared across the ranks (``gathered.the_same_on_every_rank``)
+    to tell a stream that gives each rank batches of its own, and to pair a model's copies with rank 0's
+    (``strategies.sharded_in_place.in_rank_zeros_order``)."""
+    fingerprint = torch.zeros(4, dtype=torch.float64)
+    for leaf in pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor):
+            values = leaf.detach().reshape(-1).to(torch.float64)
+            order = torch.arange(1, values.numel() + 1, dtype=torch.float64, device=values.device) % 997
+            fingerprint += torch.stack([torch.tensor(float(values.numel()), dtype=torch.float64), values.sum().cpu(),
+                                        values.abs().sum().cpu(), (values * order).sum().cpu()])
+        elif isinstance(leaf, (str, bytes, int, float, bool)):
+            data = leaf.encode() if isinstance(leaf, str) else leaf if isinstance(leaf, bytes) else repr(leaf).encode()
+            fingerprint[3] += zlib.crc32(data)
+    return fingerprint

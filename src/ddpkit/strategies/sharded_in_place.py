@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit.core.errors import UsageError
+from ddpkit.core.process_group import fingerprint
 from ddpkit.strategies.base import is_shard, local_shard
 from ddpkit.strategies.fsdp import fsdp2, is_fsdp2
 from ddpkit.strategies.in_place import (Added, Weight, added_since, batch_norm_over_all_ranks, hooks_and_keys,
@@ -193,13 +194,10 @@ def in_rank_zeros_order(copies: list[nn.Module]) -> list[nn.Module]:
 
 
 def _mark(module: nn.Module) -> torch.Tensor:
-    """Five numbers of ``module``'s values, in float64 on the CPU: its dtype's size, how many values it holds, and
-    their sum, absolute sum and a sum weighed by their places."""
-    tensors = [tensor.detach() for tensor in [*module.parameters(), *module.buffers()]]
-    values = torch.cat([tensor.reshape(-1).to("cpu", torch.float64) for tensor in tensors])
-    places = torch.arange(1, values.numel() + 1, dtype=torch.float64) % 997
-    return torch.stack([torch.tensor(float(tensors[0].element_size())), torch.tensor(float(values.numel())),
-                        values.sum(), values.abs().sum(), (values * places).sum()])
+    """Five numbers of ``module``'s values, on the CPU: its dtype's size, then its parameters' and buffers'
+    ``fingerprint``."""
+    size = torch.tensor([float(next(module.parameters()).element_size())], dtype=torch.float64)
+    return torch.cat([size, fingerprint([*module.parameters(), *module.buffers()])])
 
 
 def averaged_with_buffers(objects, copies: list[nn.Module]) -> str | None:

@@ -262,8 +262,8 @@ def _install_hooks(runtime: process_group.Runtime, setting: Setting, seed: int, 
 
 def alike_on_every_rank(found, group) -> bool:
     """Whether ``found`` (a batch, or a call's arguments) is the same on every rank of ``group``: one all-reduce of its
-    fingerprint (``batches.fingerprint``)."""
-    from ddpkit.unchanged.batches import fingerprint
+    fingerprint (``core.process_group.fingerprint``)."""
+    from ddpkit.core.process_group import fingerprint
     from ddpkit.unchanged.gathered import the_same_on_every_rank
 
     return the_same_on_every_rank([fingerprint(found)], group)

@@ -51,11 +51,9 @@ import itertools
 import sys
 import threading
 import weakref
-import zlib
 from collections.abc import Callable, Iterator
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, IterableDataset
 
 from ddpkit.core.logs import logger
@@ -543,20 +541,3 @@ class Loaders:
         loader.__dict__["batch_sampler"] = split
         self._taken.add(loader)
         return split
-
-
-def fingerprint(batch) -> torch.Tensor:
-    """Four numbers of ``batch`` (a loader's: tensors, numbers and strings in lists, tuples and dicts), on the CPU, that
-    differ where its values or their order differ: compared across the ranks (``gathered.the_same_on_every_rank``)
-    to tell a stream that gives each rank batches of its own."""
-    fingerprint = torch.zeros(4, dtype=torch.float64)
-    for leaf in pytree.tree_leaves(batch):
-        if isinstance(leaf, torch.Tensor):
-            values = leaf.detach().reshape(-1).to(torch.float64)
-            order = torch.arange(1, values.numel() + 1, dtype=torch.float64, device=values.device) % 997
-            fingerprint += torch.stack([torch.tensor(float(values.numel()), dtype=torch.float64), values.sum().cpu(),
-                                        values.abs().sum().cpu(), (values * order).sum().cpu()])
-        elif isinstance(leaf, (str, bytes, int, float, bool)):
-            data = leaf.encode() if isinstance(leaf, str) else leaf if isinstance(leaf, bytes) else repr(leaf).encode()
-            fingerprint[3] += zlib.crc32(data)
-    return fingerprint
