@@ -52,11 +52,12 @@ RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 
 
 
-def ray_node(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
-    """``ray start --block ARGS`` (run through ``prefix``, a namespace's say), once it says it started; its temp
-    folder (short: Ray's socket paths must stay so) in ``.temp``, for ``stop_ray``. Its processes do not carry the
-    session's marker (a cluster outlives each test, like the warm rank server): the tests check that no rank is left
-    (``ranks_left``), and ``stop_ray`` that the node's processes are gone."""
+def ray_node(*args: str, cluster: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+    """``ray start --block ARGS`` (run through ``prefix``, a namespace's say), a node of the cluster whose head is at
+    ``cluster``, once it says it started; its temp folder (short: Ray's socket paths must stay so) in ``.temp``, for
+    ``stop_ray``. Its processes do not carry the session's marker (a cluster outlives each test, like the warm rank
+    server): the tests check that no rank is left (``ranks_left``), and ``stop_ray`` that the node's processes are
+    gone."""
     temp = tempfile.mkdtemp(prefix="ddpkit-ray-", dir="/tmp")
     # The ranks a Ray worker starts run warm (tests/warm_ranks.py: the node's PYTHON_EXEC, which --launcher ray uses
     # as torchrun's agent does): about 5 s of CPU less each. So does the node: `ray start` through the warm client,
@@ -66,6 +67,10 @@ def ray_node(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
     env = {key: value for key, value in warm_ranks_env(**RAY_ENV).items() if key != MARKER_KEY}
     # The node outlasts a test, on purpose; every process of it holds the variable, where Ray leaves it.
     env[warm_ranks.LASTING_VARIABLE] = temp
+    # Where Ray's own code on the node asks no address (Ray Train's PlacementGroupCleaner, through Ray's state API),
+    # Ray finds a cluster by the GCS processes it sees on the machine: two where test_ray_nodes.py's cluster runs on
+    # another pytest worker ("Found multiple active Ray instances", a .ci/run at 5498dbd). Each node names its own.
+    env["RAY_ADDRESS"] = cluster
     node = subprocess.Popen([*prefix, *warm_python([sys.executable, RAY], env), "start", "--block",
                              "--disable-usage-stats", "--temp-dir", temp, *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -86,9 +91,10 @@ def ray_node(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
 def ray_cluster():
     """A one-node Ray cluster of 4 CPUs (more than the 2 cores: Ray counts slots, not cores), its address."""
     port = free_port()
-    head = ray_node("--head", "--port", str(port), "--num-cpus", "4", "--include-dashboard", "false")
+    address = f"127.0.0.1:{port}"
+    head = ray_node("--head", "--port", str(port), "--num-cpus", "4", "--include-dashboard", "false", cluster=address)
     try:
-        yield f"127.0.0.1:{port}"
+        yield address
     finally:
         stop_ray(head)
 

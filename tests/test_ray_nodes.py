@@ -23,10 +23,10 @@ def nodes():
     yield from make_nodes()
 
 
-def ray_node_in(namespace: str, host: str, address: str, *args: str) -> subprocess.Popen:
+def ray_node_in(namespace: str, host: str, address: str, *args: str, cluster: str) -> subprocess.Popen:
     """A Ray node of the cluster in ``namespace`` under the host name ``host`` (which the namespaces' /etc/hosts give
     its address, as a cluster's DNS would: gloo binds to what it resolves to)."""
-    return ray_node("--node-ip-address", address, "--num-cpus", "1", *args,
+    return ray_node("--node-ip-address", address, "--num-cpus", "1", *args, cluster=cluster,
                     prefix=("ip", "netns", "exec", namespace, "unshare", "--uts", "sh", "-c",
                             f'hostname {host} && exec "$@"', "node"))
 
@@ -35,9 +35,10 @@ def test_ddpkit_train_on_two_ray_nodes_equals_the_one_machine_run(nodes, ddp_dig
     _, state, _, _ = ddp_digits
     (a, host_a), (b, host_b) = nodes
     head_address = f"{SUBNET}.1:{PORT}"
-    head = ray_node_in(a, host_a, f"{SUBNET}.1", "--head", "--port", str(PORT), "--include-dashboard", "false")
+    head = ray_node_in(a, host_a, f"{SUBNET}.1", "--head", "--port", str(PORT), "--include-dashboard", "false",
+                       cluster=head_address)
     try:
-        worker = ray_node_in(b, host_b, f"{SUBNET}.2", "--address", head_address)
+        worker = ray_node_in(b, host_b, f"{SUBNET}.2", "--address", head_address, cluster=head_address)
         try:
             result = subprocess.run(
                 ["ip", "netns", "exec", a, sys.executable, "-m", "ddpkit", "train", "--launcher", "ray", "--address",
