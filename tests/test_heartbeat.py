@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -176,7 +177,12 @@ def test_a_rank_asleep_in_a_library_script_is_named_with_its_stack(tmp_path):
     assert "deep_in_user_code (sleeper.py:6)" in err  # its stack, read by py-spy
     assert "Traceback" not in err
     if AGENT_REPORTS_ENDED_RANKS:  # torch 2.4's agent reports the failed rank alone
-        assert "rank 0 (pid" in err and "was ended by the launcher (SIGTERM) when another rank failed" in err
+        # Rank 0 waits in the step's all-reduce for rank 1, which its watch kills. The agent then ends rank 0, or, on
+        # a busy machine, rank 0's all-reduce fails first (its peer gone) and it ends itself after the verdict above
+        # (``heartbeat.watch``: EXIT_STALLED): one of the two, said once (a README (b) run at c60f956 lacked the first).
+        ended = re.findall(r"rank 0 \(pid \d+\) (was ended by the launcher \(SIGTERM\) when another rank failed|"
+                           r"exited with status 1; its output is above)", err)
+        assert len(ended) == 1, err
     assert took < 90, f"took {took:.0f} s"
     assert not leftover_processes()
 
