@@ -4,7 +4,7 @@ With plain BatchNorm under DDP each process normalises with the mean and varianc
 per-process batch, so 2 processes x batch 32 do not train like 1 process x batch 64. SyncBatchNorm
 all-reduces the statistics. PyTorch's ``nn.SyncBatchNorm`` refuses CPU tensors, so on CPU (gloo)
 ddpkit swaps in ``CPUSyncBatchNorm``, whose ``synced_batch_norm`` all-reduces each layer's per-channel sums once
-forward and once backward, and normalises with PyTorch's own fused BatchNorm kernel.
+forward and once backward, in about the time of PyTorch's own BatchNorm on the CPU (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -79,10 +79,14 @@ def synced_batch_norm(bn: nn.modules.batchnorm._BatchNorm, input: torch.Tensor,
                             scaled)
 
 
+SQUARED_AT_ONCE = 1 << 20  # elements a part, on the CPU (4 MiB in float32)
+
+
 class _OverRanks(torch.autograd.Function):
-    """BatchNorm over all ranks' batches: one all-reduce of the sums and sums of squares forward, PyTorch's fused
-    kernel to normalise; backward, the per-channel sums of the gradient (PyTorch's own BatchNorm backward gives them,
-    as the weight's and bias's gradients) all-reduced once, then the input's gradient in two passes."""
+    """BatchNorm over all ranks' batches: one all-reduce of the sums and centred sums of squares forward, the rows
+    then normalised in place of their centred copy; backward, the per-channel sums of the gradient (PyTorch's own
+    BatchNorm backward gives them, as the weight's and bias's gradients) all-reduced once, then the input's gradient
+    in two passes."""
 
     @staticmethod
     def forward(ctx, input, weight, bias, bn, share, scaled):
@@ -90,11 +94,27 @@ class _OverRanks(torch.autograd.Function):
         # Statistics in float32 at least, even under bf16/fp16 autocast: low precision cannot even count the samples.
         x = input.to(torch.promote_types(input.dtype, torch.float32))
         channels, dims = x.size(1), [0, *range(2, x.dim())]
+        shape = [1, channels] + [1] * (x.dim() - 2)
         counted = 1.0 if share is None or share > 0 else 0.0
-        # Sums and sums of squares accumulated in float64: E[x^2] - E[x]^2 then loses no digit that float32 keeps,
-        # unless the mean dwarfs the spread by 10^4 and more; one collective, not two.
-        sums = torch.cat([x.sum(dims, dtype=torch.float64), (x * x).sum(dims, dtype=torch.float64),
-                          torch.full((1,), float(x.numel() // channels), dtype=torch.float64, device=x.device)])
+        # Two passes over this rank's rows, as PyTorch's own BatchNorm makes on the CPU: its mean, then the squares of
+        # the rows centred on it (in a tensor that then becomes the output). Sums of squares of the raw values,
+        # accumulated in float64 (an earlier version), cost three times as long on the CPU, for less precision where
+        # the mean dwarfs the spread. The ranks' counts, sums and centred sums of squares are then put together in
+        # float64, in one all-reduce: sum of squares about the whole batch's mean = M2 + n * mean^2 summed, less
+        # count * mean^2, where each rank's own term holds the precision of its centred sum.
+        rows = x.numel() // channels
+        local_mean = x.sum(dims) / max(rows, 1)
+        centred = x - local_mean.view(shape)
+        # On the CPU, a few rows at a time: a product of the whole tensor is a fresh allocation as large as it, whose
+        # pages the kernel maps in one by one (eight times the time here), and each part's sum in float64 keeps the
+        # digits that one float32 sum over the whole batch loses. On a GPU, one sum.
+        squares = torch.zeros(channels, dtype=torch.float64, device=x.device)
+        rows_at_once = len(x) if x.device.type != "cpu" else SQUARED_AT_ONCE // max(x[0].numel(), 1)
+        for part in centred.split(max(rows_at_once, 1)):
+            squares += (part * part).sum(dims).to(torch.float64)
+        local_mean64 = local_mean.to(torch.float64)
+        sums = torch.cat([local_mean64 * rows, squares + rows * local_mean64 * local_mean64,
+                          torch.full((1,), float(rows), dtype=torch.float64, device=x.device)])
         sums = sums * counted
         dist.all_reduce(sums, group=_statistics_group())
         count = sums[-1].item()
@@ -112,10 +132,15 @@ class _OverRanks(torch.autograd.Function):
                 bn.running_mean.mul_(1 - momentum).add_(mean.to(bn.running_mean.dtype), alpha=momentum)
                 unbiased = var * count / max(count - 1, 1)
                 bn.running_var.mul_(1 - momentum).add_(unbiased.to(bn.running_var.dtype), alpha=momentum)
-        mean, var = mean.to(x.dtype), var.to(x.dtype)
+        invstd = torch.rsqrt(var + bn.eps)
+        # (x - mean) * invstd * weight + bias, as (x - local mean) * scale + offset, in place on the centred rows.
+        scale = invstd if weight is None else invstd * weight.to(torch.float64)
+        offset = (local_mean64 - mean) * scale + (0.0 if bias is None else bias.to(torch.float64))
+        output = centred.mul_(scale.to(x.dtype).view(shape)).add_(offset.to(x.dtype).view(shape))
+        mean, invstd = mean.to(x.dtype), invstd.to(x.dtype)
         ctx.count = count
-        ctx.save_for_backward(x, weight, mean, torch.rsqrt(var + bn.eps))
-        return torch.batch_norm(x, weight, bias, mean, var, False, 0.0, bn.eps, True).to(input.dtype)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        return output.to(input.dtype)
 
     @staticmethod
     def backward(ctx, grad):
