@@ -542,12 +542,27 @@ def test_the_step_rule_proves_a_mean_over_rows_and_nothing_that_reads_or_couples
         logits = through_model(batch["x"], watch)
         F.cross_entropy(logits.view(-1, logits.size(-1)), batch["y"].flatten(), ignore_index=0).backward()
 
+    def shaped(batch, watch):  # (another dimension's size, read from ``shape``: as ``size(-1)``)
+        logits = through_model(batch["x"], watch)
+        F.cross_entropy(logits.view(-1, logits.shape[-1]), batch["y"].flatten()).backward()
+
+    def unpacked(batch, watch):  # (the batch's size bound to a name: whatever the code does with it, unproven)
+        logits = through_model(batch["x"], watch)
+        rows, tokens, classes = logits.shape
+        F.cross_entropy(logits.view(rows * tokens, classes), batch["y"].flatten()).backward()
+
+    def by_rows(batch, watch):
+        logits = through_model(batch["x"], watch)
+        F.cross_entropy(logits.view(-1, logits.shape[-1]), batch["y"].flatten()).div(logits.shape[0]).backward()
+
     def cut_by_size(batch, watch):  # (a shape with the batch's size in it would cut a share's rows otherwise)
         F.cross_entropy(through_model(batch["x"], watch).view(6, -1, 3).flatten(0, 1), batch["y"].view(-1)).backward()
 
     tokened = {"x": torch.randn(6, 5, 4), "y": torch.randint(0, 3, (6, 5))}
     assert watched(tokened, tokens) is None
     assert watched(tokened, cut_by_size) == "it computes view over the batch's rows"
+    assert watched(tokened, shaped) is None
+    assert watched(tokened, unpacked) == watched(tokened, by_rows) == "it reads the batch's size (shape)"
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
     assert watched({"x": x, "y": y}, mean) is None
     assert watched({"x": x, "y": y}, flipped) is None

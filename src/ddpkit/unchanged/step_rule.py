@@ -26,13 +26,14 @@ batch and from the models' outputs, outside the models, is
 Anything else is not proven, and the loader's steps take the gathered way from then on (said once, with the first
 reason seen): a product of rows with each other (``z @ z.t()``), a sum over the batch, a division by a count the
 script computed, a ``cat`` of rows, sorting, any read of the batch's size or of its values (``inputs.size(0)``,
-``(preds == labels).sum()``, ``.item()`` of a share's mean), a random draw (diffusion's noise and timesteps: torch's,
-and those from Python's or NumPy's streams, ``random_streams``), a tensor
-that trains read outside a model (a learned temperature), a function not in the lists here. Unknown is gathered: the
-lists prove, they never guess. And a tensor of the batch's rows (the batch's own, or computed from them) that the step
-leaves in a list, a dict or a deque that the script held before the step (bound to a name of its frames, or to an
-attribute of an object bound there): a loop that collects its predictions and labels to compute an epoch's accuracy
-after the loop would collect a share's (``kept_rows``).
+``B, T, V = logits.shape``, ``(preds == labels).sum()``, ``.item()`` of a share's mean; ``logits.size(-1)`` and
+``logits.shape[-1]`` are another dimension's: ``subscript_read``), a random draw (diffusion's noise and timesteps:
+torch's, and those from Python's or NumPy's streams, ``random_streams``), a tensor that trains read outside a model
+(a learned temperature), a function not in the lists here. Unknown is gathered: the lists prove, they never guess.
+And a tensor of the batch's rows (the batch's own, or computed from them) that the step leaves in a list, a dict or a
+deque that the script held before the step (bound to a name of its frames, or to an attribute of an object bound
+there): a loop that collects its predictions and labels to compute an epoch's accuracy after the loop would collect
+a share's (``kept_rows``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 from torch.utils import _pytree as pytree
 
-from ddpkit.unchanged.callers import package
+from ddpkit.unchanged.bytecode import index_at, instructions
+from ddpkit.unchanged.callers import innermost, package
 
 ROWS, LOSS, MEAN = "rows", "loss", "mean"  # kinds of tracked tensors: a batch's rows, a mean valued whole, a share's
 BLOCKS = "rows*"  # and blocks of rows: "rows*K", K rows for each of the batch's, in order (a token's logits a row)
@@ -266,6 +268,10 @@ class StepWatch(Watch):
                 return self.kind(args[0])
             if name not in NOT_NEUTRAL_PROPERTIES:
                 return None
+            if name == "shape" and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
+                index = subscript_read()
+                if index is not None and index % args[0].dim() != 0:
+                    return None  # (``logits.shape[-1]``: the size of another dimension than the rows', as ``size``)
         if name in NEUTRAL_METHODS:
             return None
         if name in DRAWS:
@@ -495,6 +501,24 @@ def _dim(args: tuple, kwargs: dict, position: int):
 
 def _dims(values, rank: int) -> set[int]:
     return {value % rank for value in values if isinstance(value, int)} if rank else set()
+
+
+def subscript_read() -> int | None:
+    """The number with which the script's code subscripts the attribute it is reading now (``logits.shape[-1]``), read
+    from its instructions after that read; None where it does anything else with it (unpacks it, keeps it, subscripts
+    it with a name or a slice). Its frame is the innermost that is neither torch's, ddpkit's nor Python's own."""
+    frame = innermost(sys._getframe(1), ("torch", "ddpkit"))
+    if frame is None:
+        return None
+    listed, at = instructions(frame.f_code), index_at(frame.f_code, frame.f_lasti)
+    if at is None or at + 2 >= len(listed) or not listed[at].opname.startswith("LOAD_ATTR"):
+        return None
+    number, subscript = listed[at + 1], listed[at + 2]
+    if number.opname not in ("LOAD_CONST", "LOAD_SMALL_INT") or type(number.argval) is not int:
+        return None
+    if subscript.opname == "BINARY_SUBSCR" or subscript.opname == "BINARY_OP" and subscript.argrepr == "[]":
+        return number.argval
+    return None
 
 
 def _factor(kind: str | None) -> int | None:
