@@ -13,8 +13,9 @@
 # and sharded async saves of FSDP state from the GPU), loader-throughput.txt (benchmarks/loader_throughput.py), image-decode-cpu.txt
 # (benchmarks/image_decode.py), train-*/ (`ddpkit train` resnet18 with --amp bf16/fp16
 # under ddp, zero and fsdp: metrics.jsonl holds each rank's peak memory; and as two replica groups against one
-# process on the same global batch), replica-groups-job.txt (tests/test_replica_groups_job.py on the GPU) and steps.txt (each step's exit
-# status and seconds). `python benchmarks/gpu_tables.py RESULTS_DIR` turns them into docs/benchmarks.md's tables.
+# process on the same global batch), replica-groups-job.txt (tests/test_replica_groups_job.py on the GPU), sync-bn-cost.txt and
+# .json (benchmarks/sync_bn_cost.py: ddpkit's BatchNorm over all ranks against PyTorch's on one GPU) and steps.txt
+# (each step's exit status and seconds). `python benchmarks/gpu_tables.py RESULTS_DIR` turns them into docs/benchmarks.md's tables.
 #
 # Set-up: the project is used from this checkout. When `import ddpkit` fails, it is installed as the README
 # says (pip install -e ".[test]"). On a machine that cannot reach a package registry but already holds torch,
@@ -130,6 +131,8 @@ step pytest-gpu 240 70 "$PYTHON" -m pytest -m gpu -n 3 --dist load -p no:cachepr
 # ddpkit run --unchanged at one process against plain `python script.py` on the same GPU (goal: at most 1% slower), and
 # the one GPU each process sees (issue 54): benchmarks/unchanged_loop.py, 4 rounds alternating which goes first.
 step unchanged-one-process 150 60 unchanged_one_process
+step sync-bn-cost 120 30 ddpkit run --nproc-per-node 1 benchmarks/sync_bn_cost.py --batch-size 128 \
+    --json "$OUT_DIR/sync-bn-cost.json"
 # Whether nvJPEG's decode_jpeg lets go of the GIL (a Python loop's pace beside a thread that decodes).
 step decode-gil 60 15 "$PYTHON" benchmarks/decode_gil.py --device cuda --images 64
 # Where a file-fed step's time goes (torch.profiler over 10 steps): the wait for the workers, nvJPEG, the crops,

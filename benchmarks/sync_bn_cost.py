@@ -7,7 +7,7 @@ PyTorch's own BatchNorm on this process's rows alone, layer by layer, in the sam
 
 For each BatchNorm layer of torchvision's resnet18 (its input's shape at ``--image-size`` pixels, ``--batch-size``
 rows on each process): rounds of one forward and backward of ``nn.BatchNorm2d`` and of the synced layer, alternating,
-each process one thread. Reported from rank 0: each layer's medians and their ratio, and the sums over the network's
+on the job's device (each process one thread on the CPU; on a GPU, the device synchronised before each clock read). Reported from rank 0: each layer's medians and their ratio, and the sums over the network's
 20 layers (the same shape repeats: 1 at the stem's size, then 4, 5, 5 and 5 at each stage's).
 """
 
@@ -38,16 +38,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def timed(work) -> float:
+def timed(work, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     started = time.perf_counter()
     work()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - started
 
 
-def measure(channels: int, size: int, args) -> dict:
+def measure(channels: int, size: int, device: torch.device, args) -> dict:
     torch.manual_seed(0)
-    layer = nn.BatchNorm2d(channels)
-    rows = torch.randn(args.batch_size, channels, size, size, requires_grad=True)
+    layer = nn.BatchNorm2d(channels).to(device)
+    rows = torch.randn(args.batch_size, channels, size, size, device=device, requires_grad=True)
     grad = torch.randn_like(rows)
 
     def native() -> None:
@@ -57,7 +61,7 @@ def measure(channels: int, size: int, args) -> dict:
         synced_batch_norm(layer, rows).backward(grad)
 
     native(), synced()  # warm-up
-    rounds = [(timed(native), timed(synced)) for _ in range(args.rounds)]
+    rounds = [(timed(native, device), timed(synced, device)) for _ in range(args.rounds)]
     native_s, synced_s = (statistics.median(times) for times in zip(*rounds))
     return {"channels": channels, "size": size, "native_s": native_s, "synced_s": synced_s,
             "synced_over_native": synced_s / native_s}
@@ -65,9 +69,10 @@ def measure(channels: int, size: int, args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(1)
     with ddpkit.Job("ddp", check_replicas=0, seed=0) as job:
-        rows = [dict(measure(channels, args.image_size // down, args), layers=layers)
+        if job.device.type == "cpu":
+            torch.set_num_threads(1)
+        rows = [dict(measure(channels, args.image_size // down, job.device, args), layers=layers)
                 for channels, down, layers in RESNET18_NORMS]
     if job.is_main:
         native = sum(row["native_s"] * row["layers"] for row in rows)
