@@ -1035,8 +1035,8 @@ def assert_steps_as_on_one_process(one: tuple, two: tuple) -> None:
     # called on each sample of a list, less the 2 batches that the hooked part skips, 2 of the straight part, 3 of the
     # regressor, 2 of the collected part, and the 17 lines of the models over batches cut by hand: 10 steps, 2 of the
     # reader's 5, 5)
-    lines = (1 + (19 + ("penalty" in weights_one) + ("sparse" in weights_one) + 2 * ("taken" in weights_one)
-                  + ("scripted" in weights_one) + ("renormed" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one) + 2 + 2 - 2 + 2
+    lines = (1 + (19 + ("spectral" in weights_one) + ("penalty" in weights_one) + ("sparse" in weights_one)
+                  + 2 * ("taken" in weights_one) + ("scripted" in weights_one) + ("renormed" in weights_one)) * 10 + 20 + 6 + 5 * 2 + 1 + 4 * ("metrics" in weights_one) + 2 + 2 - 2 + 2
              + 3 + 2 + 17)
     assert printed_one == printed_two and len(printed_two) == lines, printed_two
     # Batches cut by hand, given by keyword: each call but the first (whole, then computed both ways: the whole batch
@@ -1150,7 +1150,8 @@ def test_steps_that_a_split_would_change_take_the_gathered_way_and_train_and_pri
     views by two calls of the encoder with a learned temperature, a summed loss with SGD, a masked mean written by
     hand, a denoiser whose loop draws its noise and levels, the classic loop that prints its epoch's loss from
     ``loss.item() * inputs.size(0)`` and its accuracy from ``(preds == labels).sum()``, a model that writes a
-    running mean of its inputs into a buffer in its training forward, a model called by keyword (its calls cut at
+    running mean of its inputs into a buffer in its training forward (spectral norm's buffers, written from the
+    weights alone, split), a model called by keyword (its calls cut at
     the model all the same), a loss term that only the batches with a rare class have (a head left without a
     gradient in the other steps, as on one device: no exit, no flag), a summed term that the second epoch adds to
     a loader whose first epoch was split (its way decided again at each pass), and torchmetrics' sums, means and
@@ -1164,6 +1165,10 @@ def test_steps_that_a_split_would_change_take_the_gathered_way_and_train_and_pri
     assert "again" in steps_one[0] and "again" not in weights
     assert_steps_as_on_one_process(({part: value for part, value in steps_one[0].items() if part != "again"},
                                     *steps_one[1:]), (weights, printed, said))
+    # Spectral norm's buffers, written from the weights alone: its first call tried on a share (3 rows), made again
+    # whole to compare what each writes (6), then every call split (before: every call whole, no faster).
+    assert weights["rows"]["spectral"].tolist() == [3, 6] + [3] * 9, weights["rows"]["spectral"]
+    assert "Normalised writes" not in said and said.count("Centred writes buffers of its own in training") == 1, said
 
 
 TRAINER = str(Path(__file__).with_name("unchanged_trainer_script.py"))

@@ -19,6 +19,9 @@
   accuracy from ``(preds == labels).sum()``;
 - **buffers**: a model that keeps a running mean of its inputs in a buffer, written in its training forward, and
   centres them with it (as observation normalisers do), under a plain cross-entropy;
+- **spectral**: an MLP whose layers are spectrally normalised: its power iteration writes each layer's buffers in its
+  training forward, from the layer's weight alone, so a share's call writes what the whole batch's does (split; the
+  training calls' rows go into ``rows``' ``spectral``);
 - **keywords**: a model called with its tensors by keyword (``model(**batch)``), returning a dict, its epoch's
   accuracy counted from its logits: the rows of each of its calls go into OUT/result.pt's ``rows``, and whether its
   forward found a process group (``torch.distributed.is_initialized()``) into ``groups``;
@@ -74,9 +77,9 @@ from torch.utils.data import DataLoader, TensorDataset
 # (byhand after cycled, whose loader's last pass was split: a gathered loader's last pass is held open until another
 # begins, in case a wrapper fetched its last batch ahead, and a batch cut by hand meanwhile would be taken for its own.)
 out, parts = sys.argv[1], sys.argv[2:] or [
-    "contrastive", "summed", "masked", "tokens", "padding", "denoise", "numbers", "buffers", "keywords", "auxiliary",
-    "later", "drawn", "inside", "returned", "loading", "augmented", "across", "cycled", "byhand", "single", "listed",
-    "hooked", "straight", "regressor", "collected"] + (
+    "contrastive", "summed", "masked", "tokens", "padding", "denoise", "numbers", "buffers", "spectral", "keywords",
+    "auxiliary", "later", "drawn", "inside", "returned", "loading", "augmented", "across", "cycled", "byhand", "single",
+    "listed", "hooked", "straight", "regressor", "collected"] + (
     ["metrics"] if importlib.util.find_spec("torchmetrics") else []) + [
     "penalty", "sparse", "taken", "scripted", "routed", "detected", "renormed", "again"]
 torch.set_default_dtype(torch.float64)
@@ -286,6 +289,34 @@ def buffers():
         for inputs, labels in loader(x, y):
             loss = F.cross_entropy(model(inputs), labels)
             step(optimizer, loss, f"buffers {epoch}")
+    return model.state_dict()
+
+
+class Normalised(nn.Module):
+    """Two spectrally normalised layers (``torch.nn.utils.parametrizations.spectral_norm``), the rows of each training
+    call written down."""
+
+    def __init__(self, rows: list):
+        super().__init__()
+        self.rows = rows
+        self.first = nn.utils.parametrizations.spectral_norm(nn.Linear(8, 16))
+        self.second = nn.utils.parametrizations.spectral_norm(nn.Linear(16, 3))
+
+    def forward(self, x):
+        if self.training:
+            self.rows.append(len(x))
+        return self.second(torch.tanh(self.first(x)))
+
+
+def spectral():
+    x, y = torch.randn(29, 8), torch.randint(0, 3, (29,))
+    rows = []
+    model = Normalised(rows)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(2):
+        for inputs, labels in loader(x, y):
+            step(optimizer, F.cross_entropy(model(inputs), labels), f"spectral {epoch}")
+    result.setdefault("rows", {})["spectral"] = torch.tensor(rows)
     return model.state_dict()
 
 

@@ -210,7 +210,7 @@ class AtTheModel:
                 logger.debug(f"--unchanged: {class_name(module)}'s outputs on the whole batch: {error!r}")
         places = [] if whole is None or not losses else [index for index, leaf in enumerate(whole[0])
                                                            if _one_value(leaf)]
-        found = torch.tensor([float(whole is not None and (bool(places) or not losses))], device=_device_of(module))
+        found = torch.tensor([float(whole is not None and (bool(places) or not losses))], device=device_of(module))
         dist.all_reduce(found, op=dist.ReduceOp.MIN)
         if found.item() == 0:  # (no loss in evaluation, or outputs that could not be computed, on some rank)
             if rows is not None and rows < self.world_size:  # (the same on every rank: its whole batch)
@@ -229,7 +229,7 @@ class AtTheModel:
             # (A model that draws at random in evaluation too, a VAE's noise: its rows' draws are each process's own, as
             # dropout's are; whether it also computes across its rows cannot be told. A loss is compared as it is.)
             agreed = not losses and self._draws_at_random(module, args, given, whole[0])
-        decided = torch.tensor([float(agreed), float(rows_apart)], device=_device_of(module))
+        decided = torch.tensor([float(agreed), float(rows_apart)], device=device_of(module))
         dist.all_reduce(decided, op=dist.ReduceOp.MIN)
         if decided[0].item() == 1:
             if losses:
@@ -272,9 +272,9 @@ class AtTheModel:
         free = [part for part in module.modules() if isinstance(part, nn.modules.batchnorm._BatchNorm)
                 and part.running_mean is None]
         batch = (self.batch.weight, self.batch.whole, self.batch.gathered, self.batch.own_batches)
-        devices = [torch.cuda.current_device()] if _device_of(module).type == "cuda" else []
+        devices = [torch.cuda.current_device()] if device_of(module).type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad(), _fixed_statistics(free, _device_of(module)):
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), _fixed_statistics(free, device_of(module)):
                 if reseeded:
                     seed = torch.randint(2**62, ()).item() + 1  # (not the state going on: a draw from it, moved on)
                     torch.default_generator.manual_seed(seed)
@@ -347,7 +347,7 @@ class AtTheModel:
         rows = rows_of((*args, *kwargs.values()))
         cut = torch.tensor([float(rows is not None and self._gatherable(module, output, rows)
                                   and module not in self.writes_buffers and module not in self.couples_rows)],
-                           device=_device_of(module))
+                           device=device_of(module))
         dist.all_reduce(cut, op=dist.ReduceOp.MIN)
         self.cut_whole[module] = bool(cut.item()) and (both_ways is None or self.checked(module) or both_ways())
         if not self.cut_whole[module]:
@@ -389,7 +389,7 @@ class AtTheModel:
         the model undecided), and its call made again, whole, decides (``learn``)."""
         decided = torch.tensor([float(batch_shaped(output, rows) and module not in self.writes_buffers
                                       and module not in self.couples_rows),
-                                float(returns_a_loss(output) and self.checks())], device=_device_of(module))
+                                float(returns_a_loss(output) and self.checks())], device=device_of(module))
         dist.all_reduce(decided, op=dist.ReduceOp.MIN)  # (a loss on every rank: a share of one row shows none apart)
         kept = self._kept.pop(module)
         self.cut_whole[module] = bool(decided[0].item()) and (self.checked(module) or both_ways())
@@ -507,7 +507,7 @@ def _precision(tensor: torch.Tensor) -> float:
     return eps ** 0.5
 
 
-def _device_of(module: nn.Module) -> torch.device:
+def device_of(module: nn.Module) -> torch.device:
     tensor = next(module.parameters(), None)
     return torch.device("cpu") if tensor is None else tensor.device
 

@@ -38,7 +38,7 @@ from ddpkit.core.logs import logger
 from ddpkit.data.split_batches import share_sizes
 from ddpkit.strategies.in_place import Replica
 from ddpkit.unchanged.adoption import Adoption, class_name, is_trainable
-from ddpkit.unchanged.at_the_model import NOT_FOLLOWED, AtTheModel, call_keywords, is_a_loss, returns_a_loss
+from ddpkit.unchanged.at_the_model import NOT_FOLLOWED, AtTheModel, call_keywords, device_of, is_a_loss, returns_a_loss
 from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.branches import ReadsItsData
 from ddpkit.unchanged.divided import KEYWORDS_SEEN, Call, Evaluations, rows_of
@@ -235,7 +235,12 @@ class Models:
     def _left_behind(self, module: nn.Module, call: Call) -> None:
         """What a model's first training call left that a call cut at the model would leave a share's: buffers that
         it wrote, tensors that it kept on itself. Such a model is computed whole from then on."""
-        if call.buffers is not None and any(not torch.equal(buffer, value) for buffer, value in call.buffers):
+        wrote = call.buffers is not None and any(not torch.equal(buffer, value) for buffer, value in call.buffers)
+        if call.tried and self.world_size > 1:  # (whether any rank's share wrote: every rank then computes it again)
+            anywhere = torch.tensor([float(wrote)], device=device_of(module))
+            dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+            wrote = bool(anywhere.item())
+        if wrote and not (call.tried and self._writes_alike(module, call)):
             self.at_the_model.writes_buffers_in_training(module)
         elif call.versions is not None and any(parameter._version != version for parameter, version in call.versions):
             self.at_the_model.writes_buffers_in_training(
@@ -249,6 +254,40 @@ class Models:
                                                    "which would be a share's")
             if call.tried:  # (made again whole, ``cut_as_tried``: what it appended to its lists, taken back)
                 put_back(call.attributes)
+
+    def _writes_alike(self, module: nn.Module, call: Call) -> bool:
+        """Whether the buffers that a model's first training call wrote, tried on this rank's share of a loader's
+        whole batch (``call.buffers``: as they were before it), come out the same from its call on the whole batch:
+        what spectral norm's power iteration or a step counter writes depends on the model's weights alone, what a
+        running mean of its inputs writes on its rows. Computed again whole from the buffers as they were, in
+        training, gradients off, from the same random state, the batch whole (BatchNorm by its own rows), its calls
+        inside left alone (``depth``); then every buffer put back as the share's call left it; one all-reduce. Where
+        they agree on every rank, the model's calls are cut as any other's, its buffers written alike on every
+        process. Not for a sharded model (its call's collectives are FSDP's)."""
+        same = False
+        if module not in self.adoption.sharded:
+            left = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]  # (BatchNorm's too)
+            batch = (self.batch.weight, self.batch.whole, self.batch.gathered, self.batch.own_batches)
+            devices = [torch.cuda.current_device()] if device_of(module).type == "cuda" else []
+            self.depth += 1
+            try:
+                with torch.random.fork_rng(devices=devices), torch.no_grad():
+                    for buffer, value in call.buffers:
+                        buffer.data.copy_(value)
+                    self.batch.set_whole()
+                    module(*call.whole_args, **call.keywords)
+                    written = {id(buffer): value for buffer, value in left}  # (by the share's call)
+                    same = all(torch.equal(buffer, written[id(buffer)]) for buffer, _ in call.buffers)
+            except Exception as error:  # noqa: BLE001 - the model's own, in a call the script did not make
+                logger.debug(f"--unchanged: {class_name(module)} on the whole batch, for its buffers: {error!r}")
+            finally:
+                self.depth -= 1
+                for buffer, value in left:
+                    buffer.data.copy_(value)
+                self.batch.weight, self.batch.whole, self.batch.gathered, self.batch.own_batches = batch
+        agreed = torch.tensor([float(same)], device=device_of(module))
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        return agreed.item() == 1
 
     def _held_share(self, module: nn.Module, args: tuple) -> bool:
         """A model trained on a split loader's shares, now on a batch that no pass handed out and that differs
