@@ -109,7 +109,7 @@ class _OverRanks(torch.autograd.Function):
         # pages the kernel maps in one by one (eight times the time here), and each part's sum in float64 keeps the
         # digits that one float32 sum over the whole batch loses. On a GPU, one sum.
         squares = torch.zeros(channels, dtype=torch.float64, device=x.device)
-        rows_at_once = len(x) if x.device.type != "cpu" else SQUARED_AT_ONCE // max(x[0].numel(), 1)
+        rows_at_once = len(x) if x.device.type != "cpu" else SQUARED_AT_ONCE // max(x.numel() // max(len(x), 1), 1)
         for part in centred.split(max(rows_at_once, 1)):
             squares += (part * part).sum(dims).to(torch.float64)
         local_mean64 = local_mean.to(torch.float64)
