@@ -314,6 +314,8 @@ def test_batchnorm_over_all_ranks_is_pytorchs_where_the_mean_dwarfs_the_spread(g
 
     assert apart(rows.grad, theirs.grad) < 1e-5 and apart(synced.running_var, plain.running_var) < 1e-6
     assert apart(synced.weight.grad, plain.weight.grad) < 1e-4 and apart(synced.running_mean, plain.running_mean) < 1e-6
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):  # (no rows: torch's own error)
+        synced_batch_norm(nn.BatchNorm2d(8), torch.empty(0, 8, 9, 9))
     layer = nn.BatchNorm2d(3).double()
     small = torch.randn(4, 3, 5, 5, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x, weight, bias: synced_batch_norm(layer, x), (small, layer.weight,
