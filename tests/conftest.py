@@ -180,10 +180,10 @@ def _remove_run_tmpdir() -> None:
 
 def pytest_unconfigure(config):
     """The controller of an xdist run, after its workers have ended: the files they shared go, and the warm rank
-    server it started for them."""
+    server it started for them (its log kept in the run's folder where the run failed)."""
     run = getattr(config.option, "testrunuid", None)
     if run and not hasattr(config, "workerinput"):
-        warm_ranks.stop()
+        warm_ranks.stop(keep_log_in=os.environ.get(RUN_TMPDIR) if _run_failed else None)
         files = _run_files(run)
         for path in files.parent.glob(f"{files.name}*"):
             path.unlink(missing_ok=True)

@@ -200,13 +200,20 @@ def lasting(value: str | None = None) -> list[int]:
     return found
 
 
-def stop() -> None:
+def stop(keep_log_in: str | None = None) -> None:
     """End the server where this process started it (and any rank it still runs: it kills them as it ends), and
-    remove its folder; a server of another's is left to it."""
+    remove its folder; a server of another's is left to it. ``keep_log_in``: a folder that its log is copied into
+    first (a run that failed keeps it), with how the server ended where it ended before it was asked to."""
     global _server, _folder
     if _server is None:
         _folder = None
         return
+    if keep_log_in is not None and (_folder / "server.log").exists():
+        kept = Path(keep_log_in) / "warm-ranks-server.log"
+        shutil.copyfile(_folder / "server.log", kept)
+        if _server.poll() is not None:
+            with kept.open("a") as log:
+                log.write(f"\n(the server had ended before the run's end, with status {_server.returncode})\n")
     if _server.poll() is None:
         _server.terminate()
         try:
