@@ -327,7 +327,10 @@ def serve(path: str, folder: str) -> None:
             elif what[0] == "request":
                 connection = key.fileobj
                 selector.unregister(connection)
-                message, fds, _, _ = socket.recv_fds(connection, MESSAGE_MAX, FDS_MAX)
+                try:
+                    message, fds, _, _ = socket.recv_fds(connection, MESSAGE_MAX, FDS_MAX)
+                except OSError:  # (its connection reset: a client killed as it asked)
+                    message, fds = b"", []
                 request = json.loads(message) if message else {}
                 if not message or len(fds) != len(request.get("fds", ())):  # a client gone before it asked
                     for fd in fds:
@@ -350,11 +353,19 @@ def serve(path: str, folder: str) -> None:
                     Path(folder, f"{pid}.lasting").write_text(request["env"][LASTING_VARIABLE])
                 if OWNER_VARIABLE in request["env"]:
                     Path(folder, f"{pid}.owner").write_text(request["env"][OWNER_VARIABLE])
-                connection.send(json.dumps({"pid": pid}).encode())
+                try:
+                    connection.send(json.dumps({"pid": pid}).encode())
+                except OSError:  # the client gone since it asked (killed with its launcher): so goes its rank, which
+                    connection.close()  # is then reaped as any other (unguarded, the error ended the server)
+                    connection = None
+                    for kill in (os.killpg, os.kill):  # (its group, or itself before it made one)
+                        with contextlib.suppress(ProcessLookupError):
+                            kill(pid, signal.SIGKILL)
                 pidfd = os.pidfd_open(pid)
                 ranks[pidfd] = (pid, connection, client)
                 selector.register(pidfd, selectors.EVENT_READ, ("ended", pidfd))
-                selector.register(connection, selectors.EVENT_READ, ("client", pidfd))
+                if connection is not None:
+                    selector.register(connection, selectors.EVENT_READ, ("client", pidfd))
             elif what[0] == "client":  # the client sends nothing more: readable means it is gone
                 pid, connection, client = ranks[what[1]]
                 selector.unregister(connection)
