@@ -367,6 +367,8 @@ def serve(path: str, folder: str) -> None:
                 if connection is not None:
                     selector.register(connection, selectors.EVENT_READ, ("client", pidfd))
             elif what[0] == "client":  # the client sends nothing more: readable means it is gone
+                if ranks.get(what[1], (None, None))[1] is not key.fileobj:
+                    continue  # (its rank ended in this same select, before: reaped, its connection closed already)
                 pid, connection, client = ranks[what[1]]
                 selector.unregister(connection)
                 connection.close()
