@@ -271,14 +271,12 @@ class AtTheModel:
         # as one that keeps them does: what its statistics do is not what this compares.
         free = [part for part in module.modules() if isinstance(part, nn.modules.batchnorm._BatchNorm)
                 and part.running_mean is None]
-        batch = (self.batch.weight, self.batch.whole, self.batch.gathered, self.batch.own_batches)
-        devices = [torch.cuda.current_device()] if device_of(module).type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad(), _fixed_statistics(free, device_of(module)):
+            with set_aside(module, self.batch), _fixed_statistics(free, device_of(module)):
                 if reseeded:
                     seed = torch.randint(2**62, ()).item() + 1  # (not the state going on: a draw from it, moved on)
                     torch.default_generator.manual_seed(seed)
-                    if devices:
+                    if device_of(module).type == "cuda":
                         torch.cuda.manual_seed(seed)  # (the current device's: the one the fork puts back)
                 module.train(False)
                 if share is None:
@@ -302,7 +300,6 @@ class AtTheModel:
                     # (Through ``.data``, whose version is its own: a buffer that the script's call, before these,
                     # saved for its backward, BatchNorm's running statistics among them, is saved as it was.)
                     buffer.data.copy_(value)
-            self.batch.weight, self.batch.whole, self.batch.gathered, self.batch.own_batches = batch
 
     def _at_places(self, output, at: list[int], summed: bool):
         """``whole_batch_losses`` at the places ``at``: one all-reduce of as many values on every rank. Where this
@@ -464,6 +461,19 @@ def _close(whole: torch.Tensor, part: torch.Tensor) -> bool:
     tolerance = torch.finfo(whole.dtype).eps ** 0.5 if whole.is_floating_point() else 0.0
     whole, part = whole.double().item(), part.double().item()
     return abs(whole - part) <= tolerance * max(abs(whole), abs(part), 1e-12)
+
+
+@contextlib.contextmanager
+def set_aside(module: nn.Module, batch: Batch):
+    """A call of ``module`` that the script did not make (``check_both_ways``' calls, ``Models._writes_alike``):
+    from a fork of the random state (the current GPU's too), gradients off, and the batch's state put back after."""
+    kept = (batch.weight, batch.whole, batch.gathered, batch.own_batches)
+    devices = [torch.cuda.current_device()] if device_of(module).type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            yield
+    finally:
+        batch.weight, batch.whole, batch.gathered, batch.own_batches = kept
 
 
 @contextlib.contextmanager

@@ -38,7 +38,8 @@ from ddpkit.core.logs import logger
 from ddpkit.data.split_batches import share_sizes
 from ddpkit.strategies.in_place import Replica
 from ddpkit.unchanged.adoption import Adoption, class_name, is_trainable
-from ddpkit.unchanged.at_the_model import NOT_FOLLOWED, AtTheModel, call_keywords, device_of, is_a_loss, returns_a_loss
+from ddpkit.unchanged.at_the_model import (NOT_FOLLOWED, AtTheModel, call_keywords, device_of, is_a_loss,
+                                            returns_a_loss, set_aside)
 from ddpkit.unchanged.batches import Batch
 from ddpkit.unchanged.branches import ReadsItsData
 from ddpkit.unchanged.divided import KEYWORDS_SEEN, Call, Evaluations, rows_of
@@ -267,11 +268,9 @@ class Models:
         same = False
         if module not in self.adoption.sharded:
             left = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]  # (BatchNorm's too)
-            batch = (self.batch.weight, self.batch.whole, self.batch.gathered, self.batch.own_batches)
-            devices = [torch.cuda.current_device()] if device_of(module).type == "cuda" else []
             self.depth += 1
             try:
-                with torch.random.fork_rng(devices=devices), torch.no_grad():
+                with set_aside(module, self.batch):
                     for buffer, value in call.buffers:
                         buffer.data.copy_(value)
                     self.batch.set_whole()
@@ -284,7 +283,6 @@ class Models:
                 self.depth -= 1
                 for buffer, value in left:
                     buffer.data.copy_(value)
-                self.batch.weight, self.batch.whole, self.batch.gathered, self.batch.own_batches = batch
         agreed = torch.tensor([float(same)], device=device_of(module))
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         return agreed.item() == 1
